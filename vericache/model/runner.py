@@ -116,7 +116,9 @@ class Runner:
 
     # ---- the forward ----------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        xf = x.float()  # as transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
@@ -132,13 +134,19 @@ class Runner:
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)  # rows: (g, l)
-        if L == 1:
-            out = F.scaled_dot_product_attention(qg, k_all, v_all, scale=self.scale)
-        else:
+        qg = qg * self.scale
+        if L > 1:
             n = past + L
             row_pos = torch.arange(L, device=q.device).repeat(g) + past  # [G L]
-            mask = torch.arange(n, device=q.device)[None, :] <= row_pos[:, None]  # [G L, n]
-            out = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=mask, scale=self.scale)
+            future = torch.arange(n, device=q.device)[None, :] > row_pos[:, None]  # [G L, n]
+        out = qg.new_empty(hkv, g * L, d)
+        # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
+        for h in range(hkv):
+            scores = torch.mm(qg[h], k_all[h].t())  # [G L, n]
+            if L > 1:
+                scores.masked_fill_(future, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_all.dtype)
+            torch.mm(probs, v_all[h], out=out[h])
         return out.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, hkv * g * d)
 
     @torch.inference_mode()
@@ -164,8 +172,8 @@ class Runner:
         for li, lyr in enumerate(self.layers):
             x = self._rms(h, lyr.ln_in)
             qkv = F.linear(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
-            q = self._rope(qkv[:, : hq * d].view(-1, hq, d), cos, sin)  # [T, Hq, D]
-            k = self._rope(qkv[:, hq * d: (hq + hkv) * d].view(-1, hkv, d), cos, sin)
+            qk = self._rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             outs = []
             start = 0
