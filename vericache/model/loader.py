@@ -136,8 +136,11 @@ class LoadedModel:
 def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """Load the model at `model` (path, or None for the default) into a Runner."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from vericache.model.runner import Runner
+
+    hf_logging.disable_progress_bar()
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda: torch sees no CUDA device here")

@@ -1,0 +1,5 @@
+import sys
+
+from vericache.cli import main
+
+sys.exit(main())

