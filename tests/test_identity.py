@@ -1,0 +1,105 @@
+"""The headline: VeriCache's greedy output is token-for-token full-KV greedy decoding."""
+
+import pytest
+import torch
+
+from vericache.engine.generation import GenParams
+from vericache.engine.local import generate
+
+N = 64
+SPECS = ["identity", "streamingllm", "snapkv", "kivi", "kivi:bits=4", "snapkv-kivi"]
+
+
+@pytest.fixture(scope="module")
+def reference(lm, prompts):
+    return {name: generate(lm, ids, GenParams(mode="full", max_tokens=N, ignore_eos=True))
+            for name, ids in prompts.items()}
+
+
+def test_prompts_are_real(prompts, reference):
+    assert len(prompts["long"]) >= 2000
+    for ref in reference.values():
+        assert len(ref.token_ids) == N
+
+
+def test_full_equals_transformers_generate(lm, prompts, reference):
+    from transformers import AutoModelForCausalLM
+
+    from vericache.model.loader import hf_folder_for, resolve_model_path
+
+    folder, _ = hf_folder_for(resolve_model_path(None))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    for name in ("code", "json"):
+        ids = prompts[name]
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(ids):].tolist() == reference[name].token_ids, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [4, 16])
+@pytest.mark.parametrize("spec", SPECS)
+def test_vericache_identical_to_full(lm, prompts, reference, spec, k):
+    for name, ids in prompts.items():
+        res = generate(lm, ids, GenParams(mode="vericache", compressor=spec, draft_len=k,
+                                          max_tokens=N, ignore_eos=True))
+        assert res.token_ids == reference[name].token_ids, (spec, k, name)
+        assert res.text == reference[name].text
+        u = res.usage
+        assert u["completion_tokens"] == N and u["rounds"] >= 1
+        assert 1 <= u["tokens_per_round"] <= k + 1
+        assert res.stats.verify_tokens <= res.stats.drafted + u["rounds"]
+
+
+def test_lossy_mode_runs_on_compressed_cache_only(lm, prompts, reference):
+    res = generate(lm, prompts["long"], GenParams(mode="lossy", compressor="streamingllm", ratio=8,
+                                                  max_tokens=N, ignore_eos=True))
+    assert len(res.token_ids) == N
+    assert res.stats.draft_kv_bytes < res.stats.full_kv_bytes / 3
+
+
+@pytest.mark.parametrize("mode", ["full", "vericache"])
+def test_eos_inside_the_draft_ends_like_full(lm, prompts, mode):
+    """A short answer ends with EOS; with the identity drafter the EOS is drafted and verified
+    inside a draft. Both end at the same token with finish_reason 'stop'."""
+    ids = prompts["json"]
+    ref = generate(lm, ids, GenParams(mode="full", max_tokens=200))
+    assert ref.finish_reason == "stop" and len(ref.token_ids) < 200
+    res = generate(lm, ids, GenParams(mode=mode, compressor="identity", draft_len=16, max_tokens=200))
+    assert res.token_ids == ref.token_ids and res.finish_reason == "stop"
+    assert lm.eos_token_ids[0] not in res.token_ids
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 17])
+def test_max_tokens_inside_the_draft(lm, prompts, max_tokens):
+    ids = prompts["code"]
+    ref = generate(lm, ids, GenParams(mode="full", max_tokens=max_tokens))
+    res = generate(lm, ids, GenParams(mode="vericache", compressor="identity", draft_len=16,
+                                      max_tokens=max_tokens))
+    assert res.token_ids == ref.token_ids and len(res.token_ids) == max_tokens
+    assert res.finish_reason == ref.finish_reason == "length"
+
+
+def test_stop_string_inside_the_draft(lm, prompts):
+    ids = prompts["code"]
+    ref = generate(lm, ids, GenParams(mode="full", max_tokens=64, stop=["return"]))
+    res = generate(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=16,
+                                      max_tokens=64, stop=["return"]))
+    assert ref.finish_reason == "stop" and "return" not in ref.text
+    assert (res.token_ids, res.text, res.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+
+
+def test_k_equals_one(lm, prompts, reference):
+    res = generate(lm, prompts["code"], GenParams(mode="vericache", compressor="streamingllm",
+                                                  draft_len=1, max_tokens=N, ignore_eos=True))
+    assert res.token_ids == reference["code"].token_ids
+    assert res.usage["tokens_per_round"] <= 2
+
+
+def test_sampling_is_seeded(lm, prompts):
+    p = dict(mode="vericache", compressor="snapkv", max_tokens=24, temperature=0.8, seed=7)
+    a = generate(lm, prompts["code"], GenParams(**p))
+    b = generate(lm, prompts["code"], GenParams(**p))
+    assert a.token_ids == b.token_ids
+    c = generate(lm, prompts["code"], GenParams(**{**p, "seed": 8}))
+    assert c.token_ids != a.token_ids
