@@ -1,0 +1,150 @@
+"""`vericache bench`: full, lossy and vericache over prompts × compressors × ratios × draft
+lengths, in one process; a table on the terminal, optionally --json and --plot.
+
+Exits 1 when any vericache output differs from full greedy on the same prompt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from vericache.bench import report
+from vericache.bench.grid import Grid, plan, run_grid, split_compressors, split_numbers
+from vericache.bench.prompts import builtin_prompts, file_prompts
+from vericache.cli.common import add_model_args
+from vericache.errors import InvalidArgument
+from vericache.model import load_model
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="measure full, lossy and vericache decoding over a grid",
+        description="Run full (reference), lossy (compressed KV only) and vericache (draft "
+                    "compressed, verify full) in one process over prompts × compressors × ratios "
+                    "× draft lengths. Reports tokens/s and its ratio to full, tokens per round "
+                    "(tau) beside a model-free n-gram drafter's, acceptance, KV bytes, the lossy "
+                    "output's first divergence, whether code/JSON answers parse, where the time "
+                    "goes, and checks every vericache output is identical to full greedy "
+                    "(exit 1 if not).")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompt-file", type=Path, action="append", default=[],
+                   help="prompt text file (repeatable); encoded raw unless --chat")
+    g.add_argument("--messages-file", type=Path, action="append", default=[],
+                   help="JSON list of {role, content} (repeatable); the chat template is applied")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each --prompt-file as a user message in the chat template")
+    g.add_argument("--builtin", type=int, default=None, metavar="N",
+                   help="built-in long code prompts, code and JSON answers alternating "
+                        "(default: 2, or 0 when prompt files are given)")
+    g.add_argument("--context-tokens", type=int, default=2048, metavar="T",
+                   help="about how long each built-in prompt is, in tokens (default: 2048)")
+    g = p.add_argument_group("grid")
+    g.add_argument("--compressors", default="snapkv,streamingllm,kivi",
+                   help="comma list of compressor specs, e.g. snapkv,kivi:bits=4 "
+                        "(default: snapkv,streamingllm,kivi)")
+    g.add_argument("--ratios", default="4,8",
+                   help="comma list of compression ratios, for compressors that take one "
+                        "(default: 4,8)")
+    g.add_argument("--draft-lens", default="8,32", help="comma list of largest draft lengths k "
+                                                        "(default: 8,32)")
+    g.add_argument("--fixed-draft-len", action="store_true", help="keep k fixed, no adaptation")
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens per cell (default: 128)")
+    g.add_argument("--chunk-size", type=int, default=256, help="tokens per KV chunk (default: 256)")
+    add_model_args(p)
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads for the run (default: torch's choice; on a shared "
+                        "machine 1 gives steadier timings)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", type=Path, metavar="FILE", help="write every cell and a summary as JSON")
+    g.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="plot tau and speed ratio against compression ratio (needs matplotlib)")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no tables; only the summary line")
+    p.set_defaults(run=run)
+
+
+def make_grid(args) -> Grid:
+    return Grid(compressors=split_compressors(args.compressors),
+                ratios=split_numbers(args.ratios, float, "--ratios"),
+                draft_lens=split_numbers(args.draft_lens, int, "--draft-lens"),
+                max_tokens=args.max_tokens, chunk_size=args.chunk_size,
+                adaptive=not args.fixed_draft_len)
+
+
+def load_prompts(args, tokenizer) -> list:
+    prompts = file_prompts(tokenizer, args.prompt_file, args.messages_file, args.chat)
+    n = args.builtin if args.builtin is not None else (0 if prompts else 2)
+    if n < 0:
+        raise InvalidArgument("--builtin must be >= 0", "builtin")
+    prompts += builtin_prompts(tokenizer, n, args.context_tokens) if n else []
+    if not prompts:
+        raise InvalidArgument("no prompts: give --prompt-file, --messages-file or --builtin N", "builtin")
+    return prompts
+
+
+def run_cells(lm, prompts, grid: Grid, quiet: bool) -> list[dict]:
+    """Run the grid under a tqdm progress bar on stderr (none with --quiet)."""
+    from tqdm import tqdm
+
+    from vericache.bench.grid import warm_up
+
+    bar = tqdm(total=len(plan(prompts, grid)), desc="bench", unit="cell", file=sys.stderr,
+               disable=quiet, dynamic_ncols=True)
+    cells = []
+    with bar:
+        bar.set_postfix_str("warm-up")
+        warm_up(lm, prompts[0], grid)
+        for cell in run_grid(lm, prompts, grid, on_cell=lambda c: bar.set_postfix_str(c.label)):
+            cells.append(cell)
+            bar.update(1)
+    return cells
+
+
+def run(args) -> int:
+    grid = make_grid(args)  # bad flags fail before the model loads
+    if args.plot is not None:
+        from vericache.bench.plot import check_available
+        check_available()
+    if args.threads is None:
+        return _run(args, grid)
+    if args.threads < 1:
+        raise InvalidArgument("--threads must be >= 1", "threads")
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, grid)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args, grid: Grid) -> int:
+    lm = load_model(args.model, args.dtype, args.device)
+    prompts = load_prompts(args, lm.tokenizer)
+    cells = run_cells(lm, prompts, grid, args.quiet)
+    settings = {"compressors": grid.compressors, "ratios": grid.ratios,
+                "draft_lens": grid.draft_lens, "max_tokens": grid.max_tokens,
+                "chunk_size": grid.chunk_size, "adaptive": grid.adaptive, "dtype": args.dtype,
+                "device": args.device, "temperature": 0.0}
+    doc = report.document(lm.name, prompts, cells, settings)
+    if args.json is not None:
+        report.write_json(args.json, doc)
+    if args.plot is not None:
+        from vericache.bench.plot import plot
+        plot(doc, args.plot)
+    s = doc["summary"]
+    if args.quiet:
+        print(f"{s['cells']} cells; vericache identical to full: "
+              f"{'yes' if s['all_vericache_identical'] else 'NO'}; mean tau "
+              f"{report.fmt(s['vericache_tau_mean'])} (n-gram {report.fmt(s['ngram_tau_mean'])})")
+    else:
+        print(f"model {lm.name} ({lm.model_id}); {len(prompts)} prompts: "
+              + ", ".join(f"{p.name} ({len(p.ids)} tokens)" for p in prompts))
+        print(report.render(doc))
+    if not s["all_vericache_identical"]:
+        print("vericache: error: vericache output differs from full greedy in: "
+              + ", ".join(s["not_identical"]), file=sys.stderr)
+        return 1
+    return 0
