@@ -1,0 +1,109 @@
+"""The kvstore servicer: translates KVStore RPCs (proto/vericache/v1/kvstore.proto) into
+`ChunkStore` calls and back. No logic beyond assembling and splitting 1 MiB pieces; errors
+are the core's typed errors, mapped to status codes by `services.common.ErrorInterceptor`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from services.common import build_server, serve_until_signal
+from vericache._proto import load
+from vericache.errors import InvalidArgument, NotFound, VeriCacheError
+from vericache.store import ChunkStore, open_store
+from vericache.store.link import PIECE_BYTES, pieces
+
+log = logging.getLogger(__name__)
+pb, pb_grpc = load("kvstore")
+
+_STAT_FIELDS = ("hits", "misses", "bytes_in", "bytes_out", "entries", "bytes_stored")
+_HEALTH_KEY = "vericache-health-probe"
+
+
+@dataclass
+class KVStoreConfig:
+    """How to run the service; `__main__` fills it from flags and environment."""
+
+    backend: str = "memory://"
+    host: str = "0.0.0.0"
+    port: int = 50051
+    workers: int = 16
+    grace_s: float = 5.0
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port {self.port} outside 0..65535", param="port")
+        if self.workers < 1:
+            raise InvalidArgument("workers must be at least 1", param="workers")
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: ChunkStore, backend: str):
+        self.store = store
+        self.backend = backend
+
+    def Put(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or not first.key:
+            raise InvalidArgument("the first piece of a Put must carry the key", param="key")
+        buf = bytearray()
+        for req in itertools.chain([first], request_iterator):
+            if len(req.data) > PIECE_BYTES:
+                raise InvalidArgument(f"piece of {len(req.data)} bytes exceeds {PIECE_BYTES}",
+                                      param="data")
+            buf += req.data
+        if len(buf) != first.total_bytes:
+            raise InvalidArgument(f"received {len(buf)} bytes, expected {first.total_bytes}",
+                                  param="total_bytes")
+        t0 = time.perf_counter()
+        self.store.put(first.key, buf)
+        return pb.PutResponse(bytes_stored=len(buf), backend_seconds=time.perf_counter() - t0)
+
+    def Get(self, request, context):
+        value = self.store.get(request.key)
+        if value is None:
+            raise NotFound(f"no value under key {request.key!r}")
+        for i, piece in enumerate(pieces(value, PIECE_BYTES)):
+            yield pb.GetResponse(total_bytes=len(value) if i == 0 else 0, data=bytes(piece))
+
+    def Contains(self, request, context):
+        return pb.ContainsResponse(present=self.store.contains_many(list(request.keys)))
+
+    def LongestPrefix(self, request, context):
+        return pb.LongestPrefixResponse(count=self.store.longest_prefix(list(request.keys)))
+
+    def Delete(self, request, context):
+        return pb.DeleteResponse(deleted=self.store.delete(request.key))
+
+    def Stats(self, request, context):
+        stats = self.store.stats()
+        extra = {k: float(v) for k, v in stats.items()
+                 if k not in _STAT_FIELDS and isinstance(v, (int, float))}
+        return pb.StatsResponse(**{k: int(stats.get(k, 0)) for k in _STAT_FIELDS}, extra=extra)
+
+    def Health(self, request, context):
+        try:
+            self.store.contains(_HEALTH_KEY)
+        except VeriCacheError as e:
+            return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING,
+                                     backend=self.backend, detail=str(e))
+        return pb.HealthResponse(status=pb.HealthResponse.STATUS_SERVING, backend=self.backend)
+
+
+def serve(config: KVStoreConfig) -> None:
+    """Open the backend, serve until SIGTERM, close the backend (also when startup fails)."""
+    store = open_store(config.backend)
+    try:
+        scheme = urlsplit(config.backend).scheme or config.backend
+        servicer = KVStoreServicer(store, scheme)
+        server, port = build_server(lambda s: pb_grpc.add_KVStoreServicer_to_server(servicer, s),
+                                    host=config.host, port=config.port, max_workers=config.workers)
+        log.info("kvstore serving on %s:%d, backend %s", config.host, port, scheme)
+        print(f"kvstore: serving on {config.host}:{port} backend={scheme}", flush=True)
+        serve_until_signal(server, grace_s=config.grace_s)
+    finally:
+        store.close()
