@@ -1,0 +1,124 @@
+"""Prometheus text exposition (format 0.0.4), written by hand.
+
+A `MetricsRegistry` holds collectors: functions called at scrape time that return metric
+families. The engine's collector (`engine_collector`) and the gateway's HTTP counter are
+registered by the app; later parts (the KV store's hits and bytes) register their own
+collector the same way, without touching this file's callers.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TAU_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class Family:
+    """One metric: name, type (counter, gauge, histogram), help, and its samples."""
+
+    name: str
+    kind: str
+    help: str
+    samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
+
+    def add(self, value: float, suffix: str = "", **labels: str) -> Family:
+        self.samples.append((self.name + suffix, labels, value))
+        return self
+
+
+def histogram(name: str, help: str, counts: dict[int | float, int],
+              buckets: Iterable[float]) -> Family:
+    """A histogram family from observed value -> count (cumulative buckets, +Inf, sum, count)."""
+    fam = Family(name, "histogram", help)
+    for le in buckets:
+        fam.add(sum(n for v, n in counts.items() if v <= le), "_bucket", le=_fmt(le))
+    fam.add(sum(counts.values()), "_bucket", le="+Inf")
+    fam.add(sum(v * n for v, n in counts.items()), "_sum")
+    return fam.add(sum(counts.values()), "_count")
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render(families: Iterable[Family]) -> str:
+    lines = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {fam.help}")
+        lines.append(f"# TYPE {fam.name} {fam.kind}")
+        for name, labels, value in fam.samples:
+            lab = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+            lines.append(f"{name}{{{lab}}} {_fmt(value)}" if lab else f"{name} {_fmt(value)}")
+    return "\n".join(lines) + "\n"
+
+
+Collector = Callable[[], Iterable[Family]]
+
+
+class MetricsRegistry:
+    def __init__(self):
+        self._collectors: list[Collector] = []
+
+    def register(self, collector: Collector) -> None:
+        self._collectors.append(collector)
+
+    def render(self) -> str:
+        return render(fam for c in self._collectors for fam in c())
+
+
+class HttpCounter:
+    """Responses the gateway sent, by route and status code (errors included)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def observe(self, route: str, status: int) -> None:
+        with self._lock:
+            self._counts[route, status] = self._counts.get((route, status), 0) + 1
+
+    def __call__(self) -> list[Family]:
+        fam = Family("vericache_http_responses_total", "counter",
+                     "HTTP responses sent by the gateway, by route and status code")
+        with self._lock:
+            for (route, status), n in sorted(self._counts.items()):
+                fam.add(n, route=route, code=str(status))
+        return [fam]
+
+
+def engine_collector(engine) -> Collector:
+    """Counters, the tokens-per-round histogram and gauges of an `Engine`."""
+    def collect() -> list[Family]:
+        m = engine.metrics()
+        c, tau = m.get("counters", {}), m.get("tau_hist", {})
+
+        def counter(name: str, key: str, help: str) -> Family:
+            return Family(name, "counter", help).add(c.get(key, 0))
+
+        return [
+            counter("vericache_requests_total", "requests", "requests accepted by the engine"),
+            counter("vericache_request_errors_total", "errors", "requests that ended in an error"),
+            counter("vericache_tokens_total", "tokens", "verified output tokens emitted"),
+            counter("vericache_rounds_total", "rounds", "draft/verify rounds of finished requests"),
+            histogram("vericache_tokens_per_round", "tokens emitted per round (tau)", tau,
+                      TAU_BUCKETS),
+            counter("vericache_draft_seconds_total", "draft_s", "time spent drafting"),
+            counter("vericache_verify_seconds_total", "verify_s", "time spent verifying"),
+            counter("vericache_prefill_seconds_total", "prefill_s", "time spent in prefill"),
+            Family("vericache_queue_depth", "gauge", "requests waiting to start")
+            .add(engine.queue_depth),
+            Family("vericache_active_requests", "gauge", "requests being decoded")
+            .add(engine.active),
+        ]
+    return collect

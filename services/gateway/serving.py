@@ -1,0 +1,249 @@
+"""Serving: an OpenAI request becomes prompt ids + GenParams, runs on the engine, and comes
+back as one response or an SSE stream. Core errors become HTTP errors here, in one place
+(`error_response`).
+
+Streams: `data: {json}\\n\\n` per chunk; a failure after the stream started becomes an error
+chunk; `data: [DONE]` always ends it. A client that goes away cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                       ChatCompletionChunk, ChatCompletionRequest,
+                                       ChatCompletionResponse, CompletionChoice,
+                                       CompletionRequest, CompletionResponse, Delta, ErrorInfo,
+                                       ModelCard, ModelList, UsageInfo)
+from vericache.cli.common import apply_chat, encode_text
+from vericache.engine.api import Engine
+from vericache.engine.generation import GenParams
+from vericache.errors import (ContextTooLong, InvalidArgument, NotFound, ResourceExhausted,
+                              Unavailable, VeriCacheError)
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this gateway does not serve."""
+
+
+class GenerationFailed(VeriCacheError):
+    """The engine ended a request with an error after it was accepted."""
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The HTTP answer (OpenAI error shape) for an exception; the one place errors are mapped."""
+    param, code, headers = getattr(exc, "param", None), None, {}
+    if isinstance(exc, ModelNotFound):
+        status, kind, param, code = 404, "invalid_request_error", "model", "model_not_found"
+    elif isinstance(exc, InvalidArgument):
+        status, kind = 400, "invalid_request_error"
+        code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
+    elif isinstance(exc, NotFound):
+        status, kind, code = 404, "invalid_request_error", "not_found"
+    elif isinstance(exc, ResourceExhausted):
+        status, kind, code = 429, "rate_limit_error", "rate_limit_exceeded"
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    elif isinstance(exc, Unavailable):
+        status, kind, code = 503, "server_error", "service_unavailable"
+    else:
+        if not isinstance(exc, VeriCacheError):
+            log.error("request failed unexpectedly", exc_info=exc)
+        status, kind = 500, "server_error"
+    return error_json(status, str(exc) or type(exc).__name__, kind, param, code, headers)
+
+
+def error_json(status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None,
+               headers: dict | None = None) -> JSONResponse:
+    body = {"error": ErrorInfo(message=message, type=kind, param=param, code=code).model_dump()}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServing:
+    """Chat and text completions over one engine, with the server's default GenParams."""
+
+    def __init__(self, engine: Engine, model_name: str | None = None,
+                 defaults: GenParams | None = None):
+        self.engine = engine
+        self.model_name = model_name or engine.model_name
+        self.defaults = defaults or GenParams()
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name)])
+
+    # ---- request -> (prompt ids, GenParams) ------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves "
+                                f"`{self.model_name}`")
+
+    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        return apply_chat(self.engine.tokenizer, messages)
+
+    def _completion_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise InvalidArgument("only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return encode_text(self.engine.tokenizer, prompt)
+        vocab = len(self.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidArgument(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def _params(self, req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
+                prompt_param: str) -> GenParams:
+        """Server defaults, overridden by the request's own fields and its `vericache` object."""
+        room = self.engine.max_context - n_prompt - 1
+        if n_prompt and room < 1:
+            raise ContextTooLong(f"the prompt ({n_prompt} tokens) does not fit the model's "
+                                 f"{self.engine.max_context}-token context", prompt_param)
+        limit, name = req.limit()
+        if limit is None:
+            limit = max(1, min(self.defaults.max_tokens, room))
+        elif limit < 1:
+            raise InvalidArgument(f"{name} must be >= 1 (got {limit})", name)
+        over = {"max_tokens": limit, "stop": req.stop_list()}
+        if req.temperature is not None:
+            over["temperature"] = req.temperature
+        if req.seed is not None:
+            over["seed"] = req.seed
+        if req.vericache is not None:
+            over.update(req.vericache.model_dump(exclude_none=True))
+        return dataclasses.replace(self.defaults, **over)
+
+    async def _submit(self, req, to_ids: Callable, prompt_param: str):
+        self._check_model(req.model)
+        ids = await run_in_threadpool(to_ids, req)
+        params = self._params(req, len(ids), prompt_param)
+        return await run_in_threadpool(self.engine.submit, ids, params)
+
+    # ---- running ---------------------------------------------------------------------
+    @staticmethod
+    async def _events(stream) -> AsyncIterator:
+        """The request's events; raises GenerationFailed on an error event; cancels the
+        request if the consumer stops early (client gone, server shutting down)."""
+        done = False
+        try:
+            async for ev in stream.astream():
+                if ev.error:
+                    done = True
+                    log.warning("%s failed: %s", stream.request_id, ev.error)
+                    raise GenerationFailed(f"generation failed: {ev.error}")
+                done = ev.finish_reason is not None
+                yield ev
+        finally:
+            if not done:
+                stream.cancel()
+
+    async def _collect(self, stream, request: Request) -> tuple[str, str, UsageInfo]:
+        """Run a request to its end (cancelling it if the client disconnects)."""
+        async def watch():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.5)
+            stream.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            text, finish, usage = [], None, None
+            async with contextlib.aclosing(self._events(stream)) as events:
+                async for ev in events:
+                    text.append(ev.text)
+                    finish, usage = ev.finish_reason, ev.usage
+            return "".join(text), finish, UsageInfo(**(usage or {}))
+        finally:
+            watcher.cancel()
+
+    async def _sse(self, stream, first: list[dict], chunk: Callable[[str, str | None], dict],
+                   usage_chunk: Callable[[UsageInfo], dict] | None) -> AsyncIterator[str]:
+        try:
+            for c in first:
+                yield sse(c)
+            async with contextlib.aclosing(self._events(stream)) as events:
+                async for ev in events:
+                    if ev.text:
+                        yield sse(chunk(ev.text, None))
+                    if ev.finish_reason:
+                        yield sse(chunk("", ev.finish_reason))
+                        if usage_chunk is not None:
+                            yield sse(usage_chunk(UsageInfo(**(ev.usage or {}))))
+        except Exception as e:  # noqa: BLE001 -- reported to the client as an error chunk
+            yield sse(json.loads(error_response(e).body))
+        yield sse("[DONE]")
+
+    @staticmethod
+    def _streaming(body: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- endpoints -------------------------------------------------------------------
+    def _head(self, prefix: str) -> dict:
+        """id, created and model: the same in every chunk of one response."""
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.model_name}
+
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        stream = await self._submit(req, self._chat_ids, "messages")
+        head = self._head("chatcmpl")
+        if not req.stream:
+            text, finish, usage = await self._collect(stream, request)
+            return ChatCompletionResponse(**head, usage=usage, choices=[
+                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)])
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(text: str, finish: str | None, delta: Delta | None = None) -> dict:
+            c = ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+                delta=delta or Delta(content=text if text or not finish else None),
+                finish_reason=finish)])
+            d = c.model_dump(exclude={"usage"})
+            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items()
+                                        if v is not None}
+            return {**d, **extra}
+
+        def usage_chunk(u: UsageInfo) -> dict:
+            return ChatCompletionChunk(**head, choices=[], usage=u).model_dump()
+
+        first = [chunk("", None, Delta(role="assistant", content=""))]
+        return self._streaming(self._sse(stream, first, chunk,
+                                         usage_chunk if req.include_usage else None))
+
+    async def completion(self, req: CompletionRequest, request: Request):
+        stream = await self._submit(req, self._completion_ids, "prompt")
+        head = self._head("cmpl")
+        if not req.stream:
+            text, finish, usage = await self._collect(stream, request)
+            return CompletionResponse(**head, usage=usage, choices=[
+                CompletionChoice(text=text, finish_reason=finish)])
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(text: str, finish: str | None) -> dict:
+            c = CompletionResponse(**head, choices=[CompletionChoice(text=text,
+                                                                     finish_reason=finish)])
+            return {**c.model_dump(exclude={"usage"}), **extra}
+
+        def usage_chunk(u: UsageInfo) -> dict:
+            return CompletionResponse(**head, choices=[], usage=u).model_dump()
+
+        return self._streaming(self._sse(stream, [], chunk,
+                                         usage_chunk if req.include_usage else None))

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible gateway end to end: `vericache serve` as a real OS process, the
+official `openai` client and raw HTTP against it, every greedy answer compared token for
+token with in-process full-KV decoding of the same prompt ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from service_process import REPO, ServiceProcess, free_port
+
+from services.gateway.serving import ModelNotFound, error_response
+from vericache.cli.common import apply_chat, encode_text
+from vericache.engine.generation import GenParams
+from vericache.engine.local import generate
+from vericache.errors import (ContextTooLong, InvalidArgument, ResourceExhausted, Unavailable,
+                              UnknownName)
+
+MODEL = "smollm2-135m-instruct"
+N = 32
+CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+# One torch thread in the server and for the references: on a small shared CPU, OpenMP
+# threads that wait on each other make decoding many times slower.
+THREADS = 1
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""
+
+
+@pytest.fixture(scope="session")
+def gateway() -> Iterator[ServiceProcess]:
+    """`vericache serve` on a free port, up once /health answers; SIGTERM at the end."""
+    port = free_port()
+    log_fd, log_name = tempfile.mkstemp(prefix="vericache-serve-", suffix=".log")
+    proc = subprocess.Popen([sys.executable, "-m", "vericache", "serve", "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=REPO, stdout=log_fd,
+                            stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
+    os.close(log_fd)
+    service = ServiceProcess(proc, port, Path(log_name))
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vericache serve exited with {proc.returncode}:\n{service.log()}")
+        try:
+            if httpx.get(f"http://{service.address}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            service.stop()
+            pytest.fail(f"vericache serve did not answer:\n{service.log()}")
+        time.sleep(0.3)
+    yield service
+    assert service.stop() == 0, service.log()
+    service.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def base(gateway) -> str:
+    return f"http://{gateway.address}"
+
+
+@pytest.fixture(scope="session")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def reference(lm, ids: list[int]):
+    """In-process full-KV greedy decoding: what every greedy answer must equal. One torch
+    thread, as in the server (see THREADS)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return generate(lm, ids, GenParams(mode="full", max_tokens=N))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def chat_ref(lm):
+    return reference(lm, apply_chat(lm.tokenizer, CHAT))
+
+
+@pytest.fixture(scope="session")
+def prompt_ref(lm):
+    return reference(lm, encode_text(lm.tokenizer, PROMPT))
+
+
+def extra(usage, name: str):
+    """A VeriCache usage field (the openai client keeps unknown fields as extras)."""
+    return (usage.model_extra or {})[name]
+
+
+def test_health_and_models(base, client):
+    h = httpx.get(f"{base}/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_equals_full_kv_reference(client, chat_ref):
+    ref = chat_ref
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    u = r.usage
+    assert u.prompt_tokens == ref.usage["prompt_tokens"]
+    assert u.completion_tokens == len(ref.token_ids)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert extra(u, "rounds") >= 1 and extra(u, "tokens_per_round") >= 1
+    assert 0 <= extra(u, "acceptance_rate") <= 1
+
+
+def test_chat_stream_with_usage_chunk(client, chat_ref):
+    ref = chat_ref
+    chunks = list(client.chat.completions.create(
+        messages=CHAT, model=MODEL, max_completion_tokens=N, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and
+            c.choices[0].finish_reason] == [ref.finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(ref.token_ids)
+    assert extra(last.usage, "rounds") >= 1 and extra(last.usage, "tokens_per_round") >= 1
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_text_and_token_ids(lm, client, prompt_ref):
+    ids, ref = encode_text(lm.tokenizer, PROMPT), prompt_ref
+    for prompt in (PROMPT, ids):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0)
+        assert r.object == "text_completion"
+        assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_completions_stream(client, prompt_ref):
+    ref = prompt_ref
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_four_concurrent_requests_each_equal_their_reference(lm, client):
+    questions = ["What is the capital of France?", "Name three primary colors.",
+                 "Write a haiku about the sea.", "Explain recursion in one sentence."]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    refs = [reference(lm, apply_chat(lm.tokenizer, m)) for m in chats]
+
+    def ask(messages):
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=N,
+                                              temperature=0).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, chats))
+    assert answers == [r.text for r in refs]
+
+
+@pytest.mark.parametrize("options", [
+    {"mode": "full"},
+    {"mode": "vericache", "compressor": "streamingllm", "ratio": 4, "draft_len": 4},
+])
+def test_vericache_field_is_honoured(client, chat_ref, options):
+    ref = chat_ref
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, temperature=0,
+                                       extra_body={"vericache": options})
+    assert r.choices[0].message.content == ref.text
+    u = r.usage
+    if options["mode"] == "full":
+        # one token per forward step: the prefill gives the first, each round one more
+        # (the round that meets EOS counts too, though EOS is not output)
+        assert extra(u, "tokens_per_round") == 1.0 and extra(u, "acceptance_rate") == 0
+        assert extra(u, "rounds") == u.completion_tokens - (ref.finish_reason == "length")
+    else:
+        assert 1 <= extra(u, "tokens_per_round") <= options["draft_len"] + 1
+        assert extra(u, "rounds") < u.completion_tokens
+
+
+def test_metrics_exposition(base, client):
+    text = httpx.get(f"{base}/metrics").text
+    for name in ("vericache_requests_total", "vericache_tokens_total", "vericache_rounds_total",
+                 "vericache_tokens_per_round_bucket", "vericache_tokens_per_round_count",
+                 "vericache_draft_seconds_total", "vericache_verify_seconds_total",
+                 "vericache_prefill_seconds_total", "vericache_queue_depth",
+                 "vericache_active_requests", "vericache_http_responses_total"):
+        assert f"\n{name}" in text, name
+    assert "# TYPE vericache_tokens_per_round histogram" in text
+
+
+def chat_body(**kw) -> dict:
+    return {"model": MODEL, "messages": CHAT, "max_tokens": 4, **kw}
+
+
+BAD = [  # name, path, body (bytes are sent as they are), status, param, code
+    ("malformed_json", "/v1/chat/completions", b'{"messages": [', 400, None, "invalid_json"),
+    ("missing_messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
+    ("negative_max_tokens", "/v1/chat/completions", chat_body(max_tokens=-1), 400, "max_tokens",
+     None),
+    ("unknown_compressor", "/v1/chat/completions",
+     chat_body(vericache={"compressor": "no-such"}), 400, "compressor", None),
+    ("unknown_mode", "/v1/chat/completions", chat_body(vericache={"mode": "x"}), 400, "mode",
+     None),
+    ("top_p", "/v1/chat/completions", chat_body(top_p=0.9), 400, "top_p", None),
+    ("n", "/v1/chat/completions", chat_body(n=2), 400, "n", None),
+    ("prompt_past_context", "/v1/chat/completions",
+     chat_body(messages=[{"role": "user", "content": "hello " * 9000}]), 400, "messages",
+     "context_length_exceeded"),
+    ("max_tokens_past_context", "/v1/completions",
+     {"prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens", "context_length_exceeded"),
+    ("bad_token_id", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt", None),
+    ("unknown_model", "/v1/chat/completions", chat_body(model="gpt-4"), 404, "model",
+     "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(base, name, path, body, status, param, code):
+    if isinstance(body, bytes):
+        r = httpx.post(base + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(base + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["param"], err["code"]) == (param, code)
+
+
+ERRORS = [  # core error -> status, type, param, code, Retry-After
+    (InvalidArgument("bad", "max_tokens"), 400, "invalid_request_error", "max_tokens", None, None),
+    (UnknownName("no such compressor", "compressor"), 400, "invalid_request_error",
+     "compressor", None, None),
+    (ContextTooLong("too long", "prompt"), 400, "invalid_request_error", "prompt",
+     "context_length_exceeded", None),
+    (ModelNotFound("no model"), 404, "invalid_request_error", "model", "model_not_found", None),
+    (ResourceExhausted("queue full"), 429, "rate_limit_error", None, "rate_limit_exceeded", "1"),
+    (Unavailable("store down"), 503, "server_error", None, "service_unavailable", None),
+    (RuntimeError("bug"), 500, "server_error", None, None, None),
+]
+
+
+@pytest.mark.parametrize("exc,status,kind,param,code,retry", ERRORS,
+                         ids=[type(e[0]).__name__ for e in ERRORS])
+def test_core_errors_map_once_to_http(exc, status, kind, param, code, retry):
+    r = error_response(exc)
+    body = json.loads(r.body)["error"]
+    assert r.status_code == status and r.headers.get("retry-after") == retry
+    assert body == {"message": str(exc), "type": kind, "param": param, "code": code}
+
+
+def test_client_disconnect_cancels_the_request(base):
+    body = {"prompt": PROMPT, "max_tokens": 1000, "stream": True, "vericache": {"mode": "full"}}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{base}/health").json()["active"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(f"{base}/health").json()["active"] == 0
+
+
+def test_server_still_answers_after_errors(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+    assert r.choices[0].message.content and r.usage.completion_tokens == 4

@@ -1,0 +1,70 @@
+"""`vericache serve`: the embedded gateway, an OpenAI-compatible HTTP server over a
+`BatchEngine` in this process (no drafter, verifier or store services needed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vericache.cli.common import add_gen_args, add_model_args, env, gen_params
+from vericache.compress import make_compressor
+from vericache.engine.generation import GenParams
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the HTTP server and the embedded engine (each with its $VERICACHE_* default)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=env("GATEWAY_HOST", "127.0.0.1"),
+                   help="address to bind; 0.0.0.0 for every interface "
+                        "(default: 127.0.0.1; $VERICACHE_GATEWAY_HOST)")
+    g.add_argument("--port", type=int, default=int(env("GATEWAY_PORT", 8000)),
+                   help="port to listen on (default: 8000; $VERICACHE_GATEWAY_PORT)")
+    g.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME", None),
+                   help="the model name clients send and /v1/models lists "
+                        "(default: the model's own name; $VERICACHE_SERVED_MODEL_NAME)")
+    g.add_argument("--max-batch", type=int, default=int(env("MAX_BATCH", 16)),
+                   help="requests decoded together at most (default: 16; $VERICACHE_MAX_BATCH)")
+    g.add_argument("--max-waiting", type=int, default=int(env("MAX_WAITING", 64)),
+                   help="requests queued before new ones get 429 "
+                        "(default: 64; $VERICACHE_MAX_WAITING)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server (embedded engine)",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                    "/metrics over an engine in this process. The decoding flags set the "
+                    "server's defaults; a request overrides them with its own fields and its "
+                    "`vericache` object {mode, compressor, ratio, draft_len}.")
+    add_server_args(p)
+    add_model_args(p)
+    add_gen_args(p)
+    p.set_defaults(run=run)
+
+
+def default_params(args) -> GenParams:
+    """The server's default GenParams; bad flags fail here, before the model loads."""
+    params = gen_params(args)
+    if params.mode != "full":
+        make_compressor(params.compressor, params.ratio)
+    return params
+
+
+def embedded_engine(args):
+    """Load the model and start a BatchEngine over it."""
+    from vericache.engine.batch import BatchEngine
+    from vericache.model import load_model
+
+    print(f"loading model {args.model or 'smollm2-135m-instruct (default)'} ...",
+          file=sys.stderr, flush=True)
+    lm = load_model(args.model, args.dtype, args.device)
+    return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting)
+
+
+def run(args) -> int:
+    from services.gateway import serve
+
+    defaults = default_params(args)
+    engine = embedded_engine(args)
+    serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level)
+    return 0
