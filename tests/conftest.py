@@ -3,11 +3,16 @@ helpers that start a service as a real OS process and wait until it answers."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from service_process import ServiceProcess, start_service
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 
 @pytest.fixture(scope="session")
@@ -18,20 +23,31 @@ def lm():
     return load_model(None, dtype="float32", device="cpu")
 
 
+def chat_ids(lm, text: str) -> list[int]:
+    from vericache.cli.common import apply_chat
+
+    return apply_chat(lm.tokenizer, [{"role": "user", "content": text}])
+
+
+def long_code_prompt(lm, tokens: int = 2100) -> list[int]:
+    """A code-continuation chat prompt of about `tokens` tokens, from the standard library."""
+    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    src = "".join((lib / name).read_text() for name in
+                  ("json/decoder.py", "json/encoder.py", "json/scanner.py", "argparse.py"))
+    ids = lm.tokenizer(src)["input_ids"][:tokens]
+    code = lm.tokenizer.decode(ids)
+    return chat_ids(lm, "Here is a Python module:\n```python\n" + code +
+                    "\n```\nWrite a short function that uses it to pretty-print a dict.")
+
+
 @pytest.fixture(scope="session")
 def prompts(lm) -> dict[str, list[int]]:
-    """Real chat prompts as token ids: a short code request, a short JSON request, and a long
-    (>= 2000 tokens) code context from the built-in benchmark prompts."""
-    from vericache.bench.prompts import builtin_prompts
-    from vericache.cli.common import BUILTIN_PROMPT, apply_chat
-
-    tok = lm.tokenizer
-    json_task = ("List three prime numbers and three even numbers as a JSON object of the form "
-                 "{\"primes\": [...], \"evens\": [...]}. Answer with the JSON object only.")
+    """Three real prompts: a short coding request, a JSON request, a >2k-token code context."""
     return {
-        "code": apply_chat(tok, [{"role": "user", "content": BUILTIN_PROMPT}]),
-        "json": apply_chat(tok, [{"role": "user", "content": json_task}]),
-        "long": builtin_prompts(tok, 1, 2300)[0].ids,
+        "code": chat_ids(lm, "Write a Python function that checks whether a string is a palindrome."),
+        "json": chat_ids(lm, "Return a JSON object with the fields name, age and city for a "
+                             "fictional person. Only output the JSON."),
+        "long": long_code_prompt(lm),
     }
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import chat_ids
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
 
@@ -62,7 +63,7 @@ def test_lossy_mode_runs_on_compressed_cache_only(lm, prompts, reference):
 def test_eos_inside_the_draft_ends_like_full(lm, prompts, mode):
     """A short answer ends with EOS; with the identity drafter the EOS is drafted and verified
     inside a draft. Both end at the same token with finish_reason 'stop'."""
-    ids = prompts["json"]
+    ids = chat_ids(lm, "Say hello.")
     ref = generate(lm, ids, GenParams(mode="full", max_tokens=200))
     assert ref.finish_reason == "stop" and len(ref.token_ids) < 200
     res = generate(lm, ids, GenParams(mode=mode, compressor="identity", draft_len=16, max_tokens=200))

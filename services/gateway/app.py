@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -60,23 +59,15 @@ class _CountResponses:
 
 
 def create_app(engine: Engine, served_model_name: str | None = None,
-               defaults: GenParams | None = None, threads: int = 128) -> FastAPI:
-    """The gateway over `engine`. `threads` sizes the pool that waits on engine events (one
-    thread per request in flight); the engine itself is closed by whoever created it."""
+               defaults: GenParams | None = None) -> FastAPI:
+    """The gateway over `engine`; the engine itself is closed by whoever created it."""
     serving = OpenAIServing(engine, served_model_name, defaults)
     registry = MetricsRegistry()
     registry.register(engine_collector(engine))
     http_counter = HttpCounter()
     registry.register(http_counter)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gateway-events")
-        asyncio.get_running_loop().set_default_executor(pool)
-        yield
-        pool.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="VeriCache", lifespan=lifespan,
+    app = FastAPI(title="VeriCache",
                   description="OpenAI-compatible API over lossless compressed-KV speculative "
                               "decoding")
     app.state.serving, app.state.metrics = serving, registry

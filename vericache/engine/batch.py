@@ -1,10 +1,12 @@
-"""The embedded engine: many requests on one local runner, batched per forward pass.
+"""The engine: many requests, batched per forward pass, over drafter/verifier backends.
 
 A background thread runs rounds over every active request: admitted requests are prefilled
 between rounds; then all drafts of the round step together (one pass per draft step over
 every request still drafting), then one verify pass for all of them. Requests join and leave
-between rounds (continuous batching). Callers submit from any thread and read events from a
-thread-safe queue, or asynchronously with `astream`.
+between rounds (continuous batching). The backends are in-process (`LocalBackends`, the
+embedded mode) or gRPC clients of the drafter and verifier services: the same code path.
+Callers submit from any thread and read events from a thread-safe queue, or asynchronously
+with `astream`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from vericache.engine.api import Engine
 from vericache.engine.generation import Generation, GenParams
 from vericache.engine.local import GenEvent
+from vericache.engine.rounds import LocalBackends, run_round, start
 from vericache.errors import ResourceExhausted, VeriCacheError
 from vericache.model.loader import LoadedModel
 
@@ -33,34 +36,56 @@ class EngineEvent(GenEvent):
 
 
 class RequestStream:
-    """Events of one request, in order. The last has finish_reason or error set."""
+    """Events of one request, in order; the last has finish_reason or error set. Read them
+    with plain iteration (any thread) or `astream()` (an asyncio loop; no thread per request)."""
 
     def __init__(self, gen: Generation, request_id: str):
         self.gen, self.request_id = gen, request_id
-        self.events: queue.Queue[EngineEvent] = queue.Queue()
         self.cancelled = False
+        self._cond = threading.Condition()
+        self._events: list[EngineEvent] = []
+        self._aqueue: asyncio.Queue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
 
+    def put(self, ev: EngineEvent) -> None:
+        with self._cond:
+            if self._aqueue is not None:
+                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, ev)
+            else:
+                self._events.append(ev)
+                self._cond.notify_all()
+
     def __iter__(self) -> Iterator[EngineEvent]:
+        i = 0
         while True:
-            ev = self.events.get()
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._events) > i)
+                ev = self._events[i]
+            i += 1
             yield ev
             if ev.finish_reason or ev.error:
                 return
 
     async def astream(self) -> AsyncIterator[EngineEvent]:
+        with self._cond:
+            self._loop = asyncio.get_running_loop()
+            self._aqueue = asyncio.Queue()
+            for ev in self._events:
+                self._aqueue.put_nowait(ev)
         while True:
-            ev = await asyncio.to_thread(self.events.get)
+            ev = await self._aqueue.get()
             yield ev
             if ev.finish_reason or ev.error:
                 return
 
 
 class BatchEngine(Engine):
-    def __init__(self, lm: LoadedModel, max_batch: int = 16, max_waiting: int = 64):
+    def __init__(self, lm: LoadedModel, max_batch: int = 16, max_waiting: int = 64, backends=None):
         self.lm = lm
+        self.backends = backends or LocalBackends(lm)
         self.model_name, self.tokenizer, self.max_context = lm.name, lm.tokenizer, lm.max_context
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self._waiting: queue.Queue[RequestStream] = queue.Queue()
@@ -69,8 +94,8 @@ class BatchEngine(Engine):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._ids = 0
-        self.counters = {"requests": 0, "finished": 0, "errors": 0, "tokens": 0, "rounds": 0,
-                         "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0}
+        self.counters = {"requests": 0, "finished": 0, "errors": 0, "cancelled": 0, "tokens": 0, "rounds": 0,
+                         "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "round_s": 0.0}
         self.tau_hist: dict[int, int] = {}
         self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
         self._thread.start()
@@ -78,12 +103,14 @@ class BatchEngine(Engine):
     # ---- API ---------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: GenParams) -> RequestStream:
         """Validate and queue a request (raises InvalidArgument / ContextTooLong / ResourceExhausted)."""
-        gen = Generation(self.lm, prompt_ids, params)
+        with self._lock:
+            self._ids += 1
+            rid = f"req-{self._ids}"
+        gen = Generation(self.lm, prompt_ids, params, request_id=rid)
         if self._waiting.qsize() >= self.max_waiting:
             raise ResourceExhausted(f"{self.max_waiting} requests are already waiting")
         with self._lock:
-            self._ids += 1
-            rs = RequestStream(gen, f"req-{self._ids}")
+            rs = RequestStream(gen, rid)
             self.counters["requests"] += 1
         self._waiting.put(rs)
         self._wake.set()
@@ -109,11 +136,14 @@ class BatchEngine(Engine):
     def _finish(self, rs: RequestStream, error: str | None = None) -> None:
         g = rs.gen
         usage = g.usage()
+        self.backends.release(g)
         if error:
-            self.counters["errors"] += 1
-            rs.events.put(EngineEvent([], "", None, usage, error))
+            self.counters["cancelled" if error == "cancelled" else "errors"] += 1
+            rs.put(EngineEvent([], "", None, usage, error))
         self.counters["finished"] += 1
         self.counters["rounds"] += g.stats.rounds
+        self.counters["draft_s"] += g.stats.draft_s
+        self.counters["verify_s"] += g.stats.verify_s
         for n in g.stats.round_emitted:
             self.tau_hist[n] = self.tau_hist.get(n, 0) + 1
 
@@ -121,7 +151,7 @@ class BatchEngine(Engine):
         g = rs.gen
         self.counters["tokens"] += len(toks)
         done = g.finished
-        rs.events.put(EngineEvent(toks, g.text.delta(done), g.stop.finish_reason,
+        rs.put(EngineEvent(toks, g.text.delta(done), g.stop.finish_reason,
                                   g.usage() if done else None))
 
     def _admit(self) -> None:
@@ -131,10 +161,11 @@ class BatchEngine(Engine):
             except queue.Empty:
                 return
             if rs.cancelled:
+                self._finish(rs, "cancelled")
                 continue
             try:
                 t = time.perf_counter()
-                toks = rs.gen.start()
+                toks = start(self.backends, rs.gen)
                 self.counters["prefill_s"] += time.perf_counter() - t
             except VeriCacheError as e:
                 self._finish(rs, str(e))
@@ -146,32 +177,12 @@ class BatchEngine(Engine):
                 self._active.append(rs)
 
     def _round(self) -> None:
-        runner = self.lm.runner
         batch = [rs for rs in self._active if not rs.cancelled]
-        for rs in batch:
-            rs.gen.begin_round()
         t0 = time.perf_counter()
-        out = {id(rs): [] for rs in batch}
-        drafting = [rs for rs in batch]
-        while drafting:
-            items = [(rs, rs.gen.next_draft_item()) for rs in drafting]
-            drafting = [rs for rs, it in items if it is not None]
-            if not drafting:
-                break
-            logits = runner.forward([it for _, it in items if it is not None])
-            for rs, lg in zip(drafting, logits):
-                out[id(rs)] += rs.gen.apply_draft(lg)
-        t1 = time.perf_counter()
-        verifying = [rs for rs in batch if rs.gen.params.mode != "lossy"]
-        if verifying:
-            logits = runner.forward([rs.gen.verify_item() for rs in verifying])
-            for rs, lg in zip(verifying, logits):
-                out[id(rs)] += rs.gen.apply_verify(lg)
-        t2 = time.perf_counter()
-        self.counters["draft_s"] += t1 - t0
-        self.counters["verify_s"] += t2 - t1
+        out = run_round(self.backends, [rs.gen for rs in batch]) if batch else {}
+        self.counters["round_s"] += time.perf_counter() - t0
         for rs in batch:
-            self._emit(rs, out[id(rs)])
+            self._emit(rs, out[rs.gen.rid])
         still = []
         for rs in self._active:
             if rs.gen.finished or rs.cancelled:

@@ -1,33 +1,25 @@
-"""One request's generation as a state machine, in three modes.
+"""One request's bookkeeping (no tensors): parameters, stop rules, draft length, stats.
 
+Modes:
 - full: plain full-KV decoding, one token per forward step (the reference).
 - lossy: decoding over the compressed cache only (the baseline that drifts).
 - vericache: rounds of draft (k steps over the compressed cache) and verify (one pass of
   k + 1 tokens over the full KV); see `vericache.spec.accept` for the words.
 
-The state machine hands out forward items and takes their logits back, so one driver can
-batch many requests' items into one pass (`next_draft_item`/`apply_draft`,
-`verify_item`/`apply_verify`). Every token it emits has been chosen from full-KV logits.
-
-Caches and pending tokens: the full cache holds every verified token but the last (x_0,
-pending); the drafter's cache holds the compressed prompt, the exact tail and the verified
-tokens it has fed, and its pending list holds the verified tokens it has not fed yet.
+The drafter and verifier sides (`vericache.engine.drafter`, `.verifier`) hold the caches;
+`vericache.engine.rounds` runs rounds over them, in-process or over gRPC, and feeds the
+outcome back here. Every token this object emits was chosen from full-KV logits (except in
+lossy mode, the baseline).
 """
 
 from __future__ import annotations
 
-import time
+import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from vericache.compress import make_compressor
-from vericache.engine.prefill import build_draft_cache, compress_prompt, prefill
 from vericache.engine.stop import IncrementalText, StopChecker
 from vericache.errors import ContextTooLong, InvalidArgument
-from vericache.model.loader import LoadedModel
-from vericache.model.runner import SeqBatchItem
-from vericache.spec.accept import greedy_accept, speculative_accept
 from vericache.spec.draftlen import DraftLength
 
 MODES = ("full", "lossy", "vericache")
@@ -86,32 +78,27 @@ class GenStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+_ids = itertools.count(1)
+
+
 class Generation:
-    def __init__(self, lm: LoadedModel, prompt_ids: list[int], params: GenParams):
+    def __init__(self, lm, prompt_ids: list[int], params: GenParams, request_id: str | None = None):
+        """`lm` needs .tokenizer, .eos_token_ids and .max_context (a LoadedModel does)."""
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty", "prompt")
         need = len(prompt_ids) + params.max_tokens + 1
         if need > lm.max_context:
             raise ContextTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the model's {lm.max_context}-token context", "max_tokens")
-        self.lm, self.runner, self.params = lm, lm.runner, params
+        self.rid = request_id or f"gen-{next(_ids)}"
+        self.params = params
         self.prompt = list(prompt_ids)
         self.compressor = None if params.mode == "full" else make_compressor(params.compressor, params.ratio)
         self.text = IncrementalText(lm.tokenizer, params.stop)
         self.stop = StopChecker(params.max_tokens, lm.eos_token_ids, self.text, params.ignore_eos)
         self.draftlen = DraftLength(params.draft_len, adaptive=params.adaptive)
-        self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
         self.stats = GenStats(prompt_tokens=len(prompt_ids))
-        self.full = None
-        self.draft = None
-        self.full_pending: list[int] = []
-        self.draft_pending: list[int] = []
-        self._drafts: list[int] = []
-        self._q: list[torch.Tensor] = []
-        self._k_round = 0
-        self._draft_len_before = 0
 
-    # ---- common --------------------------------------------------------------------
     @property
     def finished(self) -> bool:
         return self.stop.finish_reason is not None
@@ -120,12 +107,14 @@ class Generation:
     def output_ids(self) -> list[int]:
         return self.stop.tokens
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Greedy argmax, or a sample at the temperature (returns its distribution too)."""
-        if self.params.temperature == 0:
-            return int(torch.argmax(logits)), None
-        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.gen)), probs
+    @property
+    def seed(self) -> int:
+        return self.params.seed if self.params.seed is not None else 0
+
+    @property
+    def extra_capacity(self) -> int:
+        """Cache slots to reserve past the prompt."""
+        return self.params.max_tokens + self.params.draft_len + 2
 
     def _emit(self, tokens: list[int]) -> list[int]:
         """Hand verified tokens to the stop checker; returns those that are part of the output."""
@@ -139,115 +128,35 @@ class Generation:
                 out.append(t)
         return out
 
-    def start(self) -> list[int]:
-        """Prefill (and compress); emits the first token, chosen from the full-KV logits."""
-        p, room = self.params, self.params.max_tokens + self.params.draft_len + 2
-        t0 = time.perf_counter()
-        window = self.compressor.observation_window if self.compressor else 0
-        pre = prefill(self.runner, self.prompt, room, p.chunk_size, window)
-        t1 = time.perf_counter()
-        self.full = pre.cache
-        if self.compressor is not None:
-            chunks = compress_prompt(self.compressor, pre, len(self.prompt), p.chunk_size)
-            self.draft = build_draft_cache(self.compressor, chunks, self.full, len(self.prompt),
-                                           p.chunk_size, room)
-            self.stats.draft_kv_bytes = (sum(c.nbytes() for c in chunks)
-                                         + (len(self.prompt) - len(chunks) * p.chunk_size)
-                                         * self.runner.kv_bytes_per_token())
-            if p.mode == "lossy":
-                self.full = None  # the lossy baseline never touches the full KV again
-        self.stats.full_kv_bytes = len(self.prompt) * self.runner.kv_bytes_per_token()
-        self.stats.prefill_s, self.stats.compress_s = t1 - t0, time.perf_counter() - t1
-        first, _ = self._choose(pre.logits)
-        self.full_pending = [first]
-        self.draft_pending = [first]
-        return self._emit([first])
+    def on_first(self, token: int) -> list[int]:
+        """The first token, chosen from the prefill's full-KV logits."""
+        return self._emit([token])
 
-    # ---- drafting ------------------------------------------------------------------
-    def begin_round(self) -> None:
-        self._drafts, self._q = [], []
+    def k_for_round(self) -> int:
+        """Drafts to ask for this round (0 in full mode: a plain decode step)."""
         if self.params.mode == "full":
-            self._k_round = 0
-        elif self.params.mode == "lossy":
-            self._k_round = 1
-        else:
-            self._k_round = max(0, min(self.draftlen.k, self.stop.remaining - 1))
-        self._draft_len_before = self.draft.length if self.draft is not None else 0
-        self._pos_before = self._verified_len() - len(self.draft_pending)
+            return 0
+        if self.params.mode == "lossy":
+            return 1
+        return max(0, min(self.draftlen.k, self.stop.remaining - 1))
 
-    def next_draft_item(self) -> SeqBatchItem | None:
-        """The drafter's next step for this round, or None when the round's drafts are done."""
-        d = self._drafts
-        if len(d) >= self._k_round or (d and d[-1] in self.lm.eos_token_ids):
-            return None
-        base = self._verified_len()
-        if not d:
-            toks = self.draft_pending
-            pos0 = base - len(toks)
-        else:
-            toks = [d[-1]]
-            pos0 = base + len(d) - 1
-        return SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)), self.draft)
-
-    def apply_draft(self, logits: torch.Tensor) -> list[int]:
-        """Take the drafter's logits ([1, V]); returns tokens emitted (lossy mode only)."""
-        tok, q = self._choose(logits[-1])
-        self._drafts.append(tok)
-        self._q.append(q)
-        self.stats.draft_steps += 1
-        if self.params.mode != "lossy":
-            return []
-        self.draft_pending = [tok]
-        self.stats.rounds += 1
-        self.stats.round_emitted.append(1)
-        return self._emit([tok])
-
-    def _verified_len(self) -> int:
-        """Tokens of the sequence verified so far (prompt + output, pending included)."""
-        return len(self.prompt) + len(self.stop.tokens)
-
-    # ---- verification --------------------------------------------------------------
-    def verify_item(self) -> SeqBatchItem:
-        toks = self.full_pending + self._drafts
-        pos0 = self.full.length
-        return SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)), self.full,
-                            logits="all")
-
-    def apply_verify(self, logits: torch.Tensor) -> list[int]:
-        """Take the verifier's logits ([k + 1, V]): accept, roll back both caches, emit."""
-        drafts, k = self._drafts, len(self._drafts)
-        if self.params.temperature == 0:
-            a, bonus = greedy_accept(drafts, logits.argmax(dim=-1).tolist())
-        else:
-            p = torch.softmax(logits.float() / self.params.temperature, dim=-1)
-            q = torch.stack(self._q) if k else p[:0]
-            a, bonus = speculative_accept(drafts, q, p, self.gen)
-        self.full.crop(self.full.length - k + a)
-        if self.draft is not None:
-            if k:
-                keep = min(a, k - 1)
-                n = len(self.draft_pending) + keep
-                self.draft.crop(self._draft_len_before + n)
-                if self.params.refresh_draft:
-                    # the verify pass computed these tokens' exact KV: the drafter gets it
-                    d0, p0 = self._draft_len_before, self._pos_before
-                    self.draft.k[:, :, d0:d0 + n] = self.full.k[:, :, p0:p0 + n]
-                    self.draft.v[:, :, d0:d0 + n] = self.full.v[:, :, p0:p0 + n]
-                self.draft_pending = drafts[keep:a] + [bonus]
-            else:
-                self.draft_pending = self.draft_pending + [bonus]
-        self.full_pending = [bonus]
-        self.draftlen.update(k, a)
+    def on_round(self, drafted: list[int], accepted: int, bonus: int) -> list[int]:
+        """A verified round: drafts[:accepted] + [bonus] extend the output."""
         s = self.stats
         s.rounds += 1
-        s.drafted += k
-        s.accepted += a
-        s.verify_tokens += k + 1
-        emitted = self._emit(drafts[:a] + [bonus])
-        s.round_emitted.append(a + 1)
-        return emitted
+        s.drafted += len(drafted)
+        s.accepted += accepted
+        s.verify_tokens += len(drafted) + 1
+        s.round_emitted.append(accepted + 1)
+        self.draftlen.update(len(drafted), accepted)
+        return self._emit(list(drafted[:accepted]) + [bonus])
 
-    # ---- results -------------------------------------------------------------------
+    def on_lossy(self, token: int) -> list[int]:
+        """The lossy baseline's token, taken unverified."""
+        self.stats.rounds += 1
+        self.stats.round_emitted.append(1)
+        return self._emit([token])
+
     def usage(self) -> dict:
         s = self.stats
         return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(self.stop.tokens),

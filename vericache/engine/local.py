@@ -1,7 +1,7 @@
-"""The in-process driver: runs requests' state machines on the local runner.
+"""Run one request in this thread on the local runner (the CLI and tests use it).
 
-`stream()` runs one request and yields events as tokens are verified; `generate()` collects
-them. Batched drivers (several requests per pass) build on the same state machine.
+`stream()` yields events as tokens are verified; `generate()` collects them. The batched,
+threaded engine (`BatchEngine`) runs the same rounds for many requests.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from vericache.engine.generation import Generation, GenParams
+from vericache.engine.rounds import LocalBackends, run_round, start
 from vericache.model.loader import LoadedModel
 
 
@@ -35,37 +36,26 @@ class GenResult:
                 "usage": self.usage}
 
 
-def run_round(g: Generation) -> list[int]:
-    """One round of one request on the local runner; returns the tokens it emitted."""
-    runner, s = g.runner, g.stats
-    g.begin_round()
-    out: list[int] = []
-    t0 = time.perf_counter()
-    while (item := g.next_draft_item()) is not None:
-        out += g.apply_draft(runner.forward([item])[0])
-    t1 = time.perf_counter()
-    s.draft_s += t1 - t0
-    if g.params.mode != "lossy":
-        out += g.apply_verify(runner.forward([g.verify_item()])[0])
-        s.verify_s += time.perf_counter() - t1
-    return out
-
-
-def stream(lm: LoadedModel, prompt_ids: list[int], params: GenParams) -> Iterator[GenEvent]:
+def stream(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
+           backends: LocalBackends | None = None) -> Iterator[GenEvent]:
+    backends = backends or LocalBackends(lm)
     g = Generation(lm, prompt_ids, params)
-    toks = g.start()
-    yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
-    while not g.finished:
-        toks = run_round(g)
+    stream.last = g  # the generation being streamed, for callers that want its stats
+    try:
+        toks = start(backends, g)
         yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
-    stream.last = g  # the last finished generation, for callers that want its stats
+        while not g.finished:
+            toks = run_round(backends, [g])[g.rid]
+            yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
+    finally:
+        backends.release(g)
 
 
-def generate(lm: LoadedModel, prompt_ids: list[int], params: GenParams) -> GenResult:
+def generate(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
+             backends: LocalBackends | None = None) -> GenResult:
     t = time.perf_counter()
-    g = Generation(lm, prompt_ids, params)
-    g.start()
-    while not g.finished:
-        run_round(g)
+    for _ in stream(lm, prompt_ids, params, backends):
+        pass
+    g = stream.last
     return GenResult(g.text.text, list(g.output_ids), g.stop.finish_reason, g.usage(), g.stats,
                      time.perf_counter() - t)

@@ -1,0 +1,121 @@
+"""The drafter side: per-request lossy caches, batched greedy (or sampled) drafting.
+
+Methods and when they are called:
+- `attach(rid, k, v, ...)`: once per request, after prefill: the lossy KV (compressed chunks +
+  exact tail) becomes the request's cache; `pending` holds the verified tokens not fed yet.
+- `draft(batch)`: once per round for every drafting request together: k steps, one forward
+  pass per step over all requests still drafting. A request stops early at EOS.
+- `commit(rid, accepted, bonus, exact)`: once per round after verification: crop to the
+  accepted tokens (and overwrite their KV with the exact KV when `exact` is given), queue
+  the unfed verified tokens.
+- `release(rid)`: once, when the request ends or fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.errors import NotFound
+from vericache.model.kvcache import KVCache
+from vericache.model.runner import Runner, SeqBatchItem
+
+
+def choose(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """Greedy argmax, or a sample at the temperature (and the distribution it came from)."""
+    if temperature == 0:
+        return int(torch.argmax(logits)), None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen)), probs
+
+
+@dataclass
+class DraftSession:
+    cache: KVCache
+    pending: list[int]  # verified tokens not fed to the cache yet (the last is x_0)
+    seq_len: int  # verified tokens of the sequence, pending included
+    temperature: float = 0.0
+    gen: torch.Generator = field(default_factory=torch.Generator)
+    drafts: list[int] = field(default_factory=list)
+    q: list[torch.Tensor | None] = field(default_factory=list)
+    len_before: int = 0  # cache length at the round's start
+
+
+@dataclass
+class DraftOut:
+    tokens: list[int]
+    q: torch.Tensor | None  # [k, V] when sampling
+
+
+class Drafter:
+    def __init__(self, runner: Runner, eos_token_ids: tuple[int, ...]):
+        self.runner, self.eos = runner, eos_token_ids
+        self.sessions: dict[str, DraftSession] = {}
+
+    def _get(self, rid: str) -> DraftSession:
+        try:
+            return self.sessions[rid]
+        except KeyError:
+            raise NotFound(f"no drafter session {rid!r}") from None
+
+    def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
+               extra_capacity: int, temperature: float = 0.0, seed: int = 0) -> None:
+        cache = KVCache.from_tensors(k.to(self.runner.dtype), v.to(self.runner.dtype), extra_capacity)
+        self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
+                                          torch.Generator().manual_seed(seed))
+
+    def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:
+        d = s.drafts
+        if len(d) >= k or (d and d[-1] in self.eos):
+            return None
+        if not d:
+            toks, pos0 = s.pending, s.seq_len - len(s.pending)
+        else:
+            toks, pos0 = [d[-1]], s.seq_len + len(d) - 1
+        return SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)), s.cache)
+
+    def draft(self, batch: list[tuple[str, int]]) -> list[DraftOut]:
+        """Draft up to k tokens for each (rid, k), all requests stepping together."""
+        sess = [self._get(rid) for rid, _ in batch]
+        ks = [k for _, k in batch]
+        for s in sess:
+            s.drafts, s.q, s.len_before = [], [], s.cache.length
+        live = list(range(len(sess)))
+        while live:
+            items = [(i, self._next_item(sess[i], ks[i])) for i in live]
+            live = [i for i, it in items if it is not None]
+            if not live:
+                break
+            logits = self.runner.forward([it for _, it in items if it is not None])
+            for i, lg in zip(live, logits):
+                tok, q = choose(lg[-1], sess[i].temperature, sess[i].gen)
+                sess[i].drafts.append(tok)
+                sess[i].q.append(q)
+        return [DraftOut(list(s.drafts), torch.stack(s.q) if s.q and s.q[0] is not None else None)
+                for s in sess]
+
+    def commit(self, rid: str, accepted: int, bonus: int | None, exact: KVCache | None = None) -> None:
+        """The verifier accepted `accepted` drafts and chose `bonus` (None: lossy, no verifier)."""
+        s = self._get(rid)
+        k = len(s.drafts)
+        new = s.drafts[:accepted] + ([] if bonus is None else [bonus])
+        if k:
+            keep = min(accepted, k - 1)
+            n = len(s.pending) + keep
+            s.cache.crop(s.len_before + n)
+            if exact is not None:  # the verify pass computed these tokens' exact KV
+                p0 = s.seq_len - len(s.pending)
+                s.cache.k[:, :, s.len_before:s.len_before + n] = exact.k[:, :, p0:p0 + n]
+                s.cache.v[:, :, s.len_before:s.len_before + n] = exact.v[:, :, p0:p0 + n]
+            s.pending = s.drafts[keep:accepted] + ([] if bonus is None else [bonus])
+        else:
+            s.pending = s.pending + new
+        s.seq_len += len(new)
+        s.drafts, s.q = [], []
+
+    def release(self, rid: str) -> None:
+        self.sessions.pop(rid, None)
+
+    def kv_bytes(self, rid: str) -> int:
+        return self._get(rid).cache.nbytes()

@@ -1,0 +1,93 @@
+"""Rounds over drafter and verifier backends: the same code in-process and over gRPC.
+
+A backend pair offers, per request: `admit` (prefill on the verifier, attach on the
+drafter; returns the first token), `draft` and `verify` (batched across requests),
+`commit` (tell the drafter the outcome) and `release`. `LocalBackends` runs them on this
+process's runner; the services' client backends run them over gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vericache.engine.drafter import Drafter, DraftOut
+from vericache.engine.generation import Generation
+from vericache.engine.prefill import build_draft_cache
+from vericache.engine.verifier import Verifier
+
+
+class LocalBackends:
+    def __init__(self, lm):
+        self.lm = lm
+        self.verifier = Verifier(lm.runner)
+        self.drafter = Drafter(lm.runner, lm.eos_token_ids)
+
+    def admit(self, g: Generation) -> int:
+        p = g.params
+        t0 = time.perf_counter()
+        out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
+                                    p.temperature, g.seed)
+        t1 = time.perf_counter()
+        full = self.verifier.cache(g.rid)
+        g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
+        if g.compressor is not None:
+            d = build_draft_cache(g.compressor, out.chunks, full, len(g.prompt), p.chunk_size, 0)
+            self.drafter.attach(g.rid, *d.view(), [out.first_token], len(g.prompt) + 1,
+                                g.extra_capacity, p.temperature, g.seed + 1)
+            tail = len(g.prompt) - len(out.chunks) * p.chunk_size
+            g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
+                                      + tail * self.lm.runner.kv_bytes_per_token())
+            if p.mode == "lossy":
+                self.verifier.release(g.rid)  # the lossy baseline never uses the full KV again
+        g.stats.prefill_s, g.stats.compress_s = t1 - t0, time.perf_counter() - t1
+        return out.first_token
+
+    def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
+        return self.drafter.draft([(g.rid, k) for g, k in batch])
+
+    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
+        return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch])
+
+    def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
+        exact = None
+        if g.params.refresh_draft and bonus is not None:
+            exact = self.verifier.cache(g.rid)
+        self.drafter.commit(g.rid, accepted, bonus, exact)
+
+    def release(self, g: Generation) -> None:
+        self.drafter.release(g.rid)
+        self.verifier.release(g.rid)
+
+
+def start(backends, g: Generation) -> list[int]:
+    """Prefill one request; returns its first emitted tokens."""
+    return g.on_first(backends.admit(g))
+
+
+def run_round(backends, gens: list[Generation]) -> dict[str, list[int]]:
+    """One round for every request in `gens` (lockstep: all draft, then all verify).
+    Returns the tokens each request emitted, by request id."""
+    out: dict[str, list[int]] = {g.rid: [] for g in gens}
+    ks = {g.rid: g.k_for_round() for g in gens}
+    drafting = [g for g in gens if g.params.mode != "full"]
+    t0 = time.perf_counter()
+    drafts = dict(zip([g.rid for g in drafting],
+                      backends.draft([(g, ks[g.rid]) for g in drafting]) if drafting else []))
+    t1 = time.perf_counter()
+    verifying = [g for g in gens if g.params.mode != "lossy"]
+    empty = DraftOut([], None)
+    results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying]) if verifying else []
+    t2 = time.perf_counter()
+    for g, (a, bonus) in zip(verifying, results):
+        d = drafts.get(g.rid, empty)
+        if g.params.mode == "vericache":
+            backends.commit(g, a, bonus)
+        out[g.rid] = g.on_round(d.tokens, a, bonus)
+        g.stats.verify_s += t2 - t1
+    for g in drafting:
+        g.stats.draft_s += t1 - t0
+        g.stats.draft_steps += len(drafts[g.rid].tokens)
+        if g.params.mode == "lossy":
+            backends.commit(g, 1, None)
+            out[g.rid] = g.on_lossy(drafts[g.rid].tokens[0])
+    return out
