@@ -8,7 +8,6 @@ Routes only parse and delegate to `OpenAIServing`; every error leaves in the Ope
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import signal
 import threading
