@@ -29,11 +29,17 @@ SERVER_OPTIONS = [
 
 
 def build_server(add_servicers: Callable[[grpc.Server], None], host: str = "0.0.0.0",
-                 port: int = 0, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A server (not started yet) with the services `add_servicers` adds, and its port."""
+                 port: int = 0, max_workers: int = 16,
+                 max_message_bytes: int | None = None) -> tuple[grpc.Server, int]:
+    """A server (not started yet) with the services `add_servicers` adds, and its port.
+    `max_message_bytes` raises the message limit (the drafter's and verifier's sampled
+    distributions); the kvstore keeps the 1 MiB-piece limit."""
+    options = SERVER_OPTIONS
+    if max_message_bytes:
+        options = [(k, max_message_bytes if "message_length" in k else v) for k, v in options]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="grpc"),
-                         interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+                         interceptors=[ErrorInterceptor()], options=options)
     add_servicers(server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -14,7 +14,7 @@ from services.gateway.app import serve
 from vericache.cli.common import add_gen_args, add_model_args, env
 from vericache.cli.serve import add_server_args, default_params, embedded_engine
 from vericache.engine.api import Engine
-from vericache.errors import VeriCacheError
+from vericache.errors import InvalidArgument, VeriCacheError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,14 +27,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(p)
     add_model_args(p)
     add_gen_args(p)
+    g = p.add_argument_group("services (all three, or none for the embedded engine)")
+    g.add_argument("--drafter", default=env("DRAFTER", None),
+                   help="drafter service HOST:PORT ($VERICACHE_DRAFTER)")
+    g.add_argument("--verifier", default=env("VERIFIER", None),
+                   help="verifier service HOST:PORT ($VERICACHE_VERIFIER)")
+    g.add_argument("--kvstore", default=env("KVSTORE", None),
+                   help="kvstore service HOST:PORT, for store metrics ($VERICACHE_KVSTORE)")
+    g.add_argument("--rpc-timeout-s", type=float, default=float(env("RPC_TIMEOUT_S", 300)),
+                   help="deadline of each drafter/verifier call (default 300; $VERICACHE_RPC_TIMEOUT_S)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"),
                    help="logging level (default: WARNING; $VERICACHE_LOG_LEVEL)")
     return p
 
 
 def build_engine(args) -> Engine:
-    """The engine behind the gateway: the embedded BatchEngine (model in this process)."""
-    return embedded_engine(args)
+    """The engine behind the gateway: rounds over the drafter and verifier services when
+    --drafter and --verifier are given (only the tokenizer loads here), else the embedded
+    engine with the model in this process."""
+    if not (args.drafter or args.verifier):
+        return embedded_engine(args)
+    if not (args.drafter and args.verifier):
+        raise InvalidArgument("give both --drafter and --verifier (or neither)", "drafter")
+    from services.common.clients import RemoteBackends
+    from vericache.engine.batch import BatchEngine
+    from vericache.model.loader import load_model_info
+
+    info = load_model_info(args.model, args.dtype)
+    backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s)
+    return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                       backends=backends)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         defaults = default_params(args)
+        store = None
+        if args.kvstore:
+            from vericache.store import open_store
+
+            store = open_store(f"grpc://{args.kvstore}")
         serve(build_engine(args), args.host, args.port, args.served_model_name, defaults,
-              args.log_level)
+              args.log_level, store)
     except VeriCacheError as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2

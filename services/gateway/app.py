@@ -18,7 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.metrics import CONTENT_TYPE, HttpCounter, MetricsRegistry, engine_collector
+from services.gateway.metrics import (CONTENT_TYPE, HttpCounter, MetricsRegistry, engine_collector,
+                                      store_collector)
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import OpenAIServing, error_json, error_response
 from vericache.engine.api import Engine
@@ -58,11 +59,14 @@ class _CountResponses:
 
 
 def create_app(engine: Engine, served_model_name: str | None = None,
-               defaults: GenParams | None = None) -> FastAPI:
-    """The gateway over `engine`; the engine itself is closed by whoever created it."""
+               defaults: GenParams | None = None, store=None) -> FastAPI:
+    """The gateway over `engine`; the engine itself is closed by whoever created it. With a
+    `store` (the kvstore client), /metrics also shows the store's own counters."""
     serving = OpenAIServing(engine, served_model_name, defaults)
     registry = MetricsRegistry()
     registry.register(engine_collector(engine))
+    if store is not None:
+        registry.register(store_collector(store))
     http_counter = HttpCounter()
     registry.register(http_counter)
 
@@ -129,9 +133,9 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: Engine, host: str, port: int, served_model_name: str | None = None,
-          defaults: GenParams | None = None, log_level: str = "warning") -> None:
+          defaults: GenParams | None = None, log_level: str = "warning", store=None) -> None:
     """Run the gateway until SIGINT/SIGTERM, then close the engine."""
-    app = create_app(engine, served_model_name, defaults)
+    app = create_app(engine, served_model_name, defaults, store)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=5)
     try:

@@ -116,9 +116,31 @@ def engine_collector(engine) -> Collector:
             counter("vericache_draft_seconds_total", "draft_s", "time spent drafting"),
             counter("vericache_verify_seconds_total", "verify_s", "time spent verifying"),
             counter("vericache_prefill_seconds_total", "prefill_s", "time spent in prefill"),
+            counter("vericache_store_hits_total", "store_hits", "KV chunks read from the store"),
+            counter("vericache_store_read_bytes_total", "store_bytes_read",
+                    "KV bytes read from the store"),
+            counter("vericache_store_written_bytes_total", "store_bytes_written",
+                    "KV bytes written to the store"),
+            counter("vericache_cached_prompt_tokens_total", "cached_tokens",
+                    "prompt tokens whose full KV came from the prefix cache"),
             Family("vericache_queue_depth", "gauge", "requests waiting to start")
             .add(engine.queue_depth),
             Family("vericache_active_requests", "gauge", "requests being decoded")
             .add(engine.active),
         ]
+    return collect
+
+
+def store_collector(store) -> Collector:
+    """The kvstore's own counters (`ChunkStore.stats()`), read at each scrape."""
+    def collect() -> list[Family]:
+        try:
+            st = store.stats()
+        except Exception:  # the store being down must not break /metrics
+            return [Family("vericache_kvstore_up", "gauge", "whether the kvstore answered").add(0)]
+        out = [Family("vericache_kvstore_up", "gauge", "whether the kvstore answered").add(1)]
+        for key in ("hits", "misses", "bytes_in", "bytes_out"):
+            out.append(Family(f"vericache_kvstore_{key}_total", "counter",
+                              f"kvstore {key.replace('_', ' ')}").add(st.get(key, 0)))
+        return out
     return collect

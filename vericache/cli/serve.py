@@ -1,5 +1,6 @@
 """`vericache serve`: the embedded gateway, an OpenAI-compatible HTTP server over a
-`BatchEngine` in this process (no drafter, verifier or store services needed)."""
+`BatchEngine` in this process: drafter, verifier and a memory:// prefix-cache store in one
+process (no services needed)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=int(env("MAX_WAITING", 64)),
                    help="requests queued before new ones get 429 "
                         "(default: 64; $VERICACHE_MAX_WAITING)")
+    g.add_argument("--store", default=env("STORE", "memory://?capacity_mb=2048"),
+                   help="prefix-cache store of the embedded engine: memory://?capacity_mb=N, "
+                        "redis://HOST:PORT/DB, lmcache://..., grpc://HOST:PORT, or none "
+                        "(default: memory://?capacity_mb=2048; $VERICACHE_STORE)")
 
 
 def add_parser(sub) -> None:
@@ -57,8 +62,13 @@ def embedded_engine(args):
 
     print(f"loading model {args.model or 'smollm2-135m-instruct (default)'} ...",
           file=sys.stderr, flush=True)
+    from vericache.engine.rounds import LocalBackends
+    from vericache.store import open_store
+
     lm = load_model(args.model, args.dtype, args.device)
-    return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting)
+    store = None if args.store in ("", "none") else open_store(args.store)
+    return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                       backends=LocalBackends(lm, store))
 
 
 def run(args) -> int:

@@ -95,7 +95,9 @@ class BatchEngine(Engine):
         self._wake = threading.Event()
         self._ids = 0
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "cancelled": 0, "tokens": 0, "rounds": 0,
-                         "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "round_s": 0.0}
+                         "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "round_s": 0.0,
+                         "store_hits": 0, "store_bytes_read": 0, "store_bytes_written": 0,
+                         "cached_tokens": 0}
         self.tau_hist: dict[int, int] = {}
         self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
         self._thread.start()
@@ -142,8 +144,9 @@ class BatchEngine(Engine):
             rs.put(EngineEvent([], "", None, usage, error))
         self.counters["finished"] += 1
         self.counters["rounds"] += g.stats.rounds
-        self.counters["draft_s"] += g.stats.draft_s
-        self.counters["verify_s"] += g.stats.verify_s
+        for key in ("draft_s", "verify_s", "store_hits", "store_bytes_read", "store_bytes_written",
+                    "cached_tokens"):
+            self.counters[key] += getattr(g.stats, key)
         for n in g.stats.round_emitted:
             self.tau_hist[n] = self.tau_hist.get(n, 0) + 1
 

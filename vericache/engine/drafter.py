@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.errors import NotFound
+from vericache.compress.base import Compressor
+from vericache.errors import InvalidArgument, NotFound
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
+from vericache.store.base import ChunkStore
+from vericache.store.prefix import PrefixCache, TransferStats
 
 
 def choose(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
@@ -49,8 +52,11 @@ class DraftOut:
 
 
 class Drafter:
-    def __init__(self, runner: Runner, eos_token_ids: tuple[int, ...]):
+    def __init__(self, runner: Runner, eos_token_ids: tuple[int, ...], store: ChunkStore | None = None,
+                 model_id: str = ""):
+        """With a store, `attach_from_store` loads compressed chunks and the exact tail."""
         self.runner, self.eos = runner, eos_token_ids
+        self.store, self.model_id = store, model_id
         self.sessions: dict[str, DraftSession] = {}
 
     def _get(self, rid: str) -> DraftSession:
@@ -64,6 +70,17 @@ class Drafter:
         cache = KVCache.from_tensors(k.to(self.runner.dtype), v.to(self.runner.dtype), extra_capacity)
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
                                           torch.Generator().manual_seed(seed))
+
+    def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
+                          tail_start: int, first_token: int, extra_capacity: int,
+                          temperature: float = 0.0, seed: int = 0, namespace: str = "") -> TransferStats:
+        if self.store is None:
+            raise InvalidArgument("this drafter has no store to attach from", "kvstore")
+        stats = TransferStats()
+        pc = PrefixCache(self.store, self.model_id, chunk_size, namespace)
+        k, v = pc.load_draft(prompt, compressor, tail_start, rid, stats)
+        self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, temperature, seed)
+        return stats
 
     def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:
         d = s.drafts

@@ -39,6 +39,7 @@ class GenParams:
     adaptive: bool = True
     chunk_size: int = 256
     refresh_draft: bool = True  # overwrite the drafter's KV of accepted tokens with the exact KV
+    namespace: str = ""  # tenant: prefix-cache keys are namespaced by it
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -68,6 +69,19 @@ class GenStats:
     verify_s: float = 0.0
     full_kv_bytes: int = 0
     draft_kv_bytes: int = 0
+    cached_tokens: int = 0  # prompt tokens whose full KV came from the store
+    store_hits: int = 0
+    store_bytes_read: int = 0
+    store_bytes_written: int = 0
+    store_s: float = 0.0
+
+    def record_transfer(self, cached_tokens: int, t) -> None:
+        """Add a store transfer (vericache.store.prefix.TransferStats)."""
+        self.cached_tokens += cached_tokens
+        self.store_hits += t.hits
+        self.store_bytes_read += t.bytes_read
+        self.store_bytes_written += t.bytes_written
+        self.store_s += t.seconds
 
     @property
     def tokens_per_round(self) -> float:

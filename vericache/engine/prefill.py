@@ -53,10 +53,11 @@ def tail_start(compressor: Compressor, prompt_len: int, chunk_size: int) -> int:
 
 
 def compress_prompt(compressor: Compressor, pre: Prefilled, prompt_len: int,
-                    chunk_size: int = 256) -> list[CompressedChunk]:
-    """Compress every chunk before the exact tail."""
+                    chunk_size: int = 256, first_chunk: int = 0) -> list[CompressedChunk]:
+    """Compress every chunk before the exact tail, from `first_chunk` on (the earlier ones
+    came from the store already compressed)."""
     chunks = []
-    for i in range(tail_start(compressor, prompt_len, chunk_size) // chunk_size):
+    for i in range(first_chunk, tail_start(compressor, prompt_len, chunk_size) // chunk_size):
         k, v = pre.cache.view(i * chunk_size, (i + 1) * chunk_size)
         chunks.append(compressor.compress(KVSpan(k, v, i * chunk_size, pre.obs_q.get(i))))
     return chunks

@@ -17,26 +17,39 @@ from vericache.engine.verifier import Verifier
 
 
 class LocalBackends:
-    def __init__(self, lm):
-        self.lm = lm
-        self.verifier = Verifier(lm.runner)
-        self.drafter = Drafter(lm.runner, lm.eos_token_ids)
+    """Drafter and verifier in this process. With a store (embedded `vericache serve`: a
+    memory:// store) prefixes are cached across requests and the drafter attaches from the
+    store, exactly as the services do; without one, chunks pass in memory."""
+
+    def __init__(self, lm, store=None):
+        self.lm, self.store = lm, store
+        self.verifier = Verifier(lm.runner, store, lm.model_id)
+        self.drafter = Drafter(lm.runner, lm.eos_token_ids, store, lm.model_id)
 
     def admit(self, g: Generation) -> int:
         p = g.params
         t0 = time.perf_counter()
+        via_store = self.store is not None and g.compressor is not None
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
-                                    p.temperature, g.seed)
+                                    p.temperature, g.seed, p.namespace, save_tail=via_store)
         t1 = time.perf_counter()
-        full = self.verifier.cache(g.rid)
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
+        g.stats.record_transfer(out.cached_tokens, out.transfer)
         if g.compressor is not None:
-            d = build_draft_cache(g.compressor, out.chunks, full, len(g.prompt), p.chunk_size, 0)
-            self.drafter.attach(g.rid, *d.view(), [out.first_token], len(g.prompt) + 1,
-                                g.extra_capacity, p.temperature, g.seed + 1)
-            tail = len(g.prompt) - len(out.chunks) * p.chunk_size
-            g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
-                                      + tail * self.lm.runner.kv_bytes_per_token())
+            if via_store:
+                tr = self.drafter.attach_from_store(
+                    g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
+                    g.extra_capacity, p.temperature, g.seed + 1, p.namespace)
+                g.stats.record_transfer(0, tr)
+                g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
+            else:
+                full = self.verifier.cache(g.rid)
+                d = build_draft_cache(g.compressor, out.chunks, full, len(g.prompt), p.chunk_size, 0)
+                self.drafter.attach(g.rid, *d.view(), [out.first_token], len(g.prompt) + 1,
+                                    g.extra_capacity, p.temperature, g.seed + 1)
+                tail = len(g.prompt) - out.tail_start
+                g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
+                                          + tail * self.lm.runner.kv_bytes_per_token())
             if p.mode == "lossy":
                 self.verifier.release(g.rid)  # the lossy baseline never uses the full KV again
         g.stats.prefill_s, g.stats.compress_s = t1 - t0, time.perf_counter() - t1

@@ -1,9 +1,10 @@
 """The verifier side: per-request full KV, prefill, and batched verification.
 
 Methods and when they are called:
-- `prefill(rid, prompt_ids, ...)`: once per request: computes the full KV (after a cached
-  prefix when one is given), compresses the chunks before the exact tail, and returns the
-  first token (from full-KV logits) with the compressed chunks.
+- `prefill(rid, prompt_ids, ...)`: once per request: computes the full KV (after the longest
+  prefix cached in the store, when there is a store), compresses the chunks before the
+  exact tail, writes new chunks (and, for a remote drafter, the exact tail) to the store,
+  and returns the first token (from full-KV logits) with the new compressed chunks.
 - `verify(batch)`: once per round for every verifying request together: ONE forward pass of
   [x_0, d_1..d_k] per request over its full KV; accepts by `vericache.spec.accept`; crops the
   cache to the accepted tokens. Returns (accepted, bonus) per request.
@@ -18,8 +19,10 @@ import torch
 
 from vericache.compress.base import CompressedChunk, Compressor
 from vericache.engine.drafter import choose
-from vericache.engine.prefill import compress_prompt, prefill
+from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.errors import NotFound
+from vericache.store.base import ChunkStore
+from vericache.store.prefix import PrefixCache, TransferStats
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
 from vericache.spec.accept import greedy_accept, speculative_accept
@@ -36,12 +39,16 @@ class VerifySession:
 @dataclass
 class PrefillOut:
     first_token: int
-    chunks: list[CompressedChunk]  # compressed chunks before the exact tail
+    chunks: list[CompressedChunk]  # newly compressed chunks before the exact tail
+    cached_tokens: int = 0  # prompt tokens whose full KV came from the store
+    tail_start: int = 0  # first token of the drafter's exact tail
+    transfer: TransferStats = field(default_factory=TransferStats)
 
 
 class Verifier:
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self, runner: Runner, store: ChunkStore | None = None, model_id: str = ""):
+        """With a store, prefill reuses cached prefixes and writes new chunks back."""
+        self.runner, self.store, self.model_id = runner, store, model_id
         self.sessions: dict[str, VerifySession] = {}
 
     def _get(self, rid: str) -> VerifySession:
@@ -52,14 +59,25 @@ class Verifier:
 
     def prefill(self, rid: str, prompt_ids: list[int], extra_capacity: int, chunk_size: int,
                 compressor: Compressor | None = None, temperature: float = 0.0, seed: int = 0,
-                cached: KVCache | None = None) -> PrefillOut:
+                namespace: str = "", save_tail: bool = False) -> PrefillOut:
+        ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
+        stats = TransferStats()
+        pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
+        cached = None
+        if pc is not None:
+            cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
+                                  extra_capacity, stats)
+        first_chunk = cached.length // chunk_size if cached is not None else 0
         window = compressor.observation_window if compressor else 0
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached)
         gen = torch.Generator().manual_seed(seed)
         first, _ = choose(pre.logits, temperature, gen)
-        chunks = compress_prompt(compressor, pre, len(prompt_ids), chunk_size) if compressor else []
+        chunks = (compress_prompt(compressor, pre, len(prompt_ids), chunk_size, first_chunk)
+                  if compressor else [])
+        if pc is not None:
+            pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, rid if save_tail else None, stats)
         self.sessions[rid] = VerifySession(pre.cache, [first], temperature, gen)
-        return PrefillOut(first, chunks)
+        return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats)
 
     def cache(self, rid: str) -> KVCache:
         return self._get(rid).cache

@@ -122,15 +122,55 @@ def hf_folder_for(path: Path) -> tuple[Path, str]:
 
 
 @dataclass
-class LoadedModel:
-    """A loaded model: its runner, its tokenizer and an id that names its weights."""
+class ModelInfo:
+    """What a front end needs of a model, without its weights: name, tokenizer, limits."""
 
     model_id: str
     name: str
-    runner: "Runner"  # noqa: F821
     tokenizer: object
     eos_token_ids: tuple[int, ...]
     max_context: int
+    vocab_size: int = 0
+
+
+@dataclass
+class LoadedModel(ModelInfo):
+    """A loaded model: its runner, its tokenizer and an id that names its weights."""
+
+    runner: "Runner" = None  # noqa: F821
+
+
+def _eos_ids(generation_eos, config_eos, tokenizer) -> tuple[int, ...]:
+    eos = generation_eos if generation_eos is not None else config_eos
+    ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = ids + (tokenizer.eos_token_id,)
+    return ids
+
+
+def _model_name(path: Path) -> str:
+    return DEFAULT_MODEL if path.suffix == ".gguf" and path.name == _DEFAULT_GGUF else path.stem
+
+
+def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelInfo:
+    """Tokenizer and limits only (the gateway in front of remote drafter/verifier services)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    parse_dtype(dtype)
+    path = resolve_model_path(model)
+    folder, model_id = hf_folder_for(path)
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {folder}: {e}") from e
+    try:
+        gen_eos = GenerationConfig.from_pretrained(str(folder)).eos_token_id
+    except OSError:
+        gen_eos = None
+    return ModelInfo(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
+                     eos_token_ids=_eos_ids(gen_eos, cfg.eos_token_id, tokenizer),
+                     max_context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
 
 
 def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
@@ -153,11 +193,7 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {folder}: {e}") from e
     runner = Runner.from_hf(hf, device=torch.device(device))
-    eos = hf.generation_config.eos_token_id if hf.generation_config else None
-    eos = eos if eos is not None else hf.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
-        eos_ids = eos_ids + (tokenizer.eos_token_id,)
-    name = DEFAULT_MODEL if path.suffix == ".gguf" and path.name == _DEFAULT_GGUF else path.stem
-    return LoadedModel(model_id=model_id + f":{dtype}", name=name, runner=runner, tokenizer=tokenizer,
-                       eos_token_ids=eos_ids, max_context=runner.max_positions)
+    gen_eos = hf.generation_config.eos_token_id if hf.generation_config else None
+    return LoadedModel(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
+                       eos_token_ids=_eos_ids(gen_eos, hf.config.eos_token_id, tokenizer),
+                       max_context=runner.max_positions, vocab_size=runner.vocab_size, runner=runner)

@@ -31,6 +31,7 @@ _ERRORS: dict[grpc.StatusCode, type[VeriCacheError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
 }
+STATUS_ERRORS = _ERRORS  # gRPC status -> core error, for every client of the services
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 

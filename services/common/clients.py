@@ -1,0 +1,91 @@
+"""Backends over gRPC: the engine's rounds (`vericache.engine.rounds`) run against the drafter
+and verifier services exactly as against the in-process ones. Every call has a deadline;
+a failed call surfaces as the core's typed error."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.convert import probs_from_bytes, probs_to_bytes
+from services.common.modelsvc import MODEL_MESSAGE_BYTES
+from vericache._proto import load
+from vericache.engine.drafter import DraftOut
+from vericache.engine.generation import Generation
+from vericache.errors import VeriCacheError
+from vericache.store.grpc_store import STATUS_ERRORS
+
+vpb, vpb_grpc = load("verifier")
+dpb, dpb_grpc = load("drafter")
+_OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MODEL_MESSAGE_BYTES)]
+
+
+def _call(fn, request, timeout: float, what: str):
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise STATUS_ERRORS.get(e.code(), VeriCacheError)(f"{what}: {e.code().name}: {e.details()}") from None
+
+
+class RemoteBackends:
+    def __init__(self, drafter: str, verifier: str, vocab_size: int, timeout_s: float = 300.0):
+        self.vocab, self.timeout = vocab_size, timeout_s
+        self._channels = [grpc.insecure_channel(t, options=_OPTIONS) for t in (drafter, verifier)]
+        self.drafter = dpb_grpc.DrafterStub(self._channels[0])
+        self.verifier = vpb_grpc.VerifierStub(self._channels[1])
+
+    def admit(self, g: Generation) -> int:
+        p = g.params
+        spec = g.compressor.spec if g.compressor is not None else ""
+        out = _call(self.verifier.Prefill, vpb.PrefillRequest(
+            request_id=g.rid, token_ids=g.prompt, compressor=spec, chunk_size=p.chunk_size,
+            temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
+            namespace=p.namespace, save_tail=bool(spec)), self.timeout, "verifier Prefill")
+        s = g.stats
+        s.prefill_s, s.cached_tokens = out.seconds, out.cached_tokens
+        s.store_hits, s.store_bytes_read = out.store_hits, out.bytes_read
+        s.store_bytes_written, s.store_s = out.bytes_written, out.store_seconds
+        if spec:
+            att = _call(self.drafter.Attach, dpb.AttachRequest(
+                request_id=g.rid, token_ids=g.prompt, first_token=out.first_token, compressor=spec,
+                chunk_size=p.chunk_size, tail_start=out.tail_start, temperature=p.temperature,
+                seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace),
+                self.timeout, "drafter Attach")
+            s.store_hits += att.store_hits
+            s.store_bytes_read += att.bytes_read
+            s.store_s += att.seconds
+            s.draft_kv_bytes = att.bytes_read
+            if p.mode == "lossy":
+                _call(self.verifier.Release, vpb.ReleaseRequest(request_id=g.rid), self.timeout,
+                      "verifier Release")
+        return out.first_token
+
+    def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
+        res = _call(self.drafter.Draft, dpb.DraftRequest(
+            items=[dpb.DraftItem(request_id=g.rid, k=k) for g, k in batch]), self.timeout, "drafter Draft")
+        return [DraftOut(list(r.tokens), probs_from_bytes(r.probs, len(r.tokens), self.vocab))
+                for r in res.results]
+
+    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
+        res = _call(self.verifier.Verify, vpb.VerifyRequest(items=[
+            vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q))
+            for g, d in batch]), self.timeout, "verifier Verify")
+        return [(r.accepted, r.bonus) for r in res.results]
+
+    def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
+        req = dpb.CommitRequest(request_id=g.rid, accepted=accepted)
+        if bonus is not None:
+            req.bonus = bonus
+        _call(self.drafter.Commit, req, self.timeout, "drafter Commit")
+
+    def release(self, g: Generation) -> None:
+        """Free both sides; never raises (a lost service frees its sessions by TTL)."""
+        for stub in (self.drafter, self.verifier):
+            try:
+                stub.Release(vpb.ReleaseRequest(request_id=g.rid), timeout=10)
+            except grpc.RpcError:
+                pass
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()

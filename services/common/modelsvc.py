@@ -1,0 +1,87 @@
+"""What the drafter and verifier services share: flags, the model, the store client, the
+TTL reaper and the lock that serialises model work (one runner, many gRPC threads)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from vericache.engine.ttl import SessionClock
+from vericache.model import load_model
+from vericache.store import open_store
+
+log = logging.getLogger(__name__)
+
+# a Verify or Draft message with sampled distributions carries k x vocab float32s
+MODEL_MESSAGE_BYTES = 256 << 20
+
+
+def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
+    env = os.environ
+    up = name.upper()
+    p.add_argument("--port", type=int, default=int(env.get(f"VERICACHE_{up}_PORT", port)),
+                   help=f"port to listen on; 0 picks a free one (env VERICACHE_{up}_PORT, default {port})")
+    p.add_argument("--host", default=env.get(f"VERICACHE_{up}_HOST", "0.0.0.0"),
+                   help=f"address to bind (env VERICACHE_{up}_HOST, default 0.0.0.0)")
+    p.add_argument("--kvstore", default=env.get("VERICACHE_KVSTORE", "127.0.0.1:50051"),
+                   help="kvstore service HOST:PORT, or a store URL such as memory:// "
+                        "(env VERICACHE_KVSTORE, default 127.0.0.1:50051)")
+    p.add_argument("--link-gbps", type=float, default=float(env.get(f"VERICACHE_{up}_LINK_GBPS", 0)),
+                   help=f"bandwidth of the link to the kvstore in Gbit/s, 0 = unlimited "
+                        f"(env VERICACHE_{up}_LINK_GBPS)")
+    p.add_argument("--model", default=env.get("VERICACHE_MODEL"),
+                   help="Hugging Face folder or GGUF file (env VERICACHE_MODEL; default SmolLM2-135M)")
+    p.add_argument("--dtype", default=env.get("VERICACHE_DTYPE", "float32"),
+                   help="model dtype (env VERICACHE_DTYPE, default float32)")
+    p.add_argument("--device", default=env.get("VERICACHE_DEVICE", "cpu"), choices=["cpu", "cuda"],
+                   help="where the model runs (env VERICACHE_DEVICE, default cpu)")
+    p.add_argument("--session-ttl-s", type=float,
+                   default=float(env.get("VERICACHE_SESSION_TTL_S", 600)),
+                   help="free a session idle this long (env VERICACHE_SESSION_TTL_S, default 600)")
+    p.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
+    p.add_argument("--log-level", default=env.get("VERICACHE_LOG_LEVEL", "INFO"),
+                   help="logging level (env VERICACHE_LOG_LEVEL, default INFO)")
+
+
+def store_url(kvstore: str, gbps: float) -> str:
+    """HOST:PORT means the kvstore service (grpc://); anything with a scheme is a store URL."""
+    url = kvstore if "://" in kvstore else f"grpc://{kvstore}"
+    if gbps and url.startswith("grpc://"):
+        url += ("&" if "?" in url else "?") + f"gbps={gbps}"
+    return url
+
+
+@dataclass
+class ModelService:
+    """The loaded model, the store and the session clock of one drafter or verifier."""
+
+    lm: object
+    store: object
+    clock: SessionClock
+    lock: threading.Lock
+
+    @classmethod
+    def from_args(cls, a) -> "ModelService":
+        logging.basicConfig(level=a.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        lm = load_model(a.model, a.dtype, a.device)
+        return cls(lm, open_store(store_url(a.kvstore, a.link_gbps)), SessionClock(a.session_ttl_s),
+                   threading.Lock())
+
+    def start_reaper(self, release, period_s: float = 5.0) -> threading.Thread:
+        """Release sessions idle past the TTL, every `period_s`."""
+        def loop():
+            while True:
+                time.sleep(period_s)
+                for rid in self.clock.expired(time.monotonic()):
+                    log.info("session %s expired", rid)
+                    with self.lock:
+                        release(rid)
+
+        t = threading.Thread(target=loop, name="session-reaper", daemon=True)
+        t.start()
+        return t

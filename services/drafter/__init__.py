@@ -1,0 +1,1 @@
+"""The drafter service: lossy KV per request, batched drafting over gRPC."""

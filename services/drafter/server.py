@@ -1,0 +1,61 @@
+"""The drafter servicer: translates Drafter RPCs (proto/vericache/v1/drafter.proto) into
+`vericache.engine.drafter.Drafter` calls. Model work is serialised by one lock."""
+
+from __future__ import annotations
+
+import time
+
+from services.common.convert import probs_to_bytes, token_list
+from services.common.modelsvc import ModelService
+from vericache._proto import load
+from vericache.compress import make_compressor
+from vericache.engine.drafter import Drafter
+
+pb, pb_grpc = load("drafter")
+vpb, _ = load("verifier")
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self, svc: ModelService):
+        self.svc = svc
+        self.core = Drafter(svc.lm.runner, svc.lm.eos_token_ids, svc.store, svc.lm.model_id)
+        self.vocab = svc.lm.runner.vocab_size
+
+    def Attach(self, req, context):
+        ids = token_list(req.token_ids, self.vocab)
+        first = token_list([req.first_token], self.vocab, "first_token")[0]
+        comp = make_compressor(req.compressor)
+        with self.svc.lock:
+            tr = self.core.attach_from_store(req.request_id, ids, comp, req.chunk_size or 256,
+                                             req.tail_start, first, req.extra_capacity,
+                                             req.temperature, req.seed, req.namespace)
+        self.svc.clock.touch(req.request_id, time.monotonic())
+        return pb.AttachResponse(bytes_read=tr.bytes_read, store_hits=tr.hits, seconds=tr.seconds)
+
+    def Draft(self, req, context):
+        t = time.perf_counter()
+        with self.svc.lock:
+            outs = self.core.draft([(it.request_id, it.k) for it in req.items])
+        now = time.monotonic()
+        for it in req.items:
+            self.svc.clock.touch(it.request_id, now)
+        return pb.DraftResponse(results=[pb.DraftResult(tokens=o.tokens, probs=probs_to_bytes(o.q))
+                                         for o in outs], seconds=time.perf_counter() - t)
+
+    def Commit(self, req, context):
+        bonus = req.bonus if req.HasField("bonus") else None
+        with self.svc.lock:
+            self.core.commit(req.request_id, req.accepted, bonus)
+        self.svc.clock.touch(req.request_id, time.monotonic())
+        return pb.CommitResponse()
+
+    def Release(self, req, context):
+        with self.svc.lock:
+            had = req.request_id in self.core.sessions
+            self.core.release(req.request_id)
+        self.svc.clock.forget(req.request_id)
+        return vpb.ReleaseResponse(released=had)
+
+    def Health(self, req, context):
+        return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
+                                         model_id=self.svc.lm.model_id)

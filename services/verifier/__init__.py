@@ -1,0 +1,1 @@
+"""The verifier service: full KV per request, prefill and batched verification over gRPC."""

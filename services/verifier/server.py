@@ -1,0 +1,64 @@
+"""The verifier servicer: translates Verifier RPCs (proto/vericache/v1/verifier.proto) into
+`vericache.engine.verifier.Verifier` calls. Model work is serialised by one lock."""
+
+from __future__ import annotations
+
+import time
+
+from services.common.convert import probs_from_bytes, token_list
+from services.common.modelsvc import ModelService
+from vericache._proto import load
+from vericache.compress import make_compressor
+from vericache.engine.verifier import Verifier
+from vericache.errors import InvalidArgument
+
+pb, pb_grpc = load("verifier")
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, svc: ModelService):
+        self.svc = svc
+        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id)
+        self.vocab = svc.lm.runner.vocab_size
+
+    def Prefill(self, req, context):
+        ids = token_list(req.token_ids, self.vocab)
+        if len(ids) + req.extra_capacity > self.svc.lm.max_context:
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) + {req.extra_capacity} more exceed "
+                                  f"the model's {self.svc.lm.max_context}-token context", "token_ids")
+        comp = make_compressor(req.compressor) if req.compressor else None
+        t = time.perf_counter()
+        with self.svc.lock:
+            out = self.core.prefill(req.request_id, ids, req.extra_capacity, req.chunk_size or 256,
+                                    comp, req.temperature, req.seed, req.namespace, req.save_tail)
+        self.svc.clock.touch(req.request_id, time.monotonic())
+        tr = out.transfer
+        return pb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
+                                  tail_start=out.tail_start, store_hits=tr.hits,
+                                  bytes_read=tr.bytes_read, bytes_written=tr.bytes_written,
+                                  seconds=time.perf_counter() - t, store_seconds=tr.seconds)
+
+    def Verify(self, req, context):
+        batch = []
+        for it in req.items:
+            drafts = token_list(it.draft_tokens, self.vocab, "draft_tokens", allow_empty=True)
+            batch.append((it.request_id, drafts, probs_from_bytes(it.draft_probs, len(drafts), self.vocab)))
+        t = time.perf_counter()
+        with self.svc.lock:
+            res = self.core.verify(batch)
+        now = time.monotonic()
+        for rid, _, _ in batch:
+            self.svc.clock.touch(rid, now)
+        return pb.VerifyResponse(results=[pb.VerifyResult(accepted=a, bonus=b) for a, b in res],
+                                 seconds=time.perf_counter() - t)
+
+    def Release(self, req, context):
+        with self.svc.lock:
+            had = req.request_id in self.core.sessions
+            self.core.release(req.request_id)
+        self.svc.clock.forget(req.request_id)
+        return pb.ReleaseResponse(released=had)
+
+    def Health(self, req, context):
+        return pb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
+                                        model_id=self.svc.lm.model_id)

@@ -1,0 +1,116 @@
+"""Prefix caching over a ChunkStore: what the verifier and drafter read and write.
+
+- `load_full(prompt)`: the verifier, once per request before prefill: the longest cached
+  prefix of full chunks (only as far as the compressed chunks for `spec` are cached too, so
+  nothing cached needs recompressing) as a KVCache with room to grow.
+- `save(prompt, cache, chunks, first_chunk)`: the verifier, once after prefill: full and
+  compressed chunks from `first_chunk` on, and the exact tail under a per-request key.
+- `load_draft(...)`: the drafter, once per attach: compressed chunks + the exact tail.
+Every value goes through the pickle-free codec; every key through `keys`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.compress.base import CompressedChunk, Compressor
+from vericache.errors import NotFound
+from vericache.model.kvcache import KVCache
+from vericache.store.base import ChunkStore
+from vericache.store.codec import decode_chunk, decode_full, encode_chunk, encode_full
+from vericache.store.keys import chunk_keys, compressed_key, full_key
+
+
+@dataclass
+class TransferStats:
+    hits: int = 0  # chunks found in the store
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class PrefixCache:
+    def __init__(self, store: ChunkStore, model_id: str, chunk_size: int, namespace: str = ""):
+        self.store, self.model_id, self.chunk_size, self.namespace = store, model_id, chunk_size, namespace
+
+    def keys(self, prompt: list[int]) -> list[str]:
+        return chunk_keys(self.model_id, prompt, self.chunk_size, self.namespace)
+
+    def tail_key(self, request_id: str) -> str:
+        return f"tail/{self.namespace}/{request_id}"
+
+    def load_full(self, prompt: list[int], spec: str | None, compress_until: int,
+                  extra_capacity: int, stats: TransferStats) -> KVCache | None:
+        """The cached prefix (never the whole prompt: prefill needs one token to compute)."""
+        t = time.perf_counter()
+        keys = self.keys(prompt[:-1])
+        n = self.store.longest_prefix([full_key(k) for k in keys])
+        need = min(n, compress_until // self.chunk_size) if spec is not None else 0
+        if need:  # a chunk without its compressed form is recomputed (compressing needs queries)
+            n = min(n, self.store.longest_prefix([compressed_key(k, spec) for k in keys[:need]]))
+        if n == 0:
+            stats.seconds += time.perf_counter() - t
+            return None
+        ks, vs = [], []
+        for key in keys[:n]:
+            data = self.store.get(full_key(key))
+            if data is None:  # evicted since longest_prefix: stop at the gap
+                break
+            span = decode_full(data)
+            stats.hits += 1
+            stats.bytes_read += len(data)
+            ks.append(span.k)
+            vs.append(span.v)
+        stats.seconds += time.perf_counter() - t
+        if not ks:
+            return None
+        return KVCache.from_tensors(torch.cat(ks, dim=2), torch.cat(vs, dim=2),
+                                    len(prompt) - len(ks) * self.chunk_size + extra_capacity)
+
+    def save(self, prompt: list[int], cache: KVCache, chunks: list[CompressedChunk], first_chunk: int,
+             tail_start: int, request_id: str | None, stats: TransferStats) -> None:
+        t = time.perf_counter()
+        keys = self.keys(prompt)
+        for i in range(first_chunk, len(keys)):
+            data = encode_full(*cache.view(i * self.chunk_size, (i + 1) * self.chunk_size),
+                               start=i * self.chunk_size)
+            self.store.put(full_key(keys[i]), data)
+            stats.bytes_written += len(data)
+        for c in chunks:
+            i = c.start // self.chunk_size
+            if i >= first_chunk:
+                data = encode_chunk(c)
+                self.store.put(compressed_key(keys[i], c.compressor), data)
+                stats.bytes_written += len(data)
+        if request_id is not None:
+            data = encode_full(*cache.view(tail_start, len(prompt)), start=tail_start)
+            self.store.put(self.tail_key(request_id), data)
+            stats.bytes_written += len(data)
+        stats.seconds += time.perf_counter() - t
+
+    def load_draft(self, prompt: list[int], compressor: Compressor, tail_start: int, request_id: str,
+                   stats: TransferStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's initial KV: decompressed chunks before `tail_start`, then the tail."""
+        t = time.perf_counter()
+        keys = self.keys(prompt)[: tail_start // self.chunk_size]
+        ks, vs = [], []
+        for key in [compressed_key(k, compressor.spec) for k in keys] + [self.tail_key(request_id)]:
+            data = self.store.get(key)
+            if data is None:
+                raise NotFound(f"chunk {key} is not in the store (evicted or never written)")
+            stats.bytes_read += len(data)
+            stats.hits += 1
+            if key.startswith("tail/"):
+                span = decode_full(data)
+                k, v = span.k, span.v
+                self.store.delete(key)
+            else:
+                k, v = compressor.decompress(decode_chunk(data))
+            ks.append(k)
+            vs.append(v)
+        stats.seconds += time.perf_counter() - t
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
