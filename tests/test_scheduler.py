@@ -1,0 +1,148 @@
+"""The scheduler without a model: named cases and a table of whole runs."""
+
+import pytest
+
+from vericache.engine.scheduler import (DONE, DRAFTING, READY_DRAFT, VERIFYING, WAITING, Job,
+                                        Scheduler)
+
+
+def admit(s: Scheduler, *rids: str) -> None:
+    for rid in rids:
+        s.add(rid)
+    (job,) = s.schedule()
+    assert job.kind == "prefill"
+    s.done(job)
+
+
+def test_lockstep_all_draft_then_all_verify():
+    s = Scheduler("lockstep")
+    admit(s, "a", "b", "c")
+    (d,) = s.schedule()
+    assert d == Job("draft", ("a", "b", "c"))
+    assert s.schedule() == []  # one lane at a time
+    s.done(d)
+    (v,) = s.schedule()
+    assert v == Job("verify", ("a", "b", "c"))
+    assert s.schedule() == []
+    s.done(v, {"b"})
+    assert [s.state(r) for r in "abc"] == [READY_DRAFT, DONE, READY_DRAFT]
+
+
+def test_staggered_one_group_verifies_while_the_other_drafts():
+    s = Scheduler("staggered", groups=2)
+    admit(s, "a", "b", "c", "d")
+    assert sorted(s.group(r) for r in "abcd") == [0, 0, 1, 1]
+    (d1,) = s.schedule()
+    s.done(d1)
+    jobs = s.schedule()
+    assert sorted(j.kind for j in jobs) == ["draft", "verify"]
+    v = next(j for j in jobs if j.kind == "verify")
+    d2 = next(j for j in jobs if j.kind == "draft")
+    assert v.rids == d1.rids and not set(v.rids) & set(d2.rids)
+    assert all(s.state(r) == VERIFYING for r in v.rids)
+    assert all(s.state(r) == DRAFTING for r in d2.rids)
+    s.done(v)  # the first group drafts again while the second verifies
+    s.done(d2)
+    jobs = s.schedule()
+    assert {j.kind: j.rids for j in jobs} == {"verify": d2.rids, "draft": v.rids}
+
+
+def test_verify_budget_splits_a_verify_job():
+    s = Scheduler("lockstep", verify_budget=250)
+    for rid in "abc":
+        s.add(rid, load_bytes=100)
+    (p,) = s.schedule()
+    assert p.rids == ("a", "b", "c")  # offloaded: nothing resident, all admitted
+    s.done(p)
+    (d,) = s.schedule()
+    s.done(d)
+    (v1,) = s.schedule()
+    assert v1.rids == ("a", "b")
+    s.done(v1)
+    (v2,) = s.schedule()  # lockstep: the rest verifies before anyone drafts again
+    assert v2.rids == ("c",)
+    s.done(v2)
+    (d2,) = s.schedule()
+    assert d2.rids == ("a", "b", "c")
+
+
+def test_resident_budget_bounds_admission_and_frees_on_done():
+    s = Scheduler("lockstep", verify_budget=200)
+    for rid in "abc":
+        s.add(rid, resident_bytes=100)
+    (p,) = s.schedule()
+    assert p.rids == ("a", "b") and s.state("c") == WAITING
+    s.done(p)
+    (d,) = s.schedule()
+    s.done(d)
+    (v,) = s.schedule()
+    s.done(v, {"a"})
+    (p2,) = s.schedule()  # a's memory is free: c is admitted before the next round
+    assert p2 == Job("prefill", ("c",))
+
+
+def test_too_small_budget_still_admits_one():
+    s = Scheduler("lockstep", draft_budget=10, verify_budget=10)
+    s.add("a", draft_bytes=50, resident_bytes=50)
+    s.add("b", draft_bytes=50, resident_bytes=50)
+    (p,) = s.schedule()
+    assert p.rids == ("a",)
+
+
+def test_done_rejects_a_job_not_running_and_remove_rejects_running():
+    s = Scheduler("lockstep")
+    admit(s, "a")
+    with pytest.raises(ValueError):
+        s.done(Job("verify", ("a",)))
+    (d,) = s.schedule()
+    with pytest.raises(ValueError):
+        s.remove("a")
+    s.done(d)
+    s.remove("a")
+    assert s.finished
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match="lockstep, staggered"):
+        Scheduler("eager")
+
+
+def run(s: Scheduler, rounds: dict[str, int], trace: list) -> None:
+    """Drive the scheduler as an engine would, finishing lanes in order; each request ends
+    after `rounds[rid]` verifications."""
+    left = dict(rounds)
+    running: list[Job] = []
+    while not s.finished:
+        running += s.schedule()
+        assert running, "deadlock"
+        job = running.pop(0)
+        trace.append((job.kind, job.rids, tuple(j.kind for j in running)))
+        fin = set()
+        if job.kind == "verify":
+            for rid in job.rids:
+                left[rid] -= 1
+                if left[rid] == 0:
+                    fin.add(rid)
+        s.done(job, fin)
+
+
+@pytest.mark.parametrize("mode,groups,budget,rounds,overlaps", [
+    ("lockstep", 1, None, {"a": 2, "b": 3}, False),
+    ("lockstep", 1, 100, {"a": 2, "b": 1, "c": 2}, False),
+    ("staggered", 2, None, {"a": 3, "b": 3, "c": 2, "d": 4}, True),
+    ("staggered", 3, None, {"a": 2, "b": 2, "c": 2}, True),
+    ("staggered", 2, 100, {"a": 2, "b": 2, "c": 1}, True),
+])
+def test_runs_finish_every_request(mode, groups, budget, rounds, overlaps):
+    s = Scheduler(mode, groups=groups, verify_budget=budget)
+    for rid in rounds:
+        s.add(rid, load_bytes=60)
+    trace: list = []
+    run(s, rounds, trace)
+    assert all(s.state(r) == DONE for r in rounds)
+    verified = [r for kind, rids, _ in trace if kind == "verify" for r in rids]
+    assert sorted(verified) == sorted(r for r, n in rounds.items() for _ in range(n))
+    both = any(kind == "verify" and "draft" in others or kind == "draft" and "verify" in others
+               for kind, _, others in trace)
+    assert both == overlaps
+    assert not s.schedule()

@@ -1,0 +1,207 @@
+"""The scheduler: pure bookkeeping over two lanes (no tensors, no I/O, no clocks).
+
+Requests move PREFILL → (DRAFT ⇄ VERIFY)* → DONE. Two lanes run jobs: the drafter lane runs
+draft jobs; the verifier lane runs prefill and verify jobs. The engine asks `schedule()` for
+jobs whenever a lane may be free, runs them (each lane on its own thread), and reports each
+job's end with `done(job, finished)`.
+
+Per-request states: WAITING (queued, not admitted), PREFILL (prefill job running),
+READY_DRAFT, DRAFTING, READY_VERIFY, VERIFYING, DONE.
+
+Modes:
+- lockstep: one group; every ready request drafts together, then every request verifies
+  together (in several verify jobs when the verifier's memory budget splits it), then all
+  draft again; one lane works at a time.
+- staggered: requests are split into `groups` groups at admission (the smallest group takes
+  the newcomer); each lane takes a whole group, so while group A verifies, group B drafts.
+
+Memory: a request costs `draft_bytes` on the drafter and `resident_bytes` on the verifier
+while admitted, and `load_bytes` on the verifier while it is being verified (the working
+copy of an offloaded full KV; 0 for a resident one). Requests are admitted in arrival order
+while both budgets hold (the first always, so a too-small budget still makes progress), and
+a verify job takes the group's ready requests in order while their load fits the verifier's
+budget left after the resident requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WAITING, PREFILL, READY_DRAFT, DRAFTING, READY_VERIFY, VERIFYING, DONE = (
+    "waiting", "prefill", "ready_draft", "drafting", "ready_verify", "verifying", "done")
+SCHEDULES = ("lockstep", "staggered")
+DRAFT_LANE, VERIFY_LANE = "draft", "verify"
+
+
+@dataclass(frozen=True)
+class Job:
+    """Work for one lane: kind is "prefill", "draft" or "verify"; rids in admission order."""
+
+    kind: str
+    rids: tuple[str, ...]
+
+    @property
+    def lane(self) -> str:
+        return DRAFT_LANE if self.kind == "draft" else VERIFY_LANE
+
+
+@dataclass
+class _Req:
+    rid: str
+    draft_bytes: int
+    resident_bytes: int
+    load_bytes: int
+    state: str = WAITING
+    group: int = -1
+
+
+@dataclass
+class Scheduler:
+    """Two lanes over many requests; see the module docstring for the contract."""
+
+    schedule_mode: str = "lockstep"
+    groups: int = 2
+    draft_budget: int | None = None  # bytes; None: unbounded
+    verify_budget: int | None = None
+    max_active: int | None = None
+    _reqs: dict[str, _Req] = field(default_factory=dict)
+    _busy: dict[str, Job | None] = field(default_factory=lambda: {DRAFT_LANE: None, VERIFY_LANE: None})
+    _next_group: int = 0  # round-robin start for lanes choosing a group
+
+    def __post_init__(self):
+        if self.schedule_mode not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule_mode!r}; valid: {', '.join(SCHEDULES)}")
+        if self.schedule_mode == "lockstep":
+            self.groups = 1
+        if self.groups < 1:
+            raise ValueError("groups must be >= 1")
+
+    # ---- requests -------------------------------------------------------------------
+    def add(self, rid: str, draft_bytes: int = 0, resident_bytes: int = 0, load_bytes: int = 0) -> None:
+        """Queue a request (WAITING)."""
+        if rid in self._reqs:
+            raise ValueError(f"request {rid!r} is already scheduled")
+        self._reqs[rid] = _Req(rid, draft_bytes, resident_bytes, load_bytes)
+
+    def remove(self, rid: str) -> None:
+        """Drop a request that is in no running job (cancelled or failed): DONE."""
+        r = self._reqs[rid]
+        if r.state in (PREFILL, DRAFTING, VERIFYING):
+            raise ValueError(f"request {rid!r} is in a running {r.state} job")
+        r.state = DONE
+
+    def state(self, rid: str) -> str:
+        return self._reqs[rid].state
+
+    def group(self, rid: str) -> int:
+        return self._reqs[rid].group
+
+    @property
+    def finished(self) -> bool:
+        """Every request is DONE and no job runs."""
+        return all(r.state == DONE for r in self._reqs.values()) and not any(self._busy.values())
+
+    def _in(self, *states: str) -> list[_Req]:
+        return [r for r in self._reqs.values() if r.state in states]
+
+    def _admitted(self) -> list[_Req]:
+        return self._in(PREFILL, READY_DRAFT, DRAFTING, READY_VERIFY, VERIFYING)
+
+    # ---- choosing jobs ------------------------------------------------------------------
+    def schedule(self) -> list[Job]:
+        """Jobs for the free lanes (marks them busy and their requests' states)."""
+        jobs = []
+        if self._busy[VERIFY_LANE] is None:
+            job = self._prefill_job() or self._verify_job()
+            if job is not None:
+                jobs.append(self._start(job))
+        if self._busy[DRAFT_LANE] is None:
+            job = self._draft_job()
+            if job is not None:
+                jobs.append(self._start(job))
+        return jobs
+
+    def _start(self, job: Job) -> Job:
+        self._busy[job.lane] = job
+        new = {"prefill": PREFILL, "draft": DRAFTING, "verify": VERIFYING}[job.kind]
+        for rid in job.rids:
+            self._reqs[rid].state = new
+        return job
+
+    def _prefill_job(self) -> Job | None:
+        if self.schedule_mode == "lockstep" and self._in(DRAFTING):
+            return None
+        active = self._admitted()
+        d = sum(r.draft_bytes for r in active)
+        v = sum(r.resident_bytes for r in active)
+        n = len(active)
+        take = []
+        for r in self._in(WAITING):
+            fits = (_fits(d + r.draft_bytes, self.draft_budget)
+                    and _fits(v + r.resident_bytes + r.load_bytes, self.verify_budget)
+                    and (self.max_active is None or n < self.max_active))
+            if not fits and (n or take):
+                break
+            take.append(r.rid)
+            d, v, n = d + r.draft_bytes, v + r.resident_bytes, n + 1
+        return Job("prefill", tuple(take)) if take else None
+
+    def _groups_in_order(self) -> list[int]:
+        return [(self._next_group + i) % self.groups for i in range(self.groups)]
+
+    def _verify_job(self) -> Job | None:
+        if self.schedule_mode == "lockstep" and self._in(DRAFTING):
+            return None
+        for g in self._groups_in_order():
+            ready = [r for r in self._in(READY_VERIFY) if r.group == g]
+            if not ready:
+                continue
+            room = None if self.verify_budget is None else \
+                self.verify_budget - sum(r.resident_bytes for r in self._admitted())
+            take, used = [], 0
+            for r in ready:
+                if take and not _fits(used + r.load_bytes, room):
+                    break
+                take.append(r.rid)
+                used += r.load_bytes
+            return Job("verify", tuple(take))
+        return None
+
+    def _draft_job(self) -> Job | None:
+        if self.schedule_mode == "lockstep" and self._in(VERIFYING, READY_VERIFY, PREFILL):
+            return None
+        for g in self._groups_in_order():
+            ready = [r.rid for r in self._in(READY_DRAFT) if r.group == g]
+            if ready:
+                self._next_group = (g + 1) % self.groups
+                return Job("draft", tuple(ready))
+        return None
+
+    # ---- results ------------------------------------------------------------------------
+    def done(self, job: Job, finished: frozenset[str] | set[str] = frozenset()) -> None:
+        """A job ended; requests in `finished` are DONE (they may end after prefill or verify)."""
+        if self._busy[job.lane] != job:
+            raise ValueError(f"{job} is not running")
+        self._busy[job.lane] = None
+        for rid in job.rids:
+            r = self._reqs[rid]
+            if rid in finished:
+                r.state = DONE
+            elif job.kind == "prefill":
+                r.group = self._smallest_group()
+                r.state = READY_DRAFT
+            elif job.kind == "draft":
+                r.state = READY_VERIFY
+            else:
+                r.state = READY_DRAFT
+
+    def _smallest_group(self) -> int:
+        sizes = [0] * self.groups
+        for r in self._admitted():
+            if r.group >= 0:
+                sizes[r.group] += 1
+        return min(range(self.groups), key=lambda g: sizes[g])
+
+
+def _fits(used: int, budget: int | None) -> bool:
+    return budget is None or used <= budget
