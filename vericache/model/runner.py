@@ -129,21 +129,25 @@ class Runner:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
-    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, past: int) -> torch.Tensor:
+    def _future_mask(self, L: int, past: int) -> torch.Tensor | None:
+        """[G L, past + L] True where a new token must not see a key (its own future)."""
+        if L == 1:
+            return None
+        row_pos = torch.arange(L, device=self.device).repeat(self.group) + past  # rows: (g, l)
+        return torch.arange(past + L, device=self.device)[None, :] > row_pos[:, None]
+
+    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                future: torch.Tensor | None) -> torch.Tensor:
         """q: [L, Hq, D]; k_all, v_all: [Hkv, past + L, D] -> [L, Hq D]."""
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)  # rows: (g, l)
         qg = qg * self.scale
-        if L > 1:
-            n = past + L
-            row_pos = torch.arange(L, device=q.device).repeat(g) + past  # [G L]
-            future = torch.arange(n, device=q.device)[None, :] > row_pos[:, None]  # [G L, n]
         out = qg.new_empty(hkv, g * L, d)
         # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
         for h in range(hkv):
             scores = torch.mm(qg[h], k_all[h].t())  # [G L, n]
-            if L > 1:
+            if future is not None:
                 scores.masked_fill_(future, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_all.dtype)
             torch.mm(probs, v_all[h], out=out[h])
@@ -161,10 +165,11 @@ class Runner:
                              f"{self.max_positions}-token context")
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
-        pasts = []
+        pasts, masks = [], []
         for it, L in zip(items, lens):
             it.cache.reserve(L)
             pasts.append(it.cache.length)
+            masks.append(self._future_mask(L, it.cache.length))
             if it.capture_q is not None:
                 it.captured = torch.empty(self.num_layers, hq, it.capture_q.shape[0], d,
                                           dtype=self.dtype, device=self.device)
@@ -177,14 +182,14 @@ class Runner:
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             outs = []
             start = 0
-            for it, L, past in zip(items, lens, pasts):
+            for it, L, past, mask in zip(items, lens, pasts, masks):
                 ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
                 ck[:, past: past + L] = k[start: start + L].transpose(0, 1)
                 cv[:, past: past + L] = v[start: start + L].transpose(0, 1)
                 qs = q[start: start + L]
                 if it.capture_q is not None:
                     it.captured[li] = qs[it.capture_q].transpose(0, 1)
-                outs.append(self._attend(qs, ck[:, : past + L], cv[:, : past + L], past))
+                outs.append(self._attend(qs, ck[:, : past + L], cv[:, : past + L], mask))
                 start += L
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             h = h + F.linear(attn, lyr.w_o)
