@@ -5,6 +5,7 @@ full-KV greedy output, token for token."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import grpc
@@ -166,3 +167,22 @@ def test_bad_request_is_400_and_service_keeps_serving(client, stack):
     ok = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2,
                                         messages=[{"role": "user", "content": "hi"}])
     assert ok.choices[0].message.content
+
+
+def test_idle_sessions_expire(services, stack, lm):
+    """A lost gateway leaks nothing: a session idle past --session-ttl-s is freed."""
+    ver = services("services.verifier", ["--kvstore", stack["kvstore"].address, "--session-ttl-s", "1"],
+                   _grpc_ready("verifier"), timeout_s=120, env=ONE_THREAD)
+    _, stub_mod = load("verifier")
+    with grpc.insecure_channel(ver.address) as ch:
+        stub = stub_mod.VerifierStub(ch)
+        stub.Prefill(VPB.PrefillRequest(request_id="orphan", token_ids=chat_ids(lm, "hi"),
+                                        chunk_size=256, extra_capacity=8), timeout=60)
+        assert stub.Health(VPB.ServiceHealthRequest(), timeout=5).sessions == 1
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and stub.Health(VPB.ServiceHealthRequest(), timeout=5).sessions:
+            time.sleep(0.5)
+        assert stub.Health(VPB.ServiceHealthRequest(), timeout=5).sessions == 0
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(VPB.VerifyRequest(items=[VPB.VerifyItem(request_id="orphan")]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
