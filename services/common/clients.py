@@ -10,6 +10,7 @@ from services.common.convert import probs_from_bytes, probs_to_bytes
 from services.common.modelsvc import MODEL_MESSAGE_BYTES
 from vericache._proto import load
 from vericache.engine.drafter import DraftOut
+from vericache.grpc_token import with_token
 from vericache.engine.generation import Generation
 from vericache.errors import VeriCacheError
 from vericache.store.grpc_store import STATUS_ERRORS
@@ -28,11 +29,15 @@ def _call(fn, request, timeout: float, what: str):
 
 
 class RemoteBackends:
-    def __init__(self, drafter: str, verifier: str, vocab_size: int, timeout_s: float = 300.0):
+    """The drafter and verifier services as the engine's backends. `token`: the services'
+    internal token, sent with every call."""
+
+    def __init__(self, drafter: str, verifier: str, vocab_size: int, timeout_s: float = 300.0,
+                 token: str | None = None):
         self.vocab, self.timeout = vocab_size, timeout_s
         self._channels = [grpc.insecure_channel(t, options=_OPTIONS) for t in (drafter, verifier)]
-        self.drafter = dpb_grpc.DrafterStub(self._channels[0])
-        self.verifier = vpb_grpc.VerifierStub(self._channels[1])
+        self.drafter = dpb_grpc.DrafterStub(with_token(self._channels[0], token))
+        self.verifier = vpb_grpc.VerifierStub(with_token(self._channels[1], token))
 
     def admit(self, g: Generation) -> int:
         p = g.params

@@ -1,4 +1,6 @@
-"""Protobuf <-> core conversions for the drafter and verifier services, in one place."""
+"""Protobuf <-> core conversions for the drafter and verifier services, in one place, with
+the size limits on every RPC input (token counts, draft lengths, batch sizes, string
+lengths): a call over a limit is INVALID_ARGUMENT before any model work or allocation."""
 
 from __future__ import annotations
 
@@ -8,6 +10,45 @@ import torch
 from vericache.errors import InvalidArgument
 
 MAX_PROMPT_TOKENS = 1 << 20
+MAX_DRAFT_TOKENS = 256  # draft tokens per request per round (k)
+MAX_BATCH_ITEMS = 1024  # requests in one Draft or Verify call
+MAX_ID_CHARS = 256  # request ids
+MAX_NAME_CHARS = 256  # compressor specs, namespaces
+MAX_CHUNK_SIZE = 1 << 16
+
+
+def bounded_str(value: str, param: str, limit: int = MAX_NAME_CHARS,
+                allow_empty: bool = True) -> str:
+    """`value` unless it is longer than `limit` characters (or empty when not allowed)."""
+    if len(value) > limit:
+        raise InvalidArgument(f"{param} has {len(value)} characters, more than {limit}", param)
+    if not value and not allow_empty:
+        raise InvalidArgument(f"{param} is empty", param)
+    return value
+
+
+def request_id(value: str) -> str:
+    return bounded_str(value, "request_id", MAX_ID_CHARS, allow_empty=False)
+
+
+def bounded_int(value: int, param: str, limit: int, low: int = 0) -> int:
+    if not low <= value <= limit:
+        raise InvalidArgument(f"{param} must lie in [{low}, {limit}] (got {value})", param)
+    return value
+
+
+def batch_items(items, param: str = "items") -> list:
+    """The items of a batched call, at most MAX_BATCH_ITEMS, each with a bounded request id."""
+    out = list(items)
+    bounded_int(len(out), param, MAX_BATCH_ITEMS)
+    for it in out:
+        request_id(it.request_id)
+    return out
+
+
+def chunk_size(value: int) -> int:
+    """0 means the default (256)."""
+    return bounded_int(value, "chunk_size", MAX_CHUNK_SIZE) or 256
 
 
 def token_list(ids, vocab_size: int, param: str = "token_ids", allow_empty: bool = False) -> list[int]:

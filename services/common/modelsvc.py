@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from services.common.auth import add_token_arg
 from vericache.engine.ttl import SessionClock
 from vericache.model import load_model
 from vericache.store import open_store
@@ -43,8 +44,18 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
                    default=float(env.get("VERICACHE_SESSION_TTL_S", 600)),
                    help="free a session idle this long (env VERICACHE_SESSION_TTL_S, default 600)")
     p.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
+    add_token_arg(p)
     p.add_argument("--log-level", default=env.get("VERICACHE_LOG_LEVEL", "INFO"),
                    help="logging level (env VERICACHE_LOG_LEVEL, default INFO)")
+
+
+def open_service_store(url: str, token: str = ""):
+    """The store a URL names; a kvstore service client (grpc://) sends the internal token."""
+    if url.startswith("grpc://"):
+        from vericache.store.grpc_store import GrpcStore
+
+        return GrpcStore.from_url(url, token=token or None)
+    return open_store(url)
 
 
 def store_url(kvstore: str, gbps: float) -> str:
@@ -69,8 +80,8 @@ class ModelService:
         logging.basicConfig(level=a.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         lm = load_model(a.model, a.dtype, a.device)
-        return cls(lm, open_store(store_url(a.kvstore, a.link_gbps)), SessionClock(a.session_ttl_s),
-                   threading.Lock())
+        store = open_service_store(store_url(a.kvstore, a.link_gbps), a.internal_token)
+        return cls(lm, store, SessionClock(a.session_ttl_s), threading.Lock())
 
     def start_reaper(self, release, period_s: float = 5.0) -> threading.Thread:
         """Release sessions idle past the TTL, every `period_s`."""

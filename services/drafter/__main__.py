@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         svc.start_reaper(servicer.core.release)
         server, port = build_server(lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
                                     host=a.host, port=a.port, max_workers=a.workers,
-                                    max_message_bytes=MODEL_MESSAGE_BYTES)
+                                    max_message_bytes=MODEL_MESSAGE_BYTES,
+                                    internal_token=a.internal_token)
         print(f"drafter: serving on {a.host}:{port} model={svc.lm.model_id}", flush=True)
         serve_until_signal(server, on_stop=svc.store.close)
     except (VeriCacheError, OSError) as e:

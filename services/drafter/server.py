@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from services.common.convert import probs_to_bytes, token_list
+from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
+                                     chunk_size, probs_to_bytes, request_id, token_list)
 from services.common.modelsvc import ModelService
 from vericache._proto import load
 from vericache.compress import make_compressor
@@ -22,20 +23,27 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.vocab = svc.lm.runner.vocab_size
 
     def Attach(self, req, context):
+        rid = request_id(req.request_id)
         ids = token_list(req.token_ids, self.vocab)
         first = token_list([req.first_token], self.vocab, "first_token")[0]
-        comp = make_compressor(req.compressor)
+        comp = make_compressor(bounded_str(req.compressor, "compressor"))
+        size = chunk_size(req.chunk_size)
+        bounded_int(req.tail_start, "tail_start", len(ids))
+        bounded_int(req.extra_capacity, "extra_capacity", self.svc.lm.max_context - len(ids))
         with self.svc.lock:
-            tr = self.core.attach_from_store(req.request_id, ids, comp, req.chunk_size or 256,
-                                             req.tail_start, first, req.extra_capacity,
-                                             req.temperature, req.seed, req.namespace)
-        self.svc.clock.touch(req.request_id, time.monotonic())
+            tr = self.core.attach_from_store(rid, ids, comp, size, req.tail_start, first,
+                                             req.extra_capacity, req.temperature, req.seed,
+                                             bounded_str(req.namespace, "namespace"))
+        self.svc.clock.touch(rid, time.monotonic())
         return pb.AttachResponse(bytes_read=tr.bytes_read, store_hits=tr.hits, seconds=tr.seconds)
 
     def Draft(self, req, context):
+        items = batch_items(req.items)
+        for it in items:
+            bounded_int(it.k, "k", MAX_DRAFT_TOKENS)
         t = time.perf_counter()
         with self.svc.lock:
-            outs = self.core.draft([(it.request_id, it.k) for it in req.items])
+            outs = self.core.draft([(it.request_id, it.k) for it in items])
         now = time.monotonic()
         for it in req.items:
             self.svc.clock.touch(it.request_id, now)
@@ -43,13 +51,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                          for o in outs], seconds=time.perf_counter() - t)
 
     def Commit(self, req, context):
-        bonus = req.bonus if req.HasField("bonus") else None
+        request_id(req.request_id)
+        bounded_int(req.accepted, "accepted", MAX_DRAFT_TOKENS)
+        bonus = token_list([req.bonus], self.vocab, "bonus")[0] if req.HasField("bonus") else None
         with self.svc.lock:
             self.core.commit(req.request_id, req.accepted, bonus)
         self.svc.clock.touch(req.request_id, time.monotonic())
         return pb.CommitResponse()
 
     def Release(self, req, context):
+        request_id(req.request_id)
         with self.svc.lock:
             had = req.request_id in self.core.sessions
             self.core.release(req.request_id)

@@ -12,7 +12,8 @@ import sys
 
 from services.gateway.app import serve
 from vericache.cli.common import add_gen_args, add_model_args, env
-from vericache.cli.serve import add_server_args, default_params, embedded_engine
+from services.common.auth import add_token_arg
+from vericache.cli.serve import access_policy, add_server_args, default_params, embedded_engine
 from vericache.engine.api import Engine
 from vericache.errors import InvalidArgument, VeriCacheError
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvstore service HOST:PORT, for store metrics ($VERICACHE_KVSTORE)")
     g.add_argument("--rpc-timeout-s", type=float, default=float(env("RPC_TIMEOUT_S", 300)),
                    help="deadline of each drafter/verifier call (default 300; $VERICACHE_RPC_TIMEOUT_S)")
+    add_token_arg(g)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"),
                    help="logging level (default: WARNING; $VERICACHE_LOG_LEVEL)")
     return p
@@ -54,7 +56,8 @@ def build_engine(args) -> Engine:
     from vericache.model.loader import load_model_info
 
     info = load_model_info(args.model, args.dtype)
-    backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s)
+    backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s,
+                              token=args.internal_token)
     return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
                        backends=backends)
 
@@ -64,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         defaults = default_params(args)
+        policy = access_policy(args)
         store = None
         if args.kvstore:
-            from vericache.store import open_store
+            from vericache.store.grpc_store import GrpcStore
 
-            store = open_store(f"grpc://{args.kvstore}")
+            store = GrpcStore.from_url(f"grpc://{args.kvstore}", token=args.internal_token or None)
         serve(build_engine(args), args.host, args.port, args.served_model_name, defaults,
-              args.log_level, store)
+              args.log_level, store, policy)
     except VeriCacheError as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2

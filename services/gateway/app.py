@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.auth import AccessMiddleware, AccessPolicy
 from services.gateway.metrics import (CONTENT_TYPE, HttpCounter, MetricsRegistry, engine_collector,
                                       store_collector)
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -59,9 +60,11 @@ class _CountResponses:
 
 
 def create_app(engine: Engine, served_model_name: str | None = None,
-               defaults: GenParams | None = None, store=None) -> FastAPI:
+               defaults: GenParams | None = None, store=None,
+               policy: AccessPolicy | None = None) -> FastAPI:
     """The gateway over `engine`; the engine itself is closed by whoever created it. With a
-    `store` (the kvstore client), /metrics also shows the store's own counters."""
+    `store` (the kvstore client), /metrics also shows the store's own counters. `policy`:
+    API keys, tenant namespaces and the body limit (default: no keys, 2 MiB bodies)."""
     serving = OpenAIServing(engine, served_model_name, defaults)
     registry = MetricsRegistry()
     registry.register(engine_collector(engine))
@@ -74,6 +77,7 @@ def create_app(engine: Engine, served_model_name: str | None = None,
                   description="OpenAI-compatible API over lossless compressed-KV speculative "
                               "decoding")
     app.state.serving, app.state.metrics = serving, registry
+    app.add_middleware(AccessMiddleware, policy=policy or AccessPolicy())
     app.add_middleware(_CountResponses, counter=http_counter)
     app.add_exception_handler(RequestValidationError, lambda r, e: _validation_error(e))
     app.add_exception_handler(VeriCacheError, lambda r, e: error_response(e))
@@ -133,9 +137,10 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: Engine, host: str, port: int, served_model_name: str | None = None,
-          defaults: GenParams | None = None, log_level: str = "warning", store=None) -> None:
+          defaults: GenParams | None = None, log_level: str = "warning", store=None,
+          policy: AccessPolicy | None = None) -> None:
     """Run the gateway until SIGINT/SIGTERM, then close the engine."""
-    app = create_app(engine, served_model_name, defaults, store)
+    app = create_app(engine, served_model_name, defaults, store, policy)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=5)
     try:

@@ -48,7 +48,8 @@ class VeriCacheOptions(OpenAIModel):
     compressor: str | None = Field(None, description="KV compressor for drafting, e.g. snapkv, "
                                                      "streamingllm, kivi:bits=4, snapkv-kivi")
     ratio: float | None = Field(None, description="compression ratio of token-dropping compressors")
-    draft_len: int | None = Field(None, description="largest draft length k per round")
+    draft_len: int | None = Field(None, ge=1, le=256,
+                                  description="largest draft length k per round (1..256)")
 
 
 class SamplingFields(OpenAIModel):

@@ -133,10 +133,15 @@ class OpenAIServing:
             over.update(req.vericache.model_dump(exclude_none=True))
         return dataclasses.replace(self.defaults, **over)
 
-    async def _submit(self, req, to_ids: Callable, prompt_param: str):
+    async def _submit(self, req, request: Request, to_ids: Callable, prompt_param: str):
+        """Queue the request under the caller's tenant namespace (set by the access
+        middleware; a request object without one keeps the server default)."""
         self._check_model(req.model)
         ids = await run_in_threadpool(to_ids, req)
         params = self._params(req, len(ids), prompt_param)
+        namespace = getattr(request.state, "namespace", None)
+        if namespace:
+            params = dataclasses.replace(params, namespace=namespace)
         return await run_in_threadpool(self.engine.submit, ids, params)
 
     # ---- running ---------------------------------------------------------------------
@@ -204,7 +209,7 @@ class OpenAIServing:
                 "model": self.model_name}
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
-        stream = await self._submit(req, self._chat_ids, "messages")
+        stream = await self._submit(req, request, self._chat_ids, "messages")
         head = self._head("chatcmpl")
         if not req.stream:
             text, finish, usage = await self._collect(stream, request)
@@ -229,7 +234,7 @@ class OpenAIServing:
                                          usage_chunk if req.include_usage else None))
 
     async def completion(self, req: CompletionRequest, request: Request):
-        stream = await self._submit(req, self._completion_ids, "prompt")
+        stream = await self._submit(req, request, self._completion_ids, "prompt")
         head = self._head("cmpl")
         if not req.stream:
             text, finish, usage = await self._collect(stream, request)

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from services.common.auth import add_token_arg
 from services.kvstore.server import KVStoreConfig, serve
 from vericache.errors import VeriCacheError
 
@@ -35,13 +36,19 @@ def parse_args(argv: list[str] | None = None) -> KVStoreConfig:
                    help="threads serving calls (env VERICACHE_KVSTORE_WORKERS, default 16)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds calls in flight may finish after SIGTERM (default 5)")
+    p.add_argument("--max-value-mb", type=float,
+                   default=float(env.get("VERICACHE_KVSTORE_MAX_VALUE_MB", 256)),
+                   help="largest value one Put may store, in MiB; larger Puts get "
+                        "INVALID_ARGUMENT (env VERICACHE_KVSTORE_MAX_VALUE_MB, default 256)")
+    add_token_arg(p)
     p.add_argument("--log-level", default=env.get("VERICACHE_LOG_LEVEL", "INFO"),
                    help="logging level (env VERICACHE_LOG_LEVEL, default INFO)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return KVStoreConfig(backend=a.backend, host=a.host, port=a.port, workers=a.workers,
-                         grace_s=a.grace_s)
+                         grace_s=a.grace_s, internal_token=a.internal_token,
+                         max_value_bytes=int(a.max_value_mb * (1 << 20)))
 
 
 def main(argv: list[str] | None = None) -> int:

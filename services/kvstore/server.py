@@ -15,6 +15,7 @@ from services.common import build_server, serve_until_signal
 from vericache._proto import load
 from vericache.errors import InvalidArgument, NotFound, VeriCacheError
 from vericache.store import ChunkStore, open_store
+from vericache.store.base import check_key
 from vericache.store.link import PIECE_BYTES, pieces
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ pb, pb_grpc = load("kvstore")
 
 _STAT_FIELDS = ("hits", "misses", "bytes_in", "bytes_out", "entries", "bytes_stored")
 _HEALTH_KEY = "vericache-health-probe"
+MAX_KEYS_PER_CALL = 1 << 16  # a 16M-token prompt in 256-token chunks
 
 
 @dataclass
@@ -33,6 +35,8 @@ class KVStoreConfig:
     port: int = 50051
     workers: int = 16
     grace_s: float = 5.0
+    internal_token: str = ""  # shared secret every call must carry (empty: no check)
+    max_value_bytes: int = 256 << 20  # largest value one Put may store
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -41,21 +45,35 @@ class KVStoreConfig:
             raise InvalidArgument("workers must be at least 1", param="workers")
 
 
+def _check_keys(keys) -> None:
+    if len(keys) > MAX_KEYS_PER_CALL:
+        raise InvalidArgument(f"{len(keys)} keys in one call, more than {MAX_KEYS_PER_CALL}",
+                              param="keys")
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: ChunkStore, backend: str):
+    def __init__(self, store: ChunkStore, backend: str, max_value_bytes: int = 256 << 20):
         self.store = store
         self.backend = backend
+        self.max_value_bytes = max_value_bytes
 
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or not first.key:
             raise InvalidArgument("the first piece of a Put must carry the key", param="key")
+        check_key(first.key)
+        if first.total_bytes > self.max_value_bytes:
+            raise InvalidArgument(f"value of {first.total_bytes} bytes exceeds the "
+                                  f"{self.max_value_bytes}-byte limit", param="total_bytes")
         buf = bytearray()
         for req in itertools.chain([first], request_iterator):
             if len(req.data) > PIECE_BYTES:
                 raise InvalidArgument(f"piece of {len(req.data)} bytes exceeds {PIECE_BYTES}",
                                       param="data")
             buf += req.data
+            if len(buf) > first.total_bytes:
+                raise InvalidArgument(f"more than the announced {first.total_bytes} bytes",
+                                      param="total_bytes")
         if len(buf) != first.total_bytes:
             raise InvalidArgument(f"received {len(buf)} bytes, expected {first.total_bytes}",
                                   param="total_bytes")
@@ -71,9 +89,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             yield pb.GetResponse(total_bytes=len(value) if i == 0 else 0, data=bytes(piece))
 
     def Contains(self, request, context):
+        _check_keys(request.keys)
         return pb.ContainsResponse(present=self.store.contains_many(list(request.keys)))
 
     def LongestPrefix(self, request, context):
+        _check_keys(request.keys)
         return pb.LongestPrefixResponse(count=self.store.longest_prefix(list(request.keys)))
 
     def Delete(self, request, context):
@@ -99,9 +119,10 @@ def serve(config: KVStoreConfig) -> None:
     store = open_store(config.backend)
     try:
         scheme = urlsplit(config.backend).scheme or config.backend
-        servicer = KVStoreServicer(store, scheme)
+        servicer = KVStoreServicer(store, scheme, config.max_value_bytes)
         server, port = build_server(lambda s: pb_grpc.add_KVStoreServicer_to_server(servicer, s),
-                                    host=config.host, port=config.port, max_workers=config.workers)
+                                    host=config.host, port=config.port, max_workers=config.workers,
+                                    internal_token=config.internal_token)
         log.info("kvstore serving on %s:%d, backend %s", config.host, port, scheme)
         print(f"kvstore: serving on {config.host}:{port} backend={scheme}", flush=True)
         serve_until_signal(server, grace_s=config.grace_s)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from services.common.convert import probs_from_bytes, token_list
+from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
+                                     chunk_size, probs_from_bytes, request_id, token_list)
 from services.common.modelsvc import ModelService
 from vericache._proto import load
 from vericache.compress import make_compressor
@@ -22,16 +23,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.vocab = svc.lm.runner.vocab_size
 
     def Prefill(self, req, context):
+        rid = request_id(req.request_id)
         ids = token_list(req.token_ids, self.vocab)
+        bounded_str(req.namespace, "namespace")
         if len(ids) + req.extra_capacity > self.svc.lm.max_context:
             raise InvalidArgument(f"prompt ({len(ids)} tokens) + {req.extra_capacity} more exceed "
                                   f"the model's {self.svc.lm.max_context}-token context", "token_ids")
-        comp = make_compressor(req.compressor) if req.compressor else None
+        comp = make_compressor(bounded_str(req.compressor, "compressor")) if req.compressor else None
+        size = chunk_size(req.chunk_size)
         t = time.perf_counter()
         with self.svc.lock:
-            out = self.core.prefill(req.request_id, ids, req.extra_capacity, req.chunk_size or 256,
+            out = self.core.prefill(rid, ids, req.extra_capacity, size,
                                     comp, req.temperature, req.seed, req.namespace, req.save_tail)
-        self.svc.clock.touch(req.request_id, time.monotonic())
+        self.svc.clock.touch(rid, time.monotonic())
         tr = out.transfer
         return pb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
                                   tail_start=out.tail_start, store_hits=tr.hits,
@@ -40,7 +44,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Verify(self, req, context):
         batch = []
-        for it in req.items:
+        for it in batch_items(req.items):
+            bounded_int(len(it.draft_tokens), "draft_tokens", MAX_DRAFT_TOKENS)
             drafts = token_list(it.draft_tokens, self.vocab, "draft_tokens", allow_empty=True)
             batch.append((it.request_id, drafts, probs_from_bytes(it.draft_probs, len(drafts), self.vocab)))
         t = time.perf_counter()
@@ -53,6 +58,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  seconds=time.perf_counter() - t)
 
     def Release(self, req, context):
+        request_id(req.request_id)
         with self.svc.lock:
             had = req.request_id in self.core.sessions
             self.core.release(req.request_id)

@@ -32,6 +32,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="prefix-cache store of the embedded engine: memory://?capacity_mb=N, "
                         "redis://HOST:PORT/DB, lmcache://..., grpc://HOST:PORT, or none "
                         "(default: memory://?capacity_mb=2048; $VERICACHE_STORE)")
+    a = p.add_argument_group("access (see services/gateway/auth.py)")
+    a.add_argument("--api-key", default=env("API_KEY", ""),
+                   help="API keys, comma-separated: /v1/* then needs 'Authorization: Bearer "
+                        "KEY' (401 otherwise); /health and /metrics stay open "
+                        "(default: none, open; $VERICACHE_API_KEY, preferred: flags show in ps)")
+    a.add_argument("--tenant", action="append", metavar="KEY=NAME",
+                   default=[t for t in env("TENANTS", "").split(",") if t],
+                   help="prefix-cache namespace of an API key (repeatable; default for a key: "
+                        "t- + 12 hex digits of its sha256; $VERICACHE_TENANTS, comma-separated)")
+    a.add_argument("--shared-prefix-cache", action="store_true",
+                   default=env("SHARED_PREFIX_CACHE", "") in ("1", "true", "yes"),
+                   help="one prefix-cache namespace for all API keys, so tenants reuse each "
+                        "other's cached prefixes (default: one namespace per key; "
+                        "$VERICACHE_SHARED_PREFIX_CACHE=1)")
+    a.add_argument("--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", 2 << 20)),
+                   help="largest HTTP request body; larger ones get 413 "
+                        "(default: 2097152; $VERICACHE_MAX_BODY_BYTES)")
 
 
 def add_parser(sub) -> None:
@@ -55,6 +72,18 @@ def default_params(args) -> GenParams:
     return params
 
 
+def access_policy(args):
+    """The gateway's AccessPolicy from the access flags (bad ones fail before the model loads)."""
+    from services.gateway.auth import AccessPolicy
+    from vericache.errors import InvalidArgument
+
+    try:
+        return AccessPolicy.from_flags(args.api_key, args.tenant, args.shared_prefix_cache,
+                                       args.max_body_bytes)
+    except ValueError as e:
+        raise InvalidArgument(str(e), "api_key") from None
+
+
 def embedded_engine(args):
     """Load the model and start a BatchEngine over it."""
     from vericache.engine.batch import BatchEngine
@@ -75,6 +104,8 @@ def run(args) -> int:
     from services.gateway import serve
 
     defaults = default_params(args)
+    policy = access_policy(args)
     engine = embedded_engine(args)
-    serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level)
+    serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level,
+          policy=policy)
     return 0

@@ -7,6 +7,7 @@ socket can stand in for a 1 Gbit/s network. `stats()` returns the server's count
 link's: link_bytes_sent, link_bytes_received, link_seconds (time inside transfers),
 link_wait_seconds (of it, time the bandwidth cap slept), link_pieces_sent/received and
 link_max_piece_bytes. gRPC status codes map back to the core's typed errors here, once.
+`token` (the services' internal token, never part of the URL) goes with every call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from vericache._proto import load
+from vericache.grpc_token import with_token
 from vericache.errors import (InvalidArgument, NotFound, ResourceExhausted, Unavailable,
                               VeriCacheError)
 from vericache.store.base import ChunkStore, Value, check_key, url_params
@@ -43,19 +45,20 @@ def typed_error(e: grpc.RpcError, target: str) -> VeriCacheError:
 
 
 class GrpcStore(ChunkStore):
-    def __init__(self, target: str, gbps: float | None = None, timeout_s: float = 60.0):
+    def __init__(self, target: str, gbps: float | None = None, timeout_s: float = 60.0,
+                 token: str | None = None):
         self.target = target
         self.timeout_s = timeout_s
         self.bucket = TokenBucket.gbps(gbps) if gbps else None
         self._pb, pb_grpc = load("kvstore")
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._stub = pb_grpc.KVStoreStub(with_token(self._channel, token))
         self._lock = threading.Lock()
         self._link = {"link_bytes_sent": 0, "link_bytes_received": 0, "link_seconds": 0.0,
                       "link_pieces_sent": 0, "link_pieces_received": 0, "link_max_piece_bytes": 0}
 
     @classmethod
-    def from_url(cls, url: str) -> "GrpcStore":
+    def from_url(cls, url: str, token: str | None = None) -> "GrpcStore":
         p = url_params(url, gbps=float, timeout_s=float)
         parts = urlsplit(url)
         if not parts.hostname or not parts.port:
@@ -63,7 +66,7 @@ class GrpcStore(ChunkStore):
         if p.get("gbps", 1) <= 0:
             raise InvalidArgument("gbps must be positive", param="gbps")
         return cls(f"{parts.hostname}:{parts.port}", gbps=p.get("gbps"),
-                   timeout_s=p.get("timeout_s", 60.0))
+                   timeout_s=p.get("timeout_s", 60.0), token=token)
 
     def _call(self, method, request):
         try:
