@@ -21,9 +21,11 @@ class LocalBackends:
     memory:// store) prefixes are cached across requests and the drafter attaches from the
     store, exactly as the services do; without one, chunks pass in memory."""
 
-    def __init__(self, lm, store=None):
-        self.lm, self.store = lm, store
-        self.verifier = Verifier(lm.runner, store, lm.model_id)
+    def __init__(self, lm, store=None, tier=None):
+        """`tier`: where the verifier keeps full KV between rounds (None: resident; an
+        `vericache.engine.kvtier.OffloadedTier`: offloaded)."""
+        self.lm, self.store, self.tier = lm, store, tier
+        self.verifier = Verifier(lm.runner, store, lm.model_id, tier)
         self.drafter = Drafter(lm.runner, lm.eos_token_ids, store, lm.model_id)
 
     def admit(self, g: Generation) -> int:
@@ -80,15 +82,30 @@ def start(backends, g: Generation) -> list[int]:
 def run_round(backends, gens: list[Generation]) -> dict[str, list[int]]:
     """One round for every request in `gens` (lockstep: all draft, then all verify).
     Returns the tokens each request emitted, by request id."""
-    out: dict[str, list[int]] = {g.rid: [] for g in gens}
+    return verify_phase(backends, gens, draft_phase(backends, gens))
+
+
+def draft_phase(backends, gens: list[Generation]) -> dict[str, DraftOut]:
+    """The drafter's half of a round: draft for every request that drafts (not `full`)."""
     ks = {g.rid: g.k_for_round() for g in gens}
     drafting = [g for g in gens if g.params.mode != "full"]
     t0 = time.perf_counter()
     drafts = dict(zip([g.rid for g in drafting],
                       backends.draft([(g, ks[g.rid]) for g in drafting]) if drafting else []))
     t1 = time.perf_counter()
+    for g in drafting:
+        g.stats.draft_s += t1 - t0
+        g.stats.draft_steps += len(drafts[g.rid].tokens)
+    return drafts
+
+
+def verify_phase(backends, gens: list[Generation], drafts: dict[str, DraftOut]) -> dict[str, list[int]]:
+    """The verifier's half: one verify pass for every request that verifies (not `lossy`),
+    then commit the outcome to the drafter. Returns the tokens each request emitted."""
+    out: dict[str, list[int]] = {g.rid: [] for g in gens}
     verifying = [g for g in gens if g.params.mode != "lossy"]
     empty = DraftOut([], None)
+    t1 = time.perf_counter()
     results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying]) if verifying else []
     t2 = time.perf_counter()
     for g, (a, bonus) in zip(verifying, results):
@@ -97,9 +114,7 @@ def run_round(backends, gens: list[Generation]) -> dict[str, list[int]]:
             backends.commit(g, a, bonus)
         out[g.rid] = g.on_round(d.tokens, a, bonus)
         g.stats.verify_s += t2 - t1
-    for g in drafting:
-        g.stats.draft_s += t1 - t0
-        g.stats.draft_steps += len(drafts[g.rid].tokens)
+    for g in gens:
         if g.params.mode == "lossy":
             backends.commit(g, 1, None)
             out[g.rid] = g.on_lossy(drafts[g.rid].tokens[0])

@@ -9,6 +9,10 @@ Methods and when they are called:
   [x_0, d_1..d_k] per request over its full KV; accepts by `vericache.spec.accept`; crops the
   cache to the accepted tokens. Returns (accepted, bonus) per request.
 - `release(rid)`: once, when the request ends or fails.
+
+Where the full KV lives between rounds is a tier (`vericache.engine.kvtier`): resident (the
+default) or offloaded, in which case prefill moves it into the tier and each verification
+loads it layer by layer while computing, then writes the accepted tokens' KV back.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from vericache.compress.base import CompressedChunk, Compressor
 from vericache.engine.drafter import choose
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
+from vericache.engine.kvtier import OffloadedTier
 from vericache.errors import NotFound
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
@@ -46,9 +51,12 @@ class PrefillOut:
 
 
 class Verifier:
-    def __init__(self, runner: Runner, store: ChunkStore | None = None, model_id: str = ""):
-        """With a store, prefill reuses cached prefixes and writes new chunks back."""
+    def __init__(self, runner: Runner, store: ChunkStore | None = None, model_id: str = "",
+                 tier: OffloadedTier | None = None):
+        """With a store, prefill reuses cached prefixes and writes new chunks back. With a
+        tier, the full KV is offloaded between rounds (None: resident)."""
         self.runner, self.store, self.model_id = runner, store, model_id
+        self.tier = tier
         self.sessions: dict[str, VerifySession] = {}
 
     def _get(self, rid: str) -> VerifySession:
@@ -76,7 +84,8 @@ class Verifier:
                   if compressor else [])
         if pc is not None:
             pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, rid if save_tail else None, stats)
-        self.sessions[rid] = VerifySession(pre.cache, [first], temperature, gen)
+        cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
+        self.sessions[rid] = VerifySession(cache, [first], temperature, gen)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats)
 
     def cache(self, rid: str) -> KVCache:
@@ -85,22 +94,27 @@ class Verifier:
     def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]]) -> list[tuple[int, int]]:
         """For each (rid, drafts, q): one pass over the full KV, accept, crop."""
         sess = [self._get(rid) for rid, _, _ in batch]
+        caches = [s.cache for s in sess]
+        if self.tier is not None:  # working copies, filled layer by layer during the pass
+            caches = self.tier.open(caches, [len(s.pending) + len(d) for s, (_, d, _) in zip(sess, batch)])
         items = []
-        for s, (_, drafts, _) in zip(sess, batch):
+        for s, c, (_, drafts, _) in zip(sess, caches, batch):
             toks = s.pending + list(drafts)
-            pos0 = s.cache.length
+            pos0 = c.length
             items.append(SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)),
-                                      s.cache, logits="all"))
+                                      c, logits="all"))
         logits = self.runner.forward(items)
         out = []
-        for s, (_, drafts, q), lg in zip(sess, batch, logits):
+        for s, c, (_, drafts, q), lg in zip(sess, caches, batch, logits):
             k = len(drafts)
             if s.temperature == 0:
                 a, bonus = greedy_accept(list(drafts), lg.argmax(dim=-1).tolist())
             else:
                 p = torch.softmax(lg.float() / s.temperature, dim=-1)
                 a, bonus = speculative_accept(list(drafts), q if k else p[:0], p, s.gen)
-            s.cache.crop(s.cache.length - k + a)
+            c.crop(c.length - k + a)
+            if c is not s.cache:
+                self.tier.write_back(c)
             s.pending = [bonus]
             out.append((a, bonus))
         return out

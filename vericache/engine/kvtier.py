@@ -1,0 +1,179 @@
+"""Where the verifier keeps a request's full KV between rounds: resident, or offloaded.
+
+- resident: the full KV stays in the verifier's memory (`KVCache`), as before.
+- offloaded: the full KV lives in a slower tier (here a host-memory copy) behind a link with
+  a bandwidth (`Link`: a real copy of the bytes, paced by a `TokenBucket`, so a run can stand
+  for a 1 Gbit/s network or a 25 GB/s PCIe bus). Each verification opens a working copy
+  (`StreamedKV`) that a loader thread fills layer by layer while the forward pass computes:
+  the runner reads layer l's keys through a gate that waits only until layer l has landed,
+  so loading layer l+1 overlaps computing layer l. After the pass the accepted tokens' new
+  KV is written back over the link and the working copy is dropped.
+
+Every byte moved and every second the compute waited on the link is counted (`TierStats`),
+with the wait intervals kept so a benchmark can say how much of the transfer time another
+lane's work hid.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.model.kvcache import KVCache
+from vericache.store.link import TokenBucket
+
+TIERS = ("resident", "offloaded")
+
+
+@dataclass
+class TierStats:
+    """Link traffic and timing of an offloaded tier (all threads together)."""
+
+    bytes_loaded: int = 0  # tier -> working copy, for verification
+    bytes_stored: int = 0  # working copy / prefill -> tier
+    loads: int = 0  # verify passes that loaded KV
+    transfer_s: float = 0.0  # seconds the loader spent moving layers (copy + link pacing)
+    stall_s: float = 0.0  # seconds the forward pass waited for a layer
+    stalls: list[tuple[float, float]] = field(default_factory=list)  # (start, end), perf_counter
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_loaded + self.bytes_stored
+
+
+class Link:
+    """A link of `gbps` gigabits per second (None: as fast as memory copies go)."""
+
+    def __init__(self, gbps: float | None = None):
+        self.gbps = gbps
+        self.bucket = TokenBucket.gbps(gbps) if gbps else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """Copy src into dst over the link; returns the bytes moved."""
+        dst.copy_(src)
+        n = src.numel() * src.element_size()
+        if self.bucket is not None:
+            self.bucket.take(n)
+        return n
+
+
+class _Gate:
+    """Stands in for `KVCache.k` / `.v` in the runner: indexing layer l waits for it to land."""
+
+    def __init__(self, buf: torch.Tensor, ready: list[threading.Event], stats: TierStats,
+                 lock: threading.Lock):
+        self.buf, self.ready, self.stats, self.lock = buf, ready, stats, lock
+
+    def __getitem__(self, li):
+        ev = self.ready[li]
+        if not ev.is_set():
+            t0 = time.perf_counter()
+            ev.wait()
+            t1 = time.perf_counter()
+            with self.lock:
+                self.stats.stall_s += t1 - t0
+                self.stats.stalls.append((t0, t1))
+        return self.buf[li]
+
+
+class StreamedKV:
+    """A working copy of an offloaded request's full KV for one forward pass: the runner sees
+    a cache (`k`, `v`, `length`, `reserve`); its layers arrive while it computes."""
+
+    def __init__(self, host: KVCache, extra: int, ready: list[threading.Event], stats: TierStats,
+                 lock: threading.Lock):
+        shape = (host.num_layers, host.k.shape[1], host.length + extra, host.k.shape[3])
+        self.host = host
+        self.k_buf = torch.empty(shape, dtype=host.k.dtype, device=host.k.device)
+        self.v_buf = torch.empty_like(self.k_buf)
+        self.k = _Gate(self.k_buf, ready, stats, lock)
+        self.v = _Gate(self.v_buf, ready, stats, lock)
+        self.length = host.length
+
+    def reserve(self, extra: int) -> None:
+        if self.length + extra > self.k_buf.shape[2]:
+            raise ValueError(f"working copy holds {self.k_buf.shape[2]} tokens; "
+                             f"{self.length + extra} needed")
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop({length}) outside [0, {self.length}]")
+        self.length = length
+
+
+class OffloadedTier:
+    """Full KV in host memory behind a `Link`; loaded layer by layer for each verification."""
+
+    def __init__(self, link: Link | None = None):
+        self.link = link or Link()
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-kv-loader")
+
+    def offload(self, cache: KVCache) -> KVCache:
+        """Move a prefilled full KV into the tier (the copy crosses the link)."""
+        host = KVCache(cache.num_layers, cache.k.shape[1], cache.k.shape[3], cache.capacity,
+                       cache.k.dtype, "cpu")
+        n = 0
+        for li in range(cache.num_layers):
+            n += self.link.copy(host.k[li, :, :cache.length], cache.k[li, :, :cache.length])
+            n += self.link.copy(host.v[li, :, :cache.length], cache.v[li, :, :cache.length])
+        host.length = cache.length
+        with self._lock:
+            self.stats.bytes_stored += n
+        return host
+
+    def open(self, hosts: list[KVCache], extras: list[int]) -> list[StreamedKV]:
+        """Working copies with room for `extras` new tokens; a loader thread fills them layer
+        by layer (layer l of every request, then layer l+1)."""
+        layers = hosts[0].num_layers
+        ready = [threading.Event() for _ in range(layers)]
+        streams = [StreamedKV(h, e, ready, self.stats, self._lock) for h, e in zip(hosts, extras)]
+        self._loader.submit(self._load, streams, ready)
+        return streams
+
+    def _load(self, streams: list[StreamedKV], ready: list[threading.Event]) -> None:
+        t0 = time.perf_counter()
+        n = 0
+        try:
+            for li, ev in enumerate(ready):
+                for s in streams:
+                    m = s.host.length
+                    n += self.link.copy(s.k_buf[li, :, :m], s.host.k[li, :, :m])
+                    n += self.link.copy(s.v_buf[li, :, :m], s.host.v[li, :, :m])
+                ev.set()
+        finally:
+            for ev in ready:  # never leave the forward pass waiting
+                ev.set()
+            with self._lock:
+                self.stats.bytes_loaded += n
+                self.stats.loads += 1
+                self.stats.transfer_s += time.perf_counter() - t0
+
+    def write_back(self, s: StreamedKV) -> None:
+        """Store the pass's kept new tokens [host.length, s.length) into the tier."""
+        h, a, b = s.host, s.host.length, s.length
+        h.reserve(b - a)
+        n = 0
+        if b > a:
+            n += self.link.copy(h.k[:, :, a:b], s.k_buf[:, :, a:b])
+            n += self.link.copy(h.v[:, :, a:b], s.v_buf[:, :, a:b])
+        h.length = b
+        with self._lock:
+            self.stats.bytes_stored += n
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+
+
+def make_tier(name: str, link_gbps: float | None = None) -> OffloadedTier | None:
+    """None for `resident`; an `OffloadedTier` behind a link of `link_gbps` for `offloaded`."""
+    if name not in TIERS:
+        raise ValueError(f"unknown KV tier {name!r}; valid: {', '.join(TIERS)}")
+    if link_gbps is not None and link_gbps <= 0:
+        raise ValueError(f"link bandwidth must be > 0 Gbit/s (got {link_gbps})")
+    return OffloadedTier(Link(link_gbps)) if name == "offloaded" else None
