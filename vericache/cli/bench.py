@@ -51,6 +51,32 @@ def add_parser(sub) -> None:
     g.add_argument("--fixed-draft-len", action="store_true", help="keep k fixed, no adaptation")
     g.add_argument("--max-tokens", type=int, default=128, help="new tokens per cell (default: 128)")
     g.add_argument("--chunk-size", type=int, default=256, help="tokens per KV chunk (default: 256)")
+    g = p.add_argument_group(
+        "scenario", "--scenario long-context runs --concurrency requests at once through the "
+        "two-lane engine: full KV resident, full KV offloaded, lossy, and VeriCache (offloaded "
+        "full KV; lockstep and staggered), with the first of --compressors, --ratios and "
+        "--draft-lens; every output is checked against full greedy (exit 1 if one differs)")
+    g.add_argument("--scenario", choices=("grid", "long-context"), default="grid",
+                   help="grid: the compressor grid above (default); long-context: the "
+                        "concurrent long-context scenario")
+    g.add_argument("--concurrency", type=int, default=4, metavar="N",
+                   help="requests at once in the scenario, one built-in prompt each (default: 4)")
+    g.add_argument("--schedule", choices=("lockstep", "staggered"), default="lockstep",
+                   help="VeriCache's schedule in the headline ratios; both always run, for "
+                        "staggered_vs_lockstep (default: lockstep)")
+    g.add_argument("--link-gbps", type=float, default=4.0, metavar="GBIT",
+                   help="bandwidth of the verifier's link to its offloaded full KV, Gbit/s "
+                        "(1 = a 1 Gbit/s network, 200 = a 25 GB/s PCIe bus; default: 4)")
+    g.add_argument("--kv-budget-mb", type=float, default=None, metavar="MB",
+                   help="the verifier's KV memory budget: bounds the requests admitted with "
+                        "resident full KV and the requests verified per offloaded pass "
+                        "(default: unbounded)")
+    g.add_argument("--draft-kv-budget-mb", type=float, default=None, metavar="MB",
+                   help="the drafter's KV memory budget (default: unbounded)")
+    g.add_argument("--project", default=None, metavar="MACHINE",
+                   help="also project the measured tau, compression and bytes per round onto "
+                        "a GPU machine with the cost model of docs/performance.md: "
+                        "h200-pcie5, h100-pcie5 or gh200 (scenario runs only)")
     add_model_args(p)
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads for the run (default: torch's choice; on a shared "
@@ -121,6 +147,9 @@ def run(args) -> int:
 
 
 def _run(args, grid: Grid) -> int:
+    if args.scenario != "grid":
+        from vericache.cli.bench_scenario import run_scenario_cli
+        return run_scenario_cli(args, grid)
     lm = load_model(args.model, args.dtype, args.device)
     prompts = load_prompts(args, lm.tokenizer)
     cells = run_cells(lm, prompts, grid, args.quiet)

@@ -1,0 +1,46 @@
+"""The GPU cost model: its limits and projections on hand-made inputs."""
+
+import pytest
+
+from vericache.bench.project import (MACHINES, Machine, break_even_tau, draft_speedup_cap,
+                                     link_ceiling_tps, machine, project)
+
+M = Machine("toy", hbm_gb=100, hbm_gbps=1000, link_gbps=50, efficiency=1.0)
+W, F = 16e9, 2e9  # 8B fp16 weights; a 2 GB full KV (long context)
+
+
+def test_draft_speedup_cap():
+    assert draft_speedup_cap(1.0, 8) == 1.0  # weights only: compression cannot help
+    assert draft_speedup_cap(0.0, 8) == pytest.approx(8.0)
+    assert draft_speedup_cap(0.5, 4) == pytest.approx(1 / (0.5 + 0.125))
+
+
+def test_link_ceiling_and_break_even():
+    assert link_ceiling_tps(3.0, 50e9, 2e9) == pytest.approx(75.0)
+    assert break_even_tau(1000e9, 50e9) == pytest.approx(20.0)
+
+
+def test_break_even_is_where_the_link_ceiling_meets_the_resident_kv_rate():
+    tau = break_even_tau(M.bw_hbm, M.bw_link)
+    assert link_ceiling_tps(tau, M.bw_link, F) == pytest.approx(M.bw_hbm / F)
+
+
+def test_projection_never_passes_its_limits():
+    p = project(M, tau=4.0, k=6, r=8, weight_bytes=W, full_kv_bytes=F, batch=16)
+    assert p["full_resident_batch"] == 16  # 42 would fit: the whole batch is resident
+    assert p["vericache_staggered_tps"] <= p["link_ceiling_tps"] + 1e-9
+    assert p["vericache_staggered_tps"] >= p["vericache_lockstep_tps"]
+    assert p["full_offloaded_tps"] == pytest.approx(M.bw_link / F)  # link-bound
+    assert p["throughput_ratio_vs_full_offloaded"] > 1
+
+
+def test_memory_budget_bounds_the_resident_baseline():
+    p = project(M, tau=4.0, k=6, r=8, weight_bytes=W, full_kv_bytes=20e9, batch=16)
+    assert p["full_resident_batch"] == 4  # (100 - 16) // 20
+
+
+def test_machines():
+    assert set(MACHINES) == {"h200-pcie5", "h100-pcie5", "gh200"}
+    assert machine("gh200").bw_link > machine("h200-pcie5").bw_link
+    with pytest.raises(ValueError, match="h200-pcie5"):
+        machine("a100")

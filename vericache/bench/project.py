@@ -1,0 +1,118 @@
+"""A bandwidth cost model that projects a measured run onto GPU machines.
+
+Decoding a batch is memory-bound on these machines, so a step costs the bytes it reads over
+the bandwidth it reads them at (docs/performance.md derives every line):
+
+    full step, resident:     t_full = (W + B·F) / BW_hbm
+    draft step:              t_draft = (W + B·F/r) / BW_hbm
+    verify pass, offloaded:  t_load = B·F / BW_link   (overlapped with its compute, t_full)
+    round, lockstep:         k·t_draft + max(t_full, t_load)
+    round, staggered:        max(k·t_draft + t_full, t_load)   (one group's load under the
+                             other's draft; both lanes share the HBM)
+
+W: weight bytes, F: full KV bytes of one request, r: compression (full over compressed
+bytes), k: drafts per round, τ: tokens per round, B: requests decoding at once. The full
+resident baseline holds at most (M_hbm − W) / F requests. Limits (all three are unit-tested):
+
+- drafting speedup cap: with w = W / (W + B·F), no acceptance makes VeriCache faster than
+  1 / (w + (1 − w)/r) times full-resident decoding at the same batch;
+- link ceiling: offloaded verification emits at most τ·BW_link/F tokens/s (all requests);
+- break-even τ* ≈ BW_hbm / BW_link: the τ at which the link ceiling reaches the resident
+  baseline's KV-bound rate BW_hbm/F.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Peak figures from the vendors' data sheets; `efficiency` scales both bandwidths."""
+
+    name: str
+    hbm_gb: float  # GPU memory, GB
+    hbm_gbps: float  # GPU memory bandwidth, GB/s
+    link_gbps: float  # host <-> GPU bandwidth, one direction, GB/s
+    efficiency: float = 0.8
+
+    @property
+    def bw_hbm(self) -> float:
+        return self.hbm_gbps * GB * self.efficiency
+
+    @property
+    def bw_link(self) -> float:
+        return self.link_gbps * GB * self.efficiency
+
+
+MACHINES = {
+    "h200-pcie5": Machine("h200-pcie5", 141, 4800, 64),  # H200 SXM, PCIe 5.0 x16 to the host
+    "h100-pcie5": Machine("h100-pcie5", 80, 2000, 64),  # H100 PCIe card, PCIe 5.0 x16
+    "gh200": Machine("gh200", 96, 4000, 450),  # Grace Hopper: NVLink-C2C 900 GB/s both ways
+}
+
+
+def machine(name: str) -> Machine:
+    try:
+        return MACHINES[name]
+    except KeyError:
+        raise ValueError(f"unknown machine {name!r}; valid: {', '.join(MACHINES)}") from None
+
+
+def draft_speedup_cap(w: float, r: float) -> float:
+    """1 / (w + (1 − w)/r): a draft step's cost relative to a full step, inverted."""
+    return 1.0 / (w + (1.0 - w) / r)
+
+
+def link_ceiling_tps(tau: float, bw_link: float, full_kv_bytes: float) -> float:
+    """τ·BW_link/F: tokens/s that offloaded verification can emit at most."""
+    return tau * bw_link / full_kv_bytes
+
+
+def break_even_tau(bw_hbm: float, bw_link: float) -> float:
+    """τ* ≈ BW_hbm/BW_link."""
+    return bw_hbm / bw_link
+
+
+def project(m: Machine, tau: float, k: float, r: float, weight_bytes: float,
+            full_kv_bytes: float, batch: int) -> dict:
+    """Tokens/s of VeriCache (offloaded full KV) and of the full-KV baselines on `m`."""
+    W, F, B = weight_bytes, full_kv_bytes, batch
+    fit = max(1, min(B, int((m.hbm_gb * GB - W) // F)))  # resident baseline's batch
+    t_full_res = (W + fit * F) / m.bw_hbm
+    t_full = (W + B * F) / m.bw_hbm
+    t_draft = (W + B * F / r) / m.bw_hbm
+    t_load = B * F / m.bw_link
+    lock = k * t_draft + max(t_full, t_load)
+    stag = max(k * t_draft + t_full, t_load)
+    full_resident = fit / t_full_res
+    full_offloaded = B / max(t_full, t_load)
+    vc_lock, vc_stag = B * tau / lock, B * tau / stag
+    return {
+        "machine": m.name, "batch": B, "full_resident_batch": fit,
+        "full_resident_tps": full_resident, "full_offloaded_tps": full_offloaded,
+        "vericache_lockstep_tps": vc_lock, "vericache_staggered_tps": vc_stag,
+        "throughput_ratio_vs_full_resident": vc_stag / full_resident,
+        "throughput_ratio_vs_full_offloaded": vc_stag / full_offloaded,
+        "staggered_vs_lockstep": vc_stag / vc_lock,
+        "draft_speedup_cap": draft_speedup_cap(W / (W + B * F), r),
+        "link_ceiling_tps": link_ceiling_tps(tau, m.bw_link, F),
+        "break_even_tau": break_even_tau(m.bw_hbm, m.bw_link),
+        "inputs": {"tau": tau, "k": k, "compression": r, "weight_bytes": W,
+                   "full_kv_bytes": F, "bw_hbm": m.bw_hbm, "bw_link": m.bw_link},
+    }
+
+
+def project_run(doc: dict, machine_name: str, weight_bytes: float) -> dict:
+    """Project a scenario document (`vericache.bench.scenario.run_scenario`) onto a machine:
+    τ, drafts per round and compression as measured; F and B as in the run."""
+    rows = {r["variant"]: r for r in doc["variants"]}
+    vc = rows[doc["summary"]["vericache_variant"]]
+    tau = vc["tau_mean"] or 1.0
+    acc, kmax = vc["acceptance_rate"], doc["settings"]["draft_len"]
+    k = min(max((tau - 1) / acc if acc else kmax, 1.0), kmax)  # drafts per round
+    full = vc["full_kv_bytes_per_request"]
+    comp = vc["compressed_kv_bytes_per_request"] or full
+    return project(machine(machine_name), tau, k, full / comp, weight_bytes, full, vc["requests"])

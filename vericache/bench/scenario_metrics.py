@@ -1,0 +1,110 @@
+"""Figures of a scenario run: per variant, and the ratios between variants.
+
+Per variant: throughput (emitted tokens over the wall time from the first admission to the
+last token), TTFT (mean over requests, from the run's start: queueing under the memory
+budget counts), time per output token (mean over requests of (finish − first token) /
+(tokens − 1)), τ (tokens per round over all rounds), bytes of full KV moved over the link per
+emitted token (verify loads and write-backs; the prefill's offload is reported apart), and how
+much of the link's transfer time was hidden:
+- by layer prefetch: transfer time during which the forward pass did not wait;
+- by staggering: the forward pass's waits that fell while the drafter lane was busy;
+- transfer_hidden_share: the sum of the two, over the transfer time.
+"""
+
+from __future__ import annotations
+
+from vericache.bench.metrics import mean, tau_hist
+from vericache.engine.scheduler import DRAFT_LANE, VERIFY_LANE
+
+
+def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds covered by both interval lists (each list's intervals may not overlap)."""
+    a, b = sorted(a), sorted(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -> dict:
+    """The variant's row of the report, from `vericache.bench.scenario.run_variant`'s record."""
+    gens, tr, st = raw["gens"], raw["trace"], raw["tier_stats"]
+    tokens = sum(len(g.output_ids) for g in gens)
+    wall = tr.end - tr.start
+    ttft = [tr.first_token[g.rid] - tr.start for g in gens if g.rid in tr.first_token]
+    tpot = [(tr.finish[g.rid] - tr.first_token[g.rid]) / (len(g.output_ids) - 1)
+            for g in gens if len(g.output_ids) > 1 and g.rid in tr.finish]
+    rounds = [n for g in gens for n in g.stats.round_emitted]
+    identical = [g.output_ids == ref for g, ref in zip(gens, reference)]
+    row = {
+        "variant": raw["variant"], "mode": raw["mode"], "tier": raw["tier"],
+        "schedule": raw["schedule"], "requests": len(gens), "tokens": tokens,
+        "wall_s": _r(wall), "throughput_tps": _r(tokens / wall if wall > 0 else None, 3),
+        "ttft_mean_s": _r(mean(ttft)), "tpot_mean_s": _r(mean(tpot)),
+        "tau_mean": _r(mean(rounds)), "tau_hist": tau_hist(rounds),
+        "acceptance_rate": _r(mean([g.stats.acceptance_rate for g in gens]))
+        if raw["mode"] == "vericache" else None,
+        "max_active": tr.max_active,
+        "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
+        "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
+        "lanes_overlap_s": _r(overlap_s(tr.busy[DRAFT_LANE], tr.busy[VERIFY_LANE])),
+        "identical": all(identical), "identical_requests": sum(identical),
+        "full_kv_bytes_per_request": _r(mean([len(g.prompt) * kv_per_token for g in gens]), 0),
+        "compressed_kv_bytes_per_request": _r(mean([g.stats.draft_kv_bytes for g in gens]), 0)
+        if raw["mode"] != "full" else None,
+        "kv_bytes_moved": None, "kv_bytes_moved_per_token": None, "prefill_offload_bytes": None,
+        "transfer_s": None, "stall_s": None, "hidden_by_prefetch_s": None,
+        "hidden_by_staggering_s": None, "transfer_hidden_share": None,
+    }
+    if st is not None:
+        prompt_bytes = sum(len(g.prompt) for g in gens) * kv_per_token
+        moved = st.bytes_loaded + st.bytes_stored - prompt_bytes
+        by_stagger = overlap_s(st.stalls, tr.busy[DRAFT_LANE])
+        by_prefetch = max(0.0, st.transfer_s - st.stall_s)
+        row.update({
+            "kv_bytes_moved": moved, "kv_bytes_moved_per_token": _r(moved / tokens if tokens else None, 0),
+            "prefill_offload_bytes": prompt_bytes, "transfer_s": _r(st.transfer_s),
+            "stall_s": _r(st.stall_s), "hidden_by_prefetch_s": _r(by_prefetch),
+            "hidden_by_staggering_s": _r(by_stagger),
+            "transfer_hidden_share": _r(_ratio(by_prefetch + by_stagger, st.transfer_s)),
+        })
+    return row
+
+
+def summarize(rows: list[dict], schedule: str) -> dict:
+    """The headline ratios; VeriCache is the `schedule` variant."""
+    by = {r["variant"]: r for r in rows}
+    vc = by[f"vericache_{schedule}"]
+    tps = {k: r["throughput_tps"] for k, r in by.items()}
+    checked = [r for r in rows if r["mode"] != "lossy"]
+    return {
+        "vericache_variant": vc["variant"],
+        "throughput_ratio_vs_full_resident": _r(_ratio(vc["throughput_tps"], tps["full_resident"])),
+        "throughput_ratio_vs_full_offloaded": _r(_ratio(vc["throughput_tps"], tps["full_offloaded"])),
+        "throughput_ratio_vs_lossy": _r(_ratio(vc["throughput_tps"], tps["lossy"])),
+        "staggered_vs_lockstep": _r(_ratio(tps["vericache_staggered"], tps["vericache_lockstep"])),
+        "ttft_ratio_vs_full": None,  # the remote-prefix scenario's figure
+        "tau_mean": vc["tau_mean"],
+        "kv_bytes_moved_per_token_ratio_vs_full_offloaded": _r(_ratio(
+            vc["kv_bytes_moved_per_token"], by["full_offloaded"]["kv_bytes_moved_per_token"])),
+        "transfer_hidden_share_staggered": by["vericache_staggered"]["transfer_hidden_share"],
+        "transfer_hidden_share_lockstep": by["vericache_lockstep"]["transfer_hidden_share"],
+        "identical": all(r["identical"] for r in checked),
+        "not_identical": [r["variant"] for r in checked if not r["identical"]],
+        "lossy_identical": by["lossy"]["identical"],
+    }

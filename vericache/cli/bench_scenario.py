@@ -1,0 +1,118 @@
+"""`vericache bench --scenario long-context`: the concurrent scenario's command line part.
+
+Builds the scenario's settings from the bench flags (the first of --compressors, --ratios
+and --draft-lens), runs it (`vericache.bench.scenario`), prints a table, writes --json and
+--plot, adds a GPU projection with --project, and exits 1 when any non-lossy output differs
+from full greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from vericache.bench.grid import Grid, takes_ratio
+from vericache.bench.project import MACHINES, project_run
+from vericache.bench.prompts import builtin_prompts
+from vericache.bench.scenario import ScenarioConfig, run_scenario
+from vericache.errors import InvalidArgument
+from vericache.model import load_model
+
+COLUMNS = (("variant", "variant", 20), ("throughput_tps", "tok/s", 8), ("ttft_mean_s", "TTFT s", 8),
+           ("tpot_mean_s", "TPOT s", 8), ("tau_mean", "tau", 6), ("max_active", "active", 7),
+           ("kv_bytes_moved_per_token", "KV B/tok", 12), ("transfer_hidden_share", "hidden", 7),
+           ("identical", "identical", 9))
+
+
+def config(args, grid: Grid) -> ScenarioConfig:
+    """The scenario's settings from the bench flags (fails before the model loads)."""
+    if args.project is not None and args.project not in MACHINES:
+        raise InvalidArgument(f"--project: unknown machine {args.project!r}; valid: "
+                              f"{', '.join(MACHINES)}", "project")
+    comp, _ = grid.configs[0]
+    return ScenarioConfig(
+        concurrency=args.concurrency, max_tokens=grid.max_tokens, compressor=comp,
+        ratio=grid.ratios[0] if takes_ratio(comp) else None, draft_len=grid.draft_lens[0],
+        adaptive=grid.adaptive, chunk_size=grid.chunk_size, link_gbps=args.link_gbps,
+        verify_budget_mb=args.kv_budget_mb, draft_budget_mb=args.draft_kv_budget_mb,
+        schedule=args.schedule)
+
+
+def weight_bytes(runner) -> int:
+    """Bytes of the runner's weights (a tied LM head counted once)."""
+    seen, n = set(), 0
+    tensors = [runner.embed, runner.norm, runner.lm_head]
+    for lyr in runner.layers:
+        tensors += [t for t in vars(lyr).values() if t is not None]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    return n
+
+
+def render(doc: dict) -> str:
+    head = " ".join(f"{title:>{w}}" for _, title, w in COLUMNS)
+    lines = [head]
+    for r in doc["variants"]:
+        cells = []
+        for key, _, w in COLUMNS:
+            v = r[key]
+            cells.append(f"{'-' if v is None else (f'{v:.4g}' if isinstance(v, float) else v)!s:>{w}}")
+        lines.append(" ".join(cells))
+    s = doc["summary"]
+    lines.append(", ".join(f"{k} {s[k]}" for k in (
+        "throughput_ratio_vs_full_resident", "throughput_ratio_vs_full_offloaded",
+        "staggered_vs_lockstep", "tau_mean", "identical")))
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["variants"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([r["variant"] for r in rows], [r["throughput_tps"] or 0 for r in rows])
+    ax.set_ylabel("tokens/s")
+    st = doc["settings"]
+    ax.set_title(f"long-context: {st['concurrency']} requests, link {st['link_gbps']} Gbit/s")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run_scenario_cli(args, grid: Grid) -> int:
+    cfg = config(args, grid)
+    if args.concurrency < 1:
+        raise InvalidArgument("--concurrency must be >= 1", "concurrency")
+    lm = load_model(args.model, args.dtype, args.device)
+    prompts = builtin_prompts(lm.tokenizer, args.concurrency, args.context_tokens)
+
+    def step(label: str) -> None:
+        if not args.quiet:
+            print(f"bench: {label}", file=sys.stderr, flush=True)
+
+    doc = run_scenario(lm, prompts, cfg, step)
+    doc["settings"].update({"dtype": args.dtype, "device": args.device, "threads": args.threads})
+    if args.project is not None:
+        doc["projection"] = project_run(doc, args.project, weight_bytes(lm.runner))
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.plot is not None:
+        plot(doc, args.plot)
+    print(render(doc))
+    if args.project is not None:
+        p = doc["projection"]
+        print(f"projected on {p['machine']}: vericache {p['vericache_staggered_tps']:.4g} tok/s, "
+              f"x{p['throughput_ratio_vs_full_resident']:.3g} vs full resident, "
+              f"x{p['throughput_ratio_vs_full_offloaded']:.3g} vs full offloaded; "
+              f"break-even tau {p['break_even_tau']:.3g}")
+    s = doc["summary"]
+    if not s["identical"]:
+        print("vericache: error: output differs from full greedy in: " + ", ".join(s["not_identical"]),
+              file=sys.stderr)
+        return 1
+    return 0
