@@ -94,7 +94,7 @@ def run_variant(lm, prompts, cfg: ScenarioConfig, variant: str) -> dict:
     mode = variant.split("_")[0]
     tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
     schedule = "staggered" if variant.endswith("staggered") else "lockstep"
-    tier = make_tier(tier_name, cfg.link_gbps)
+    tier = make_tier(tier_name, cfg.link_gbps, lm.runner.device)
     backends = LocalBackends(lm, tier=tier)
     gens = [Generation(lm, p.ids, cfg.params(mode), request_id=f"{variant}-{i}")
             for i, p in enumerate(prompts)]

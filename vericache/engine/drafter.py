@@ -25,11 +25,18 @@ from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
 
 
+def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature) over the last dim, finite for any temperature > 0: the
+    max is subtracted first, so a tiny temperature gives a one-hot, not inf - inf = nan."""
+    x = logits.float()
+    return torch.softmax((x - x.max(dim=-1, keepdim=True).values) / temperature, dim=-1)
+
+
 def choose(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
     """Greedy argmax, or a sample at the temperature (and the distribution it came from)."""
     if temperature == 0:
         return int(torch.argmax(logits)), None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = tempered_softmax(logits, temperature)
     return int(torch.multinomial(probs, 1, generator=gen)), probs
 
 
@@ -67,7 +74,8 @@ class Drafter:
 
     def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
                extra_capacity: int, temperature: float = 0.0, seed: int = 0) -> None:
-        cache = KVCache.from_tensors(k.to(self.runner.dtype), v.to(self.runner.dtype), extra_capacity)
+        dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
+        cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
                                           torch.Generator().manual_seed(seed))
 

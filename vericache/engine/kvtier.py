@@ -51,10 +51,19 @@ class Link:
     def __init__(self, gbps: float | None = None):
         self.gbps = gbps
         self.bucket = TokenBucket.gbps(gbps) if gbps else None
+        self._stream = None  # a CUDA side stream, made on first use
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
-        """Copy src into dst over the link; returns the bytes moved."""
-        dst.copy_(src)
+        """Copy src into dst over the link (done when this returns); returns the bytes moved.
+        A copy to or from a GPU runs on a side stream, so it overlaps the compute stream."""
+        if dst.is_cuda or src.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=dst.device if dst.is_cuda else src.device)
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            dst.copy_(src)
         n = src.numel() * src.element_size()
         if self.bucket is not None:
             self.bucket.take(n)
@@ -85,10 +94,10 @@ class StreamedKV:
     a cache (`k`, `v`, `length`, `reserve`); its layers arrive while it computes."""
 
     def __init__(self, host: KVCache, extra: int, ready: list[threading.Event], stats: TierStats,
-                 lock: threading.Lock):
+                 lock: threading.Lock, device: torch.device):
         shape = (host.num_layers, host.k.shape[1], host.length + extra, host.k.shape[3])
         self.host = host
-        self.k_buf = torch.empty(shape, dtype=host.k.dtype, device=host.k.device)
+        self.k_buf = torch.empty(shape, dtype=host.k.dtype, device=device)
         self.v_buf = torch.empty_like(self.k_buf)
         self.k = _Gate(self.k_buf, ready, stats, lock)
         self.v = _Gate(self.v_buf, ready, stats, lock)
@@ -108,8 +117,11 @@ class StreamedKV:
 class OffloadedTier:
     """Full KV in host memory behind a `Link`; loaded layer by layer for each verification."""
 
-    def __init__(self, link: Link | None = None):
+    def __init__(self, link: Link | None = None, device: torch.device | str = "cpu"):
+        """Working copies live on `device` (the runner's); the tier is host memory (pinned
+        when the device is a GPU)."""
         self.link = link or Link()
+        self.device = torch.device(device)
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-kv-loader")
@@ -118,6 +130,8 @@ class OffloadedTier:
         """Move a prefilled full KV into the tier (the copy crosses the link)."""
         host = KVCache(cache.num_layers, cache.k.shape[1], cache.k.shape[3], cache.capacity,
                        cache.k.dtype, "cpu")
+        if self.device.type == "cuda":
+            host.k, host.v = host.k.pin_memory(), host.v.pin_memory()
         n = 0
         for li in range(cache.num_layers):
             n += self.link.copy(host.k[li, :, :cache.length], cache.k[li, :, :cache.length])
@@ -132,7 +146,8 @@ class OffloadedTier:
         by layer (layer l of every request, then layer l+1)."""
         layers = hosts[0].num_layers
         ready = [threading.Event() for _ in range(layers)]
-        streams = [StreamedKV(h, e, ready, self.stats, self._lock) for h, e in zip(hosts, extras)]
+        streams = [StreamedKV(h, e, ready, self.stats, self._lock, self.device)
+                   for h, e in zip(hosts, extras)]
         self._loader.submit(self._load, streams, ready)
         return streams
 
@@ -170,10 +185,12 @@ class OffloadedTier:
         self._loader.shutdown(wait=True)
 
 
-def make_tier(name: str, link_gbps: float | None = None) -> OffloadedTier | None:
-    """None for `resident`; an `OffloadedTier` behind a link of `link_gbps` for `offloaded`."""
+def make_tier(name: str, link_gbps: float | None = None,
+              device: torch.device | str = "cpu") -> OffloadedTier | None:
+    """None for `resident`; an `OffloadedTier` behind a link of `link_gbps` for `offloaded`,
+    with working copies on `device`."""
     if name not in TIERS:
         raise ValueError(f"unknown KV tier {name!r}; valid: {', '.join(TIERS)}")
     if link_gbps is not None and link_gbps <= 0:
         raise ValueError(f"link bandwidth must be > 0 Gbit/s (got {link_gbps})")
-    return OffloadedTier(Link(link_gbps)) if name == "offloaded" else None
+    return OffloadedTier(Link(link_gbps), device) if name == "offloaded" else None
