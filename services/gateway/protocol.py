@@ -94,11 +94,12 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, description="deprecated by OpenAI in favour of "
                                                      "max_completion_tokens; both are accepted")
     n: int | None = 1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed, 0..2^63-1")
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, description="absent: the server's default (greedy "
+    temperature: float | None = Field(None, ge=0, le=2,
+                                      description="0..2; absent: the server's default (greedy "
                                                         "unless the server was started otherwise)")
     top_p: float | None = 1.0
     user: str | None = None
@@ -123,11 +124,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = None
     n: int | None = 1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed, 0..2^63-1")
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, description="absent: the server's default (greedy "
+    temperature: float | None = Field(None, ge=0, le=2,
+                                      description="0..2; absent: the server's default (greedy "
                                                         "unless the server was started otherwise)")
     top_p: float | None = 1.0
     user: str | None = None

@@ -170,8 +170,11 @@ class BatchEngine(Engine):
                 t = time.perf_counter()
                 toks = start(self.backends, rs.gen)
                 self.counters["prefill_s"] += time.perf_counter() - t
-            except VeriCacheError as e:
-                self._finish(rs, str(e))
+            except Exception as e:  # noqa: BLE001 -- this request fails, the others go on
+                if not isinstance(e, VeriCacheError):
+                    log.exception("%s: prefill failed unexpectedly", rs.request_id)
+                self._finish(rs, str(e) if isinstance(e, VeriCacheError)
+                             else f"internal error: {type(e).__name__}")
                 continue
             self._emit(rs, toks)
             if rs.gen.finished:

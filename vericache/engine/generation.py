@@ -46,8 +46,9 @@ class GenParams:
             raise InvalidArgument(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}", "mode")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1 (got {self.max_tokens})", "max_tokens")
-        if self.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0 (got {self.temperature})", "temperature")
+        if not 0 <= self.temperature < float("inf"):
+            raise InvalidArgument(f"temperature must be finite and >= 0 (got {self.temperature})",
+                                  "temperature")
         if self.draft_len < 1:
             raise InvalidArgument(f"draft_len must be >= 1 (got {self.draft_len})", "draft_len")
         if self.chunk_size < 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.compress.base import CompressedChunk, Compressor
-from vericache.engine.drafter import choose
+from vericache.engine.drafter import choose, tempered_softmax
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
 from vericache.errors import NotFound
@@ -110,7 +110,7 @@ class Verifier:
             if s.temperature == 0:
                 a, bonus = greedy_accept(list(drafts), lg.argmax(dim=-1).tolist())
             else:
-                p = torch.softmax(lg.float() / s.temperature, dim=-1)
+                p = tempered_softmax(lg, s.temperature)
                 a, bonus = speculative_accept(list(drafts), q if k else p[:0], p, s.gen)
             c.crop(c.length - k + a)
             if c is not s.cache:
