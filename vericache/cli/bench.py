@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
         "scenario", "--scenario long-context runs --concurrency requests at once through the "
         "two-lane engine: full KV resident, full KV offloaded, lossy, and VeriCache (offloaded "
         "full KV; lockstep and staggered), with the first of --compressors, --ratios and "
-        "--draft-lens; every output is checked against full greedy (exit 1 if one differs)")
+        "--draft-lens, on built-in prompts of --context-tokens (prompt files are not used); every "
+        "output is checked against full greedy (exit 1 if one differs)")
     g.add_argument("--scenario", choices=("grid", "long-context"), default="grid",
                    help="grid: the compressor grid above (default); long-context: the "
                         "concurrent long-context scenario")
@@ -84,7 +85,8 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--json", type=Path, metavar="FILE", help="write every cell and a summary as JSON")
     g.add_argument("--plot", type=Path, metavar="FILE.png",
-                   help="plot tau and speed ratio against compression ratio (needs matplotlib)")
+                   help="plot tau and speed ratio against compression ratio; with --scenario, "
+                        "tokens/s per variant (needs matplotlib)")
     g.add_argument("--quiet", action="store_true",
                    help="no progress bar and no tables; only the summary line")
     p.set_defaults(run=run)
