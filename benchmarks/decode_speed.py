@@ -1,0 +1,103 @@
+"""Decode speed of `full` and `vericache` at about 1k and 7k tokens of context, in one process,
+and where a decode step's time goes (torch profiler: matmuls, attention, the rest).
+
+    .venv/bin/python benchmarks/decode_speed.py --contexts 1024,7168 --max-tokens 128 --json out.json
+
+Prompts are the built-in code prompts of `vericache bench`. Speeds are decode-only (prefill
+excluded; it is reported apart). Every vericache output is checked identical to full greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from vericache.bench.prompts import builtin_prompts
+from vericache.engine.generation import GenParams
+from vericache.engine.local import generate
+from vericache.model import load_model
+
+
+def profile_step(lm, ids: list[int], steps: int = 8) -> dict:
+    """Share of a decode step's time in linear layers, attention GEMMs/softmax, and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r = lm.runner
+    cache = r.new_cache(len(ids) + steps + 8)
+    logits, _ = r.step(ids, 0, cache)  # one-pass prefill is fine at these lengths
+    tok = int(logits[0].argmax())
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for i in range(steps):
+            logits, _ = r.step([tok], len(ids) + i, cache)
+            tok = int(logits[0].argmax())
+        wall = (time.perf_counter() - t) / steps
+    ev = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(ev.values())
+    # aten::mm runs both the projections and the attention GEMMs (both memory-bound at one
+    # token): its time is split between them by the bytes each reads per step
+    w_bytes = sum(p.numel() for lyr in r.layers for p in (lyr.w_qkv, lyr.w_o, lyr.w_gate_up, lyr.w_down))
+    w_bytes = (w_bytes + r.lm_head.numel()) * r.embed.element_size()
+    kv_bytes = r.kv_bytes_per_token() * len(ids)
+    mm = ev.get("aten::mm", 0) + ev.get("aten::addmm", 0)
+    mm_weights = mm * w_bytes / (w_bytes + kv_bytes)
+    softmax = ev.get("aten::_softmax", 0)
+    return {"step_ms": wall * 1e3, "weights_mb": w_bytes / 2**20, "kv_mb": kv_bytes / 2**20,
+            "share_weight_gemm": mm_weights / total, "share_attention_gemm": (mm - mm_weights) / total,
+            "share_softmax": softmax / total, "share_other_ops": 1 - (mm + softmax) / total,
+            "roofline_steps_per_s_at_27GBps": 27e9 / (w_bytes + kv_bytes)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,7168")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--specs", default="snapkv@4,streamingllm@8",
+                    help="compressors as NAME@RATIO, comma-separated (default: snapkv@4,streamingllm@8)")
+    ap.add_argument("--draft-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    lm = load_model()
+    specs = [s for s in a.specs.split(",") if s]
+    out = {"threads": torch.get_num_threads(), "rows": []}
+    ok = True
+    for ctx in [int(c) for c in a.contexts.split(",")]:
+        ids = builtin_prompts(lm.tokenizer, 1, ctx)[0].ids
+        ref = generate(lm, ids, GenParams(mode="full", max_tokens=a.max_tokens, ignore_eos=True))
+        dec = ref.seconds - ref.stats.prefill_s
+        row = {"context": len(ids), "prefill_tokens_per_s": len(ids) / ref.stats.prefill_s,
+               "full_decode_tokens_per_s": len(ref.token_ids) / dec, "vericache": []}
+        for spec in specs:
+            name, _, ratio = spec.partition("@")
+            res = generate(lm, ids, GenParams(mode="vericache", compressor=name, ratio=float(ratio) if ratio else None,
+                                              draft_len=a.draft_len, max_tokens=a.max_tokens, ignore_eos=True))
+            s = res.stats
+            d = res.seconds - s.prefill_s - s.compress_s
+            same = res.token_ids == ref.token_ids
+            ok &= same
+            row["vericache"].append({
+                "compressor": spec, "identical": same, "decode_tokens_per_s": len(res.token_ids) / d,
+                "speed_vs_full": (len(res.token_ids) / d) / row["full_decode_tokens_per_s"],
+                "tau": s.tokens_per_round, "acceptance": s.acceptance_rate, "draft_s": s.draft_s,
+                "verify_s": s.verify_s, "draft_steps": s.draft_steps, "verify_tokens": s.verify_tokens,
+                "rounds": s.rounds, "verify_pass_in_steps": (s.verify_s / s.rounds) / (dec / len(ref.token_ids)),
+                "draft_step_vs_full_step": (s.draft_s / max(1, s.draft_steps)) / (dec / len(ref.token_ids)),
+                "compression": s.full_kv_bytes / max(1, s.draft_kv_bytes)})
+        row["profile"] = profile_step(lm, ids)
+        out["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
