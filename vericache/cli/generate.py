@@ -33,10 +33,11 @@ def run(args) -> int:
         res = local.generate(lm, ids, params)
         print(json.dumps(res.to_json()))
         return 0
-    for ev in local.stream(lm, ids, params):
+    run = local.stream(lm, ids, params)
+    for ev in run:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
-    g = local.stream.last
+    g = run.gen
     u = g.usage()
     print(f"\n[{g.stop.finish_reason}] {u['completion_tokens']} tokens, {u['rounds']} rounds, "
           f"{u['tokens_per_round']} tokens/round, acceptance {u['acceptance_rate']}", file=sys.stderr)

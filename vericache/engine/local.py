@@ -36,26 +36,38 @@ class GenResult:
                 "usage": self.usage}
 
 
-def stream(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
-           backends: LocalBackends | None = None) -> Iterator[GenEvent]:
-    backends = backends or LocalBackends(lm)
-    g = Generation(lm, prompt_ids, params)
-    stream.last = g  # the generation being streamed, for callers that want its stats
-    try:
-        toks = start(backends, g)
-        yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
-        while not g.finished:
-            toks = run_round(backends, [g])[g.rid]
+class Stream:
+    """One request run in this thread: iterate for its events; `.gen` holds its state (usage,
+    stats) during and after the run. Both sides' state is released when iteration ends."""
+
+    def __init__(self, lm: LoadedModel, prompt_ids: list[int], params: GenParams,
+                 backends: LocalBackends | None = None):
+        self.backends = backends or LocalBackends(lm)
+        self.gen = Generation(lm, prompt_ids, params)
+
+    def __iter__(self) -> Iterator[GenEvent]:
+        g, b = self.gen, self.backends
+        try:
+            toks = start(b, g)
             yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
-    finally:
-        backends.release(g)
+            while not g.finished:
+                toks = run_round(b, [g])[g.rid]
+                yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
+        finally:
+            b.release(g)
+
+
+def stream(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
+           backends: LocalBackends | None = None) -> Stream:
+    return Stream(lm, prompt_ids, params, backends)
 
 
 def generate(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
              backends: LocalBackends | None = None) -> GenResult:
     t = time.perf_counter()
-    for _ in stream(lm, prompt_ids, params, backends):
+    s = Stream(lm, prompt_ids, params, backends)
+    for _ in s:
         pass
-    g = stream.last
+    g = s.gen
     return GenResult(g.text.text, list(g.output_ids), g.stop.finish_reason, g.usage(), g.stats,
                      time.perf_counter() - t)
