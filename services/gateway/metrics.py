@@ -127,8 +127,24 @@ def engine_collector(engine) -> Collector:
             .add(engine.queue_depth),
             Family("vericache_active_requests", "gauge", "requests being decoded")
             .add(engine.active),
+            *_session_gauges(engine),
         ]
     return collect
+
+
+def _session_gauges(engine) -> list[Family]:
+    """Sessions held by in-process drafter and verifier (embedded engine only; the services
+    report theirs in their own Health)."""
+    backends = getattr(engine, "backends", None)
+    sides = [(side, getattr(getattr(backends, side, None), "sessions", None))
+             for side in ("drafter", "verifier")]
+    sides = [(side, s) for side, s in sides if isinstance(s, dict)]
+    if not sides:
+        return []
+    fam = Family("vericache_sessions", "gauge", "per-request KV sessions held in this process")
+    for side, sessions in sides:
+        fam.add(len(sessions), side=side)
+    return [fam]
 
 
 def store_collector(store) -> Collector:
