@@ -53,9 +53,11 @@ class ServiceProcess:
 
 
 def start_service(module: str, args: list[str], ready: Callable[[int], bool],
-                  timeout_s: float = 60.0, env: dict[str, str] | None = None) -> ServiceProcess:
-    """Run `python -m module --port P *args` and wait until `ready(P)` (its Health) answers."""
-    port = free_port()
+                  timeout_s: float = 60.0, env: dict[str, str] | None = None,
+                  port: int | None = None) -> ServiceProcess:
+    """Run `python -m module --port P *args` and wait until `ready(P)` (its Health) answers.
+    P is a free port unless `port` names one (a restart on the same port)."""
+    port = port or free_port()
     log_fd, log_name = tempfile.mkstemp(prefix=f"{module.replace('.', '-')}-", suffix=".log")
     proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port",
                              str(port), *args], cwd=REPO, stdout=log_fd, stderr=subprocess.STDOUT,

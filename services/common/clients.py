@@ -17,8 +17,12 @@ from vericache.store.grpc_store import STATUS_ERRORS
 
 vpb, vpb_grpc = load("verifier")
 dpb, dpb_grpc = load("drafter")
+# A restarted drafter or verifier is found again within 5 s (gRPC's default backoff grows
+# to 120 s, and calls fail fast as UNAVAILABLE until the next reconnect attempt).
 _OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MODEL_MESSAGE_BYTES)]
+            ("grpc.max_receive_message_length", MODEL_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 def _call(fn, request, timeout: float, what: str):

@@ -1,0 +1,157 @@
+"""Faults with the four services running as OS processes (kvstore on Redis, verifier, drafter,
+gateway). The contract under faults: a client gets a correct completion, or a prefix of it
+followed by an SSE error chunk and `data: [DONE]` — never a token that full-KV greedy decoding
+would not produce (every emitted text is checked against the in-process reference).
+
+- the verifier is killed (SIGKILL) while a request streams; restarted on the same port, new
+  requests succeed without restarting the gateway or the drafter (the channel reconnects);
+- Redis loses the stack's keys (all of them, repeatedly, while requests run): answers stay
+  identical, the prefix is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import redis
+from conftest import chat_ids
+from service_process import start_service
+from test_services_e2e import ONE_THREAD, _grpc_ready, _http_ready, _kvstore_ready
+
+from vericache.engine.generation import GenParams
+from vericache.engine.local import generate
+
+pytestmark = pytest.mark.slow
+N = 40
+QUESTION = "Write a Python function that checks whether a number is prime, with a docstring."
+LONG = "Summarise this list in one sentence: " + ", ".join(f"item {i}" for i in range(300))
+PREFIX = f"vericache-faults-{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="module")
+def stack(services):
+    kv = services("services.kvstore", ["--backend", f"redis://127.0.0.1:6379/0?prefix={PREFIX}"],
+                  _kvstore_ready, env=ONE_THREAD)
+    common = ["--kvstore", kv.address, "--session-ttl-s", "120"]
+    ver = services("services.verifier", common, _grpc_ready("verifier"), timeout_s=120, env=ONE_THREAD)
+    dra = services("services.drafter", common, _grpc_ready("drafter"), timeout_s=120, env=ONE_THREAD)
+    gw = services("services.gateway", ["--drafter", dra.address, "--verifier", ver.address,
+                                       "--max-tokens", str(N)], _http_ready, timeout_s=120,
+                  env=ONE_THREAD)
+    yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw, "common": common,
+           "services": services}
+    _drop_keys()
+
+
+def _drop_keys() -> int:
+    """Delete every Redis key of this stack (only its own prefix: the server is shared)."""
+    r = redis.Redis(host="127.0.0.1", port=6379, db=0)
+    keys = list(r.scan_iter(match=f"{PREFIX}*", count=1000))
+    return r.delete(*keys) if keys else 0
+
+
+def _ref(lm, text: str, n: int = N) -> str:
+    return generate(lm, chat_ids(lm, text), GenParams(mode="full", max_tokens=n)).text
+
+
+def stream(port: int, text: str, on_first=None, n: int = N) -> tuple[str, list[dict], bool]:
+    """Stream a chat completion: (text emitted, error chunks, whether [DONE] came)."""
+    out, errors, done = [], [], False
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                      timeout=300) as r:
+        if r.status_code != 200:
+            r.read()
+            return "", [r.json()], True
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line[6:] == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk)
+                continue
+            piece = chunk["choices"][0]["delta"].get("content") or ""
+            if piece and not "".join(out) and on_first is not None:
+                on_first()
+            out.append(piece)
+    return "".join(out), errors, done
+
+
+def _check(text: str, errors: list, done: bool, ref: str) -> None:
+    """The contract: the reference, or a prefix of it ended by an error chunk and [DONE]."""
+    assert done, "the stream did not end with [DONE]"
+    assert ref.startswith(text), f"emitted {text!r}, not a prefix of the reference {ref!r}"
+    if not errors:
+        assert text == ref
+
+
+def test_redis_flushed_answers_stay_identical(lm, stack):
+    gw = stack["gateway"]
+    ref = _ref(lm, LONG, 16)
+    for _ in range(2):  # the second one reads the cached prefix
+        assert stream(gw.port, LONG, n=16) == (ref, [], True)
+    assert _drop_keys() > 0
+    assert stream(gw.port, LONG, n=16) == (ref, [], True)  # recomputed
+
+    stop = threading.Event()
+
+    def flusher():
+        while not stop.is_set():
+            _drop_keys()
+            time.sleep(0.2)
+
+    t = threading.Thread(target=flusher, daemon=True)
+    t.start()
+    try:
+        for _ in range(3):  # keys vanish at any point of a request: correct, or an error
+            _check(*stream(gw.port, LONG, n=16), ref)
+    finally:
+        stop.set()
+        t.join()
+    assert stream(gw.port, LONG, n=16) == (ref, [], True)
+
+
+def test_verifier_killed_mid_stream_then_restarted(lm, stack):
+    gw, ver = stack["gateway"], stack["verifier"]
+    ref = _ref(lm, QUESTION)
+    killed = []
+    text, errors, done = stream(gw.port, QUESTION, on_first=lambda: killed.append(ver.proc.kill()))
+    assert killed, f"no token streamed before the kill: {text!r} {errors}"
+    ver.proc.wait(10)
+    _check(text, errors, done, ref)
+    print(f"\nkilled mid-stream: {len(text)} of {len(ref)} characters, then {errors}")
+
+    # while it is down: an error, never a wrong answer
+    text, errors, done = stream(gw.port, QUESTION)
+    _check(text, errors, done, ref)
+    assert errors
+
+    restarted = start_service("services.verifier", stack["common"], _grpc_ready("verifier"),
+                              timeout_s=120, env=ONE_THREAD, port=ver.port)
+    stack["verifier"] = restarted
+    try:
+        deadline, attempts = time.monotonic() + 30, 0
+        while True:  # the gateway's channel reconnects within its 5 s backoff cap
+            attempts += 1
+            text, errors, done = stream(gw.port, QUESTION)
+            _check(text, errors, done, ref)
+            if not errors or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not errors, f"no success within 30 s of the restart: {errors}"
+        print(f"after the restart: success on attempt {attempts}")
+        q2 = "Write a haiku about the sea."
+        text, errors, done = stream(gw.port, q2)
+        assert (text, errors, done) == (_ref(lm, q2), [], True)
+        assert stack["drafter"].proc.poll() is None and gw.proc.poll() is None
+    finally:
+        restarted.stop()
