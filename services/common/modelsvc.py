@@ -96,3 +96,54 @@ class ModelService:
         t = threading.Thread(target=loop, name="session-reaper", daemon=True)
         t.start()
         return t
+
+
+def run_model_service(name: str, port: int, servicer_cls, add_to_server, argv=None) -> int:
+    """`python -m services.<name>`: flags, model, servicer, TTL reaper, serve until SIGTERM."""
+    import sys
+
+    from services.common import build_server, serve_until_signal
+    from vericache.errors import VeriCacheError
+
+    p = argparse.ArgumentParser(
+        prog=f"python -m services.{name}",
+        description=f"Serve the VeriCache {name} over gRPC (proto/vericache/v1/{name}.proto).")
+    add_args(p, name, port)
+    a = p.parse_args(argv)
+    try:
+        svc = ModelService.from_args(a)
+        servicer = servicer_cls(svc)
+        svc.start_reaper(servicer.core.release)
+        server, bound = build_server(lambda s: add_to_server(servicer, s), host=a.host, port=a.port,
+                                     max_workers=a.workers, max_message_bytes=MODEL_MESSAGE_BYTES,
+                                     internal_token=a.internal_token)
+        print(f"{name}: serving on {a.host}:{bound} model={svc.lm.model_id}", flush=True)
+        serve_until_signal(server, on_stop=svc.store.close)
+    except (VeriCacheError, OSError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class SessionServicer:
+    """Release and Health, the same on the drafter and the verifier (`self.core` holds the
+    sessions; their messages live in verifier.proto)."""
+
+    def Release(self, req, context):
+        from services.common.convert import request_id
+        from vericache._proto import load
+
+        vpb, _ = load("verifier")
+        rid = request_id(req.request_id)
+        with self.svc.lock:
+            had = rid in self.core.sessions
+            self.core.release(rid)
+        self.svc.clock.forget(rid)
+        return vpb.ReleaseResponse(released=had)
+
+    def Health(self, req, context):
+        from vericache._proto import load
+
+        vpb, _ = load("verifier")
+        return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
+                                         model_id=self.svc.lm.model_id)

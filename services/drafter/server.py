@@ -7,16 +7,15 @@ import time
 
 from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
                                      chunk_size, probs_to_bytes, request_id, token_list)
-from services.common.modelsvc import ModelService
+from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.drafter import Drafter
 
 pb, pb_grpc = load("drafter")
-vpb, _ = load("verifier")
 
 
-class DrafterServicer(pb_grpc.DrafterServicer):
+class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
         self.core = Drafter(svc.lm.runner, svc.lm.eos_token_ids, svc.store, svc.lm.model_id)
@@ -58,15 +57,3 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.core.commit(req.request_id, req.accepted, bonus)
         self.svc.clock.touch(req.request_id, time.monotonic())
         return pb.CommitResponse()
-
-    def Release(self, req, context):
-        request_id(req.request_id)
-        with self.svc.lock:
-            had = req.request_id in self.core.sessions
-            self.core.release(req.request_id)
-        self.svc.clock.forget(req.request_id)
-        return vpb.ReleaseResponse(released=had)
-
-    def Health(self, req, context):
-        return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
-                                         model_id=self.svc.lm.model_id)

@@ -2,40 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from services.common import build_server, serve_until_signal
-from services.common.modelsvc import MODEL_MESSAGE_BYTES, ModelService, add_args
-from vericache.errors import VeriCacheError
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m services.verifier",
-        description="Serve the VeriCache verifier over gRPC (proto/vericache/v1/verifier.proto).")
-    add_args(p, "verifier", 50052)
-    return p.parse_args(argv)
+from services.common.modelsvc import run_model_service
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    try:
-        from services.verifier.server import VerifierServicer, pb_grpc
+    from services.verifier.server import VerifierServicer, pb_grpc
 
-        svc = ModelService.from_args(a)
-        servicer = VerifierServicer(svc)
-        svc.start_reaper(servicer.core.release)
-        server, port = build_server(lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s),
-                                    host=a.host, port=a.port, max_workers=a.workers,
-                                    max_message_bytes=MODEL_MESSAGE_BYTES,
-                                    internal_token=a.internal_token)
-        print(f"verifier: serving on {a.host}:{port} model={svc.lm.model_id}", flush=True)
-        serve_until_signal(server, on_stop=svc.store.close)
-    except (VeriCacheError, OSError) as e:
-        print(f"verifier: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_model_service("verifier", 50052, VerifierServicer, pb_grpc.add_VerifierServicer_to_server, argv)
 
 
 if __name__ == "__main__":

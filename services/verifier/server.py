@@ -7,7 +7,7 @@ import time
 
 from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
                                      chunk_size, probs_from_bytes, request_id, token_list)
-from services.common.modelsvc import ModelService
+from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.verifier import Verifier
@@ -16,7 +16,7 @@ from vericache.errors import InvalidArgument
 pb, pb_grpc = load("verifier")
 
 
-class VerifierServicer(pb_grpc.VerifierServicer):
+class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
         self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id)
@@ -56,15 +56,3 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.svc.clock.touch(rid, now)
         return pb.VerifyResponse(results=[pb.VerifyResult(accepted=a, bonus=b) for a, b in res],
                                  seconds=time.perf_counter() - t)
-
-    def Release(self, req, context):
-        request_id(req.request_id)
-        with self.svc.lock:
-            had = req.request_id in self.core.sessions
-            self.core.release(req.request_id)
-        self.svc.clock.forget(req.request_id)
-        return pb.ReleaseResponse(released=had)
-
-    def Health(self, req, context):
-        return pb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
-                                        model_id=self.svc.lm.model_id)
