@@ -54,12 +54,12 @@ class ServiceProcess:
 
 def start_service(module: str, args: list[str], ready: Callable[[int], bool],
                   timeout_s: float = 60.0, env: dict[str, str] | None = None,
-                  port: int | None = None) -> ServiceProcess:
-    """Run `python -m module --port P *args` and wait until `ready(P)` (its Health) answers.
-    P is a free port unless `port` names one (a restart on the same port)."""
+                  port: int | None = None, subcommand: tuple[str, ...] = ()) -> ServiceProcess:
+    """Run `python -m module [subcommand] --port P *args` and wait until `ready(P)` (its Health)
+    answers. P is a free port unless `port` names one (a restart on the same port)."""
     port = port or free_port()
     log_fd, log_name = tempfile.mkstemp(prefix=f"{module.replace('.', '-')}-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", module, *subcommand, "--host", "127.0.0.1", "--port",
                              str(port), *args], cwd=REPO, stdout=log_fd, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})})
     os.close(log_fd)
@@ -76,3 +76,15 @@ def start_service(module: str, args: list[str], ready: Callable[[int], bool],
         time.sleep(0.2)
     service.stop()
     raise TimeoutError(f"{module} did not answer within {timeout_s}s:\n{service.log()}")
+
+
+def http_ready(port: int) -> bool:
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+
+
+def start_serve(args: list[str], env: dict[str, str] | None = None,
+                timeout_s: float = 180.0) -> ServiceProcess:
+    """`vericache serve` (the embedded gateway) on a free port, up once /health answers."""
+    return start_service("vericache", args, http_ready, timeout_s, env, subcommand=("serve",))

@@ -11,15 +11,10 @@ and a generated max_tokens of 10^9 would decode the whole context on a 2-core CP
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import httpx
 import pytest
-from service_process import REPO, ServiceProcess, free_port
+from service_process import start_serve
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402  (after the importorskip)
@@ -34,25 +29,9 @@ STATUSES: dict[int, int] = {}
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix="vericache-fuzz-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "vericache", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--max-tokens", str(TOKEN_LIMIT),
-                             "--max-waiting", "8", "--max-body-bytes", "262144"],
-                            cwd=REPO, stdout=log_fd, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "VERICACHE_API_KEY": KEY})
-    os.close(log_fd)
-    service = ServiceProcess(proc, port, Path(log_name))
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, service.log()
-        try:
-            if httpx.get(f"http://{service.address}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, service.log()
-        time.sleep(0.3)
+    service = start_serve(["--max-tokens", str(TOKEN_LIMIT), "--max-waiting", "8",
+                           "--max-body-bytes", "262144"],
+                          env={"OMP_NUM_THREADS": "1", "VERICACHE_API_KEY": KEY})
     yield service
     service.stop()
     service.log_path.unlink(missing_ok=True)

@@ -5,20 +5,15 @@ token with in-process full-KV decoding of the same prompt ids."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from service_process import REPO, ServiceProcess, free_port
+from service_process import ServiceProcess, start_serve
 
 from services.gateway.serving import ModelNotFound, error_response
 from vericache.cli.common import apply_chat, encode_text
@@ -39,27 +34,7 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""
 @pytest.fixture(scope="session")
 def gateway() -> Iterator[ServiceProcess]:
     """`vericache serve` on a free port, up once /health answers; SIGTERM at the end."""
-    port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix="vericache-serve-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "vericache", "serve", "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=REPO, stdout=log_fd,
-                            stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
-    os.close(log_fd)
-    service = ServiceProcess(proc, port, Path(log_name))
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vericache serve exited with {proc.returncode}:\n{service.log()}")
-        try:
-            if httpx.get(f"http://{service.address}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            service.stop()
-            pytest.fail(f"vericache serve did not answer:\n{service.log()}")
-        time.sleep(0.3)
+    service = start_serve([], env={"OMP_NUM_THREADS": str(THREADS)})
     yield service
     assert service.stop() == 0, service.log()
     service.log_path.unlink(missing_ok=True)

@@ -6,40 +6,21 @@ or waiting request, no drafter or verifier session."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from service_process import REPO, ServiceProcess, free_port
+from service_process import REPO, start_serve
 
 STREAMS, SECONDS = 8, 20
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    log_fd, log_name = tempfile.mkstemp(prefix="vericache-load-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "vericache", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--max-tokens", "8", "--max-batch", "4",
-                             "--max-waiting", "2"], cwd=REPO, stdout=log_fd,
-                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    os.close(log_fd)
-    service = ServiceProcess(proc, port, Path(log_name))
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, service.log()
-        try:
-            if httpx.get(f"http://{service.address}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, service.log()
-        time.sleep(0.3)
+    service = start_serve(["--max-tokens", "8", "--max-batch", "4", "--max-waiting", "2"],
+                          env={"OMP_NUM_THREADS": "1"})
     yield service
     service.stop()
     service.log_path.unlink(missing_ok=True)
