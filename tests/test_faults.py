@@ -3,8 +3,9 @@ gateway). The contract under faults: a client gets a correct completion, or a pr
 followed by an SSE error chunk and `data: [DONE]` — never a token that full-KV greedy decoding
 would not produce (every emitted text is checked against the in-process reference).
 
-- the verifier is killed (SIGKILL) while a request streams; restarted on the same port, new
-  requests succeed without restarting the gateway or the drafter (the channel reconnects);
+- the verifier, the drafter or the kvstore is killed (SIGKILL) while a request streams;
+  restarted on the same port, new requests succeed without restarting the others (their
+  channels reconnect);
 - Redis loses the stack's keys (all of them, repeatedly, while requests run): answers stay
   identical, the prefix is recomputed.
 """
@@ -20,7 +21,6 @@ import httpx
 import pytest
 import redis
 from conftest import chat_ids
-from service_process import start_service
 from test_services_e2e import ONE_THREAD, _grpc_ready, _http_ready, _kvstore_ready
 
 from vericache.engine.generation import GenParams
@@ -35,8 +35,8 @@ PREFIX = f"vericache-faults-{uuid.uuid4().hex[:8]}:"
 
 @pytest.fixture(scope="module")
 def stack(services):
-    kv = services("services.kvstore", ["--backend", f"redis://127.0.0.1:6379/0?prefix={PREFIX}"],
-                  _kvstore_ready, env=ONE_THREAD)
+    kv_args = ["--backend", f"redis://127.0.0.1:6379/0?prefix={PREFIX}"]
+    kv = services("services.kvstore", kv_args, _kvstore_ready, env=ONE_THREAD)
     common = ["--kvstore", kv.address, "--session-ttl-s", "120"]
     ver = services("services.verifier", common, _grpc_ready("verifier"), timeout_s=120, env=ONE_THREAD)
     dra = services("services.drafter", common, _grpc_ready("drafter"), timeout_s=120, env=ONE_THREAD)
@@ -44,7 +44,9 @@ def stack(services):
                                        "--max-tokens", str(N)], _http_ready, timeout_s=120,
                   env=ONE_THREAD)
     yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw, "common": common,
-           "services": services}
+           "services": services,
+           "restart": {"verifier": (common, _grpc_ready("verifier")),
+                       "drafter": (common, _grpc_ready("drafter")), "kvstore": (kv_args, _kvstore_ready)}}
     _drop_keys()
 
 
@@ -120,38 +122,39 @@ def test_redis_flushed_answers_stay_identical(lm, stack):
     assert stream(gw.port, LONG, n=16) == (ref, [], True)
 
 
-def test_verifier_killed_mid_stream_then_restarted(lm, stack):
-    gw, ver = stack["gateway"], stack["verifier"]
+@pytest.mark.parametrize("victim", ["verifier", "drafter", "kvstore"])
+def test_service_killed_mid_stream_then_restarted(lm, stack, victim):
+    gw, dead = stack["gateway"], stack[victim]
     ref = _ref(lm, QUESTION)
     killed = []
-    text, errors, done = stream(gw.port, QUESTION, on_first=lambda: killed.append(ver.proc.kill()))
+    text, errors, done = stream(gw.port, QUESTION, on_first=lambda: killed.append(dead.proc.kill()))
     assert killed, f"no token streamed before the kill: {text!r} {errors}"
-    ver.proc.wait(10)
-    _check(text, errors, done, ref)
-    print(f"\nkilled mid-stream: {len(text)} of {len(ref)} characters, then {errors}")
+    dead.proc.wait(10)
+    _check(text, errors, done, ref)  # the kvstore is not used mid-request: that one completes
+    print(f"\n{victim} killed mid-stream: {len(text)} of {len(ref)} characters, then {errors}")
 
     # while it is down: an error, never a wrong answer
     text, errors, done = stream(gw.port, QUESTION)
     _check(text, errors, done, ref)
     assert errors
 
-    restarted = start_service("services.verifier", stack["common"], _grpc_ready("verifier"),
-                              timeout_s=120, env=ONE_THREAD, port=ver.port)
-    stack["verifier"] = restarted
-    try:
-        deadline, attempts = time.monotonic() + 30, 0
-        while True:  # the gateway's channel reconnects within its 5 s backoff cap
-            attempts += 1
-            text, errors, done = stream(gw.port, QUESTION)
-            _check(text, errors, done, ref)
-            if not errors or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert not errors, f"no success within 30 s of the restart: {errors}"
-        print(f"after the restart: success on attempt {attempts}")
-        q2 = "Write a haiku about the sea."
-        text, errors, done = stream(gw.port, q2)
-        assert (text, errors, done) == (_ref(lm, q2), [], True)
-        assert stack["drafter"].proc.poll() is None and gw.proc.poll() is None
-    finally:
-        restarted.stop()
+    args, ready = stack["restart"][victim]
+    # started through the module's factory, so it is stopped with the rest of the stack
+    stack[victim] = stack["services"](f"services.{victim}", args, ready, timeout_s=120,
+                                      env=ONE_THREAD, port=dead.port)
+    deadline, attempts = time.monotonic() + 30, 0
+    while True:  # the gateway's channel reconnects within its 5 s backoff cap
+        attempts += 1
+        text, errors, done = stream(gw.port, QUESTION)
+        _check(text, errors, done, ref)
+        if not errors or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not errors, f"no success within 30 s of the restart: {errors}"
+    print(f"after the restart: success on attempt {attempts}")
+    q2 = "Write a haiku about the sea."
+    text, errors, done = stream(gw.port, q2)
+    assert (text, errors, done) == (_ref(lm, q2), [], True)
+    others = [stack[n] for n in ("verifier", "drafter", "kvstore") if n != victim]
+    assert all(o.proc.poll() is None for o in others) and gw.proc.poll() is None
+

@@ -13,16 +13,14 @@ from vericache.engine.drafter import DraftOut
 from vericache.grpc_token import with_token
 from vericache.engine.generation import Generation
 from vericache.errors import VeriCacheError
-from vericache.store.grpc_store import STATUS_ERRORS
+from vericache.store.grpc_store import RECONNECT_OPTIONS, STATUS_ERRORS
 
 vpb, vpb_grpc = load("verifier")
 dpb, dpb_grpc = load("drafter")
 # A restarted drafter or verifier is found again within 5 s (gRPC's default backoff grows
 # to 120 s, and calls fail fast as UNAVAILABLE until the next reconnect attempt).
 _OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MODEL_MESSAGE_BYTES),
-            ("grpc.initial_reconnect_backoff_ms", 500),
-            ("grpc.max_reconnect_backoff_ms", 5000)]
+            ("grpc.max_receive_message_length", MODEL_MESSAGE_BYTES), *RECONNECT_OPTIONS]
 
 
 def _call(fn, request, timeout: float, what: str):

@@ -34,8 +34,11 @@ _ERRORS: dict[grpc.StatusCode, type[VeriCacheError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
 }
 STATUS_ERRORS = _ERRORS  # gRPC status -> core error, for every client of the services
+# a restarted kvstore is found again within 5 s (gRPC's default backoff grows to 120 s)
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500),
+                     ("grpc.max_reconnect_backoff_ms", 5000)]
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS]
 
 
 def typed_error(e: grpc.RpcError, target: str) -> VeriCacheError:
