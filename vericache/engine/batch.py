@@ -206,8 +206,13 @@ class BatchEngine(Engine):
                     self._wake.clear()
                     continue
                 self._round()
-            except Exception as e:  # a bug must not leave clients waiting forever
-                log.exception("engine round failed")
+            except Exception as e:  # a lost backend or a bug must not leave clients waiting
+                if isinstance(e, VeriCacheError):  # e.g. Unavailable: a service went away
+                    log.warning("round failed: %s", e)
+                    reason = f"{type(e).__name__}: {e}"
+                else:
+                    log.exception("engine round failed")
+                    reason = f"internal error: {e}"
                 for rs in self._active:
-                    self._finish(rs, f"internal error: {e}")
+                    self._finish(rs, reason)
                 self._active = []
