@@ -22,6 +22,20 @@ from vericache.engine.local import generate
 from vericache.model import load_model
 
 
+def runner_loop(lm, ids: list[int], steps: int = 64) -> float:
+    """Plain greedy steps on the runner alone (no engine bookkeeping): tokens per second."""
+    r = lm.runner
+    cache = r.new_cache(len(ids) + steps + 8)
+    for s in range(0, len(ids), 256):
+        logits, _ = r.step(ids[s:s + 256], s, cache)
+    tok = int(logits[0].argmax())
+    t = time.perf_counter()
+    for i in range(steps):
+        logits, _ = r.step([tok], len(ids) + i, cache)
+        tok = int(logits[0].argmax())
+    return steps / (time.perf_counter() - t)
+
+
 def profile_step(lm, ids: list[int], steps: int = 8) -> dict:
     """Share of a decode step's time in linear layers, attention GEMMs/softmax, and the rest."""
     from torch.profiler import ProfilerActivity, profile
@@ -90,6 +104,7 @@ def main() -> int:
                 "rounds": s.rounds, "verify_pass_in_steps": (s.verify_s / s.rounds) / (dec / len(ref.token_ids)),
                 "draft_step_vs_full_step": (s.draft_s / max(1, s.draft_steps)) / (dec / len(ref.token_ids)),
                 "compression": s.full_kv_bytes / max(1, s.draft_kv_bytes)})
+        row["runner_loop_tokens_per_s"] = runner_loop(lm, ids)
         row["profile"] = profile_step(lm, ids)
         out["rows"].append(row)
         print(json.dumps(row, indent=1), flush=True)
