@@ -163,6 +163,12 @@ def main() -> int:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+        import redis  # the Redis server is shared: drop only this run's keys
+
+        r = redis.Redis(host="127.0.0.1", port=6379, db=0)
+        keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            r.delete(*keys)
 
 
 if __name__ == "__main__":

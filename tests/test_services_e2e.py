@@ -11,6 +11,7 @@ import uuid
 import grpc
 import httpx
 import pytest
+import redis
 
 from conftest import chat_ids, long_code_prompt
 from vericache._proto import load
@@ -58,6 +59,10 @@ def stack(services):
                                        "--kvstore", kv.address, "--max-tokens", str(N)],
                   _http_ready, timeout_s=120, env=ONE_THREAD)
     yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw}
+    r = redis.Redis(host="127.0.0.1", port=6379, db=0)  # shared server: drop only our keys
+    keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        r.delete(*keys)
 
 
 @pytest.fixture(scope="module")
