@@ -83,6 +83,13 @@ class Compressor(ABC):
     def exact_tail(self, prompt_len: int) -> int:
         return 0
 
+    def draft_kv(self, chunks: list[CompressedChunk], tail_k: torch.Tensor,
+                 tail_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's initial KV: the chunks decompressed in order, then the exact tail
+        ([layers, Hkv, n, D] each)."""
+        parts = [self.decompress(c) for c in chunks] + [(tail_k, tail_v)]
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
     def kept_positions(self, chunk: CompressedChunk) -> torch.Tensor:
         """Absolute positions of the kept tokens: [layers, Hkv, m] (for tests and stats)."""
         pos = chunk.tensors.get("pos")

@@ -141,6 +141,3 @@ class Drafter:
 
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
-
-    def kv_bytes(self, rid: str) -> int:
-        return self._get(rid).cache.nbytes()

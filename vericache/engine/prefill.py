@@ -66,12 +66,5 @@ def compress_prompt(compressor: Compressor, pre: Prefilled, prompt_len: int,
 def build_draft_cache(compressor: Compressor, chunks: list[CompressedChunk], full: KVCache,
                       prompt_len: int, chunk_size: int, extra_capacity: int) -> KVCache:
     """The drafter's cache: decompressed chunks, then the exact tail copied from `full`."""
-    parts_k, parts_v = [], []
-    for c in chunks:
-        k, v = compressor.decompress(c)
-        parts_k.append(k)
-        parts_v.append(v)
-    k, v = full.view(len(chunks) * chunk_size, prompt_len)
-    parts_k.append(k)
-    parts_v.append(v)
-    return KVCache.from_tensors(torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), extra_capacity)
+    k, v = compressor.draft_kv(chunks, *full.view(len(chunks) * chunk_size, prompt_len))
+    return KVCache.from_tensors(k, v, extra_capacity)

@@ -12,7 +12,6 @@ import time
 
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.prefill import build_draft_cache
 from vericache.engine.verifier import Verifier
 
 
@@ -46,8 +45,8 @@ class LocalBackends:
                 g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
             else:
                 full = self.verifier.cache(g.rid)
-                d = build_draft_cache(g.compressor, out.chunks, full, len(g.prompt), p.chunk_size, 0)
-                self.drafter.attach(g.rid, *d.view(), [out.first_token], len(g.prompt) + 1,
+                k, v = g.compressor.draft_kv(out.chunks, *full.view(out.tail_start, len(g.prompt)))
+                self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
                                     g.extra_capacity, p.temperature, g.seed + 1)
                 tail = len(g.prompt) - out.tail_start
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)

@@ -63,16 +63,6 @@ class KVCache:
         per_token = 2 * self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
         return per_token * self.length
 
-    def clone(self, extra_capacity: int = 0) -> "KVCache":
-        c = KVCache.__new__(KVCache)
-        cap = self.length + extra_capacity
-        c.k = self.k.new_empty(self.k.shape[0], self.k.shape[1], max(1, cap), self.k.shape[3])
-        c.v = torch.empty_like(c.k)
-        c.k[:, :, : self.length] = self.k[:, :, : self.length]
-        c.v[:, :, : self.length] = self.v[:, :, : self.length]
-        c.length = self.length
-        return c
-
     @classmethod
     def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, extra_capacity: int = 0) -> "KVCache":
         """A cache holding k, v ([L, Hkv, n, D]) with room for `extra_capacity` more tokens."""

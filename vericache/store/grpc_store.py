@@ -26,14 +26,13 @@ from vericache.errors import (InvalidArgument, NotFound, ResourceExhausted, Unav
 from vericache.store.base import ChunkStore, Value, check_key, url_params
 from vericache.store.link import MAX_MESSAGE_BYTES, PIECE_BYTES, TokenBucket, pieces
 
-_ERRORS: dict[grpc.StatusCode, type[VeriCacheError]] = {
+STATUS_ERRORS: dict[grpc.StatusCode, type[VeriCacheError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
 }
-STATUS_ERRORS = _ERRORS  # gRPC status -> core error, for every client of the services
 # a restarted kvstore is found again within 5 s (gRPC's default backoff grows to 120 s)
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500),
                      ("grpc.max_reconnect_backoff_ms", 5000)]
@@ -43,7 +42,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 def typed_error(e: grpc.RpcError, target: str) -> VeriCacheError:
     """The core error a gRPC status stands for (`VeriCacheError` for codes without one)."""
-    cls = _ERRORS.get(e.code(), VeriCacheError)
+    cls = STATUS_ERRORS.get(e.code(), VeriCacheError)
     return cls(f"kvstore {target}: {e.code().name}: {e.details()}")
 
 

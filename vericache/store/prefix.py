@@ -97,20 +97,16 @@ class PrefixCache:
         """The drafter's initial KV: decompressed chunks before `tail_start`, then the tail."""
         t = time.perf_counter()
         keys = self.keys(prompt)[: tail_start // self.chunk_size]
-        ks, vs = [], []
-        for key in [compressed_key(k, compressor.spec) for k in keys] + [self.tail_key(request_id)]:
-            data = self.store.get(key)
-            if data is None:
-                raise NotFound(f"chunk {key} is not in the store (evicted or never written)")
-            stats.bytes_read += len(data)
-            stats.hits += 1
-            if key.startswith("tail/"):
-                span = decode_full(data)
-                k, v = span.k, span.v
-                self.store.delete(key)
-            else:
-                k, v = compressor.decompress(decode_chunk(data))
-            ks.append(k)
-            vs.append(v)
+        chunks = [decode_chunk(self._read(compressed_key(k, compressor.spec), stats)) for k in keys]
+        tail = decode_full(self._read(self.tail_key(request_id), stats))
+        self.store.delete(self.tail_key(request_id))  # a tail serves one attach
         stats.seconds += time.perf_counter() - t
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        return compressor.draft_kv(chunks, tail.k, tail.v)
+
+    def _read(self, key: str, stats: TransferStats) -> bytes:
+        data = self.store.get(key)
+        if data is None:
+            raise NotFound(f"chunk {key} is not in the store (evicted or never written)")
+        stats.bytes_read += len(data)
+        stats.hits += 1
+        return data
