@@ -146,3 +146,22 @@ def test_runs_finish_every_request(mode, groups, budget, rounds, overlaps):
                for kind, _, others in trace)
     assert both == overlaps
     assert not s.schedule()
+
+
+def test_draft_ahead_runs_only_when_the_drafter_lane_is_free_and_once_per_round():
+    s = Scheduler("staggered", groups=1, draft_ahead=True)
+    s.add("a")
+    (p,) = s.schedule()
+    s.done(p)
+    (d,) = s.schedule()
+    assert d.kind == "draft"
+    s.done(d)
+    jobs = s.schedule()
+    assert [j.kind for j in jobs] == ["verify", "ahead"]
+    assert s.state("a") == "verifying"
+    s.done(jobs[1])
+    assert s.state("a") == "verifying" and not s.schedule()  # one ahead job per round
+    s.done(jobs[0])
+    (d2,) = s.schedule()
+    assert d2.kind == "draft"
+    assert not Scheduler("lockstep", draft_ahead=True).schedule()

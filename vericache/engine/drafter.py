@@ -5,6 +5,11 @@ Methods and when they are called:
   exact tail) becomes the request's cache; `pending` holds the verified tokens not fed yet.
 - `draft(batch)`: once per round for every drafting request together: k steps, one forward
   pass per step over all requests still drafting. A request stops early at EOS.
+- `draft_ahead(batch)`: optional, while the round's drafts are being verified (staggered
+  lanes): go on drafting after them as if every draft will be accepted, the drafter's own
+  next token standing in for the verifier's bonus token. `commit` keeps these tokens as the
+  next round's first drafts when the verifier accepted every draft and its bonus equals the
+  guess, and throws them (and their KV) away otherwise. Greedy requests only.
 - `commit(rid, accepted, bonus, exact)`: once per round after verification: crop to the
   accepted tokens (and overwrite their KV with the exact KV when `exact` is given), queue
   the unfed verified tokens.
@@ -49,7 +54,11 @@ class DraftSession:
     gen: torch.Generator = field(default_factory=torch.Generator)
     drafts: list[int] = field(default_factory=list)
     q: list[torch.Tensor | None] = field(default_factory=list)
-    len_before: int = 0  # cache length at the round's start
+    len_before: int = 0  # cache length where the round's first token (pending or draft) goes
+    ahead: list[int] = field(default_factory=list)  # drafted past this round's drafts
+    carry: list[int] = field(default_factory=list)  # confirmed ahead drafts: next round's first
+    ahead_used: int = 0  # ahead tokens kept over the request's life
+    ahead_wasted: int = 0  # ahead tokens thrown away
 
 
 @dataclass
@@ -91,7 +100,9 @@ class Drafter:
         return stats
 
     def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:
-        d = s.drafts
+        """The next draft step's input, or None when the request is done drafting: the round's
+        drafts then its ahead drafts continue one sequence (k counts both together)."""
+        d = s.drafts + s.ahead
         if len(d) >= k or (d and d[-1] in self.eos):
             return None
         if not d:
@@ -100,12 +111,9 @@ class Drafter:
             toks, pos0 = [d[-1]], s.seq_len + len(d) - 1
         return SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)), s.cache)
 
-    def draft(self, batch: list[tuple[str, int]]) -> list[DraftOut]:
-        """Draft up to k tokens for each (rid, k), all requests stepping together."""
-        sess = [self._get(rid) for rid, _ in batch]
-        ks = [k for _, k in batch]
-        for s in sess:
-            s.drafts, s.q, s.len_before = [], [], s.cache.length
+    def _step_all(self, sess: list[DraftSession], ks: list[int], into: str) -> None:
+        """Draft step by step for every session together until each has its k tokens;
+        new tokens go to `s.drafts` or `s.ahead` (`into`)."""
         live = list(range(len(sess)))
         while live:
             items = [(i, self._next_item(sess[i], ks[i])) for i in live]
@@ -115,16 +123,66 @@ class Drafter:
             logits = self.runner.forward([it for _, it in items if it is not None])
             for i, lg in zip(live, logits):
                 tok, q = choose(lg[-1], sess[i].temperature, sess[i].gen)
-                sess[i].drafts.append(tok)
-                sess[i].q.append(q)
+                getattr(sess[i], into).append(tok)
+                if into == "drafts":
+                    sess[i].q.append(q)
+
+    def draft(self, batch: list[tuple[str, int]]) -> list[DraftOut]:
+        """Draft up to k tokens for each (rid, k), all requests stepping together. A request's
+        confirmed ahead drafts (`carry`) are its first drafts; only the rest is computed."""
+        sess = [self._get(rid) for rid, _ in batch]
+        ks = [k for _, k in batch]
+        for s, k in zip(sess, ks):
+            s.q, s.ahead = [], []
+            if s.carry:
+                keep = s.carry[:k]
+                # the cache holds the carried drafts but the last; drop KV of those past k
+                s.cache.crop(s.len_before + max(0, len(keep) - 1))
+                s.drafts, s.carry = keep, []
+                s.q = [None] * len(keep)
+            else:
+                s.drafts, s.len_before = [], s.cache.length
+        self._step_all(sess, ks, "drafts")
         return [DraftOut(list(s.drafts), torch.stack(s.q) if s.q and s.q[0] is not None else None)
                 for s in sess]
+
+    def draft_ahead(self, batch: list[tuple[str, int]]) -> int:
+        """Draft up to k more tokens past each (rid, k)'s round drafts (see the module
+        docstring); returns the tokens drafted. Sampling requests and drafts that end at EOS
+        are skipped."""
+        sess = [self._get(rid) for rid, _ in batch]
+        todo = [(s, len(s.drafts) + k) for s, (_, k) in zip(sess, batch)
+                if k > 0 and s.temperature == 0 and s.drafts and not s.ahead
+                and s.drafts[-1] not in self.eos]
+        if not todo:
+            return 0
+        self._step_all([s for s, _ in todo], [k for _, k in todo], "ahead")
+        return sum(len(s.ahead) for s, _ in todo)
 
     def commit(self, rid: str, accepted: int, bonus: int | None, exact: KVCache | None = None) -> None:
         """The verifier accepted `accepted` drafts and chose `bonus` (None: lossy, no verifier)."""
         s = self._get(rid)
         k = len(s.drafts)
         new = s.drafts[:accepted] + ([] if bonus is None else [bonus])
+        if s.ahead and accepted == k and s.ahead[0] == bonus:
+            # the guess held: drafts and bonus are fed already; the rest drafts the next round
+            n = len(s.pending) + k  # verified tokens fed this round, the bonus aside
+            if exact is not None:
+                p0 = s.seq_len - len(s.pending)
+                s.cache.k[:, :, s.len_before:s.len_before + n] = exact.k[:, :, p0:p0 + n]
+                s.cache.v[:, :, s.len_before:s.len_before + n] = exact.v[:, :, p0:p0 + n]
+            if len(s.ahead) > 1:
+                s.len_before += n + 1
+                s.pending, s.carry = [], s.ahead[1:]
+            else:  # only the bonus was guessed: it is not fed yet
+                s.len_before += n
+                s.pending = [bonus]
+            s.ahead_used += len(s.ahead)
+            s.seq_len += len(new)
+            s.drafts, s.q, s.ahead = [], [], []
+            return
+        s.ahead_wasted += len(s.ahead)
+        s.ahead = []
         if k:
             keep = min(accepted, k - 1)
             n = len(s.pending) + keep

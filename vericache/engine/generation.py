@@ -155,6 +155,13 @@ class Generation:
             return 1
         return max(0, min(self.draftlen.k, self.stop.remaining - 1))
 
+    def k_ahead(self, drafted: int) -> int:
+        """Drafts to ask for past this round's `drafted` tokens (draft ahead): next round's k
+        if this round's drafts and bonus are all accepted."""
+        if self.params.mode != "vericache":
+            return 0
+        return max(0, min(self.draftlen.k, self.stop.remaining - drafted - 2))
+
     def on_round(self, drafted: list[int], accepted: int, bonus: int) -> list[int]:
         """A verified round: drafts[:accepted] + [bonus] extend the output."""
         s = self.stats

@@ -7,6 +7,11 @@ mode one lane works at a time (the same rounds as `run_round`); in staggered mod
 verifies (full-KV load + forward) while another drafts. torch releases the GIL inside its
 kernels and the offloaded tier's loads are copies and sleeps, so the lanes really overlap.
 
+Outcomes of a verification are committed to the drafter on the drafter's lane, before the
+request's next draft, so a drafter session is only ever touched by one thread; with
+`draft_ahead` the drafter lane, when it has nothing else to do, drafts past the drafts being
+verified (`Drafter.draft_ahead`), and the commit keeps or drops those tokens.
+
 `run_requests` runs a closed set of requests to the end (benchmarks); requests join when the
 scheduler admits them (memory budgets) and leave when they finish (continuous batching).
 """
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.rounds import draft_phase, start, verify_phase
+from vericache.engine.rounds import commit_outcomes, draft_phase, start, verify_phase
 from vericache.engine.scheduler import DRAFT_LANE, VERIFY_LANE, Job, Scheduler
 
 # (draft_bytes, resident_bytes, load_bytes) of a request, for the scheduler's budgets
@@ -38,6 +43,7 @@ class LaneTrace:
     first_token: dict[str, float] = field(default_factory=dict)  # rid -> time of its first token
     finish: dict[str, float] = field(default_factory=dict)
     max_active: int = 0  # most requests admitted at once
+    ahead_drafted: int = 0  # tokens drafted ahead (draft_ahead)
 
 
 class LaneRunner:
@@ -49,6 +55,8 @@ class LaneRunner:
         self.trace = LaneTrace()
         self._gens: dict[str, Generation] = {}
         self._drafts: dict[str, DraftOut] = {}
+        self._outcomes: dict[str, tuple[int, int | None]] = {}  # verified, not yet committed
+        self._drafted: dict[str, int] = {}  # drafts in each request's latest round
 
     def _emit(self, g: Generation, toks: list[int], now: float) -> None:
         if toks and g.rid not in self.trace.first_token:
@@ -64,16 +72,24 @@ class LaneRunner:
             for g in gens:
                 self._emit(g, start(self.backends, g), time.perf_counter())
         elif job.kind == "draft":
+            commit_outcomes(self.backends, gens, self._outcomes)
             out = draft_phase(self.backends, gens)
+            self._drafted.update({rid: len(d.tokens) for rid, d in out.items()})
             self._drafts.update(out)
+        elif job.kind == "ahead":
+            batch = [(g, g.k_ahead(self._drafted.get(g.rid, 0))) for g in gens
+                     if g.params.mode == "vericache" and not g.finished]
+            if batch:
+                self.trace.ahead_drafted += self.backends.draft_ahead(batch)
         else:
             drafts = {g.rid: self._drafts.pop(g.rid) for g in gens if g.rid in self._drafts}
-            out = verify_phase(self.backends, gens, drafts)
+            out = verify_phase(self.backends, gens, drafts, self._outcomes)
             now = time.perf_counter()
             for g in gens:
                 self._emit(g, out[g.rid], now)
-        finished = {g.rid for g in gens if g.finished}
+        finished = {g.rid for g in gens if g.finished} if job.kind != "ahead" else set()
         for rid in finished:
+            self._outcomes.pop(rid, None)
             self.backends.release(self._gens[rid])
         self.trace.busy[job.lane].append((t0, time.perf_counter()))
         return finished
@@ -113,7 +129,10 @@ class LaneRunner:
 
 def run_requests(backends, gens: list[Generation], schedule: str = "lockstep", groups: int = 2,
                  draft_budget: int | None = None, verify_budget: int | None = None,
-                 cost: CostFn | None = None, max_active: int | None = None) -> LaneTrace:
-    """Run `gens` to the end under `schedule` ("lockstep" or "staggered"); budgets in bytes."""
-    sched = Scheduler(schedule, groups, draft_budget, verify_budget, max_active)
+                 cost: CostFn | None = None, max_active: int | None = None,
+                 draft_ahead: bool = False) -> LaneTrace:
+    """Run `gens` to the end under `schedule` ("lockstep" or "staggered"); budgets in bytes.
+    `draft_ahead` (staggered only, backends that offer it) drafts past drafts in verification."""
+    draft_ahead = draft_ahead and hasattr(backends, "draft_ahead")
+    sched = Scheduler(schedule, groups, draft_budget, verify_budget, max_active, draft_ahead)
     return LaneRunner(backends, sched, cost).run(gens)

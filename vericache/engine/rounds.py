@@ -59,6 +59,9 @@ class LocalBackends:
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
         return self.drafter.draft([(g.rid, k) for g, k in batch])
 
+    def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
+        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch])
+
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch])
 
@@ -98,9 +101,12 @@ def draft_phase(backends, gens: list[Generation]) -> dict[str, DraftOut]:
     return drafts
 
 
-def verify_phase(backends, gens: list[Generation], drafts: dict[str, DraftOut]) -> dict[str, list[int]]:
+def verify_phase(backends, gens: list[Generation], drafts: dict[str, DraftOut],
+                 outcomes: dict[str, tuple[int, int | None]] | None = None) -> dict[str, list[int]]:
     """The verifier's half: one verify pass for every request that verifies (not `lossy`),
-    then commit the outcome to the drafter. Returns the tokens each request emitted."""
+    then commit the outcome to the drafter; with `outcomes` given, the (accepted, bonus) to
+    commit are put there instead, for the caller to commit on the drafter's thread (see
+    `commit_outcomes`). Returns the tokens each request emitted."""
     out: dict[str, list[int]] = {g.rid: [] for g in gens}
     verifying = [g for g in gens if g.params.mode != "lossy"]
     empty = DraftOut([], None)
@@ -110,11 +116,25 @@ def verify_phase(backends, gens: list[Generation], drafts: dict[str, DraftOut]) 
     for g, (a, bonus) in zip(verifying, results):
         d = drafts.get(g.rid, empty)
         if g.params.mode == "vericache":
-            backends.commit(g, a, bonus)
+            _commit(backends, g, a, bonus, outcomes)
         out[g.rid] = g.on_round(d.tokens, a, bonus)
         g.stats.verify_s += t2 - t1
     for g in gens:
         if g.params.mode == "lossy":
-            backends.commit(g, 1, None)
+            _commit(backends, g, 1, None, outcomes)
             out[g.rid] = g.on_lossy(drafts[g.rid].tokens[0])
     return out
+
+
+def _commit(backends, g: Generation, accepted: int, bonus: int | None, outcomes) -> None:
+    if outcomes is None:
+        backends.commit(g, accepted, bonus)
+    else:
+        outcomes[g.rid] = (accepted, bonus)
+
+
+def commit_outcomes(backends, gens: list[Generation], outcomes: dict[str, tuple[int, int | None]]) -> None:
+    """Commit the deferred verification outcomes of `gens` (those that have one)."""
+    for g in gens:
+        if g.rid in outcomes:
+            backends.commit(g, *outcomes.pop(g.rid))

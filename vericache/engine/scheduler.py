@@ -14,6 +14,9 @@ Modes:
   draft again; one lane works at a time.
 - staggered: requests are split into `groups` groups at admission (the smallest group takes
   the newcomer); each lane takes a whole group, so while group A verifies, group B drafts.
+  With `draft_ahead`, a drafter lane that has no group to draft drafts ahead for requests
+  whose drafts are waiting for or in verification (an "ahead" job: it changes no state; the
+  engine keeps or drops those tokens when the verification ends), once per round each.
 
 Memory: a request costs `draft_bytes` on the drafter and `resident_bytes` on the verifier
 while admitted, and `load_bytes` on the verifier while it is being verified (the working
@@ -37,12 +40,12 @@ DRAFT_LANE, VERIFY_LANE = "draft", "verify"
 class Job:
     """Work for one lane: kind is "prefill", "draft" or "verify"; rids in admission order."""
 
-    kind: str
+    kind: str  # "prefill", "draft", "ahead" or "verify"
     rids: tuple[str, ...]
 
     @property
     def lane(self) -> str:
-        return DRAFT_LANE if self.kind == "draft" else VERIFY_LANE
+        return DRAFT_LANE if self.kind in ("draft", "ahead") else VERIFY_LANE
 
 
 @dataclass
@@ -53,6 +56,7 @@ class _Req:
     load_bytes: int
     state: str = WAITING
     group: int = -1
+    ahead: bool = False  # drafted ahead in this round already
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Scheduler:
     draft_budget: int | None = None  # bytes; None: unbounded
     verify_budget: int | None = None
     max_active: int | None = None
+    draft_ahead: bool = False
     _reqs: dict[str, _Req] = field(default_factory=dict)
     _busy: dict[str, Job | None] = field(default_factory=lambda: {DRAFT_LANE: None, VERIFY_LANE: None})
     _next_group: int = 0  # round-robin start for lanes choosing a group
@@ -123,6 +128,10 @@ class Scheduler:
 
     def _start(self, job: Job) -> Job:
         self._busy[job.lane] = job
+        if job.kind == "ahead":
+            for rid in job.rids:
+                self._reqs[rid].ahead = True
+            return job
         new = {"prefill": PREFILL, "draft": DRAFTING, "verify": VERIFYING}[job.kind]
         for rid in job.rids:
             self._reqs[rid].state = new
@@ -175,6 +184,10 @@ class Scheduler:
             if ready:
                 self._next_group = (g + 1) % self.groups
                 return Job("draft", tuple(ready))
+        if self.draft_ahead and self.schedule_mode == "staggered":
+            ahead = [r.rid for r in self._in(VERIFYING, READY_VERIFY) if not r.ahead]
+            if ahead:
+                return Job("ahead", tuple(ahead))
         return None
 
     # ---- results ------------------------------------------------------------------------
@@ -183,6 +196,8 @@ class Scheduler:
         if self._busy[job.lane] != job:
             raise ValueError(f"{job} is not running")
         self._busy[job.lane] = None
+        if job.kind == "ahead":
+            return
         for rid in job.rids:
             r = self._reqs[rid]
             if rid in finished:
@@ -193,7 +208,7 @@ class Scheduler:
             elif job.kind == "draft":
                 r.state = READY_VERIFY
             else:
-                r.state = READY_DRAFT
+                r.state, r.ahead = READY_DRAFT, False
 
     def _smallest_group(self) -> int:
         sizes = [0] * self.groups

@@ -1,0 +1,80 @@
+"""The two-lane executor on the real model: every schedule, with and without draft-ahead,
+under memory budgets and with an offloaded full KV, emits exactly full greedy's tokens."""
+
+import pytest
+
+from vericache.engine.generation import Generation, GenParams
+from vericache.engine.kvtier import make_tier
+from vericache.engine.lanes import run_requests
+from vericache.engine.local import generate
+from vericache.engine.rounds import LocalBackends
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def cases(lm, prompts):
+    ids = [prompts["code"], prompts["json"], prompts["long"][:600], prompts["long"][:900]]
+    refs = [generate(lm, p, GenParams(mode="full", max_tokens=N, ignore_eos=True)).token_ids
+            for p in ids]
+    return ids, refs
+
+
+def _gens(lm, ids, **kw):
+    params = GenParams(max_tokens=N, ignore_eos=True, compressor="streamingllm", ratio=4,
+                       draft_len=8, chunk_size=64, **kw)
+    return [Generation(lm, p, params, request_id=f"r{i}") for i, p in enumerate(ids)]
+
+
+@pytest.mark.parametrize("schedule,ahead,tier,budget", [
+    ("lockstep", False, "resident", None),
+    ("staggered", False, "offloaded", None),
+    ("staggered", True, "resident", None),
+    ("staggered", True, "offloaded", 2),  # the verifier's budget holds two requests' KV
+])
+def test_lanes_identical_to_full(lm, cases, schedule, ahead, tier, budget):
+    ids, refs = cases
+    t = make_tier(tier, 200.0)
+    gens = _gens(lm, ids)
+    per_tok = lm.runner.kv_bytes_per_token()
+    cost = (lambda g: (0, 0, (len(g.prompt) + g.extra_capacity) * per_tok)) if budget else None
+    limit = budget * (900 + N + 12) * per_tok if budget else None
+    try:
+        trace = run_requests(LocalBackends(lm, tier=t), gens, schedule, groups=2,
+                             verify_budget=limit, cost=cost, draft_ahead=ahead)
+    finally:
+        if t is not None:
+            t.close()
+    assert [g.output_ids for g in gens] == refs
+    assert all(g.finished for g in gens)
+    if ahead:
+        assert trace.ahead_drafted > 0
+    else:
+        assert trace.ahead_drafted == 0
+
+
+def test_draft_ahead_tokens_are_used_when_the_guess_holds(lm, prompts):
+    """A drafter that drafts ahead, then is told every draft and the guessed bonus were
+    right, hands the ahead tokens out as the next round's drafts, with no new step."""
+    from vericache.engine.drafter import Drafter
+
+    ids = prompts["code"]
+    full = generate(lm, ids, GenParams(mode="full", max_tokens=12, ignore_eos=True)).token_ids
+    b = LocalBackends(lm)
+    g = Generation(lm, ids, GenParams(max_tokens=12, ignore_eos=True, compressor="identity",
+                                      draft_len=4, adaptive=False), request_id="a")
+    assert b.admit(g) == full[0]
+    d: Drafter = b.drafter
+    first = d.draft([("a", 4)])[0].tokens
+    assert first == full[1:5]  # the identity "compressor" drafts exactly
+    assert d.draft_ahead([("a", 4)]) == 4
+    s = d.sessions["a"]
+    assert s.ahead == full[5:9]
+    d.commit("a", 4, full[5])  # all accepted; bonus = the first ahead token
+    assert s.carry == full[6:9] and s.ahead_used == 4
+    again = d.draft([("a", 3)])[0].tokens
+    assert again == full[6:9]
+    d.draft_ahead([("a", 2)])
+    d.commit("a", 1, full[7])  # a mismatch after one: ahead tokens are dropped
+    assert s.ahead_wasted == 2 and not s.carry
+    assert d.draft([("a", 3)])[0].tokens == full[8:11]
