@@ -1,19 +1,36 @@
-"""The long-context scenario: many long requests at once, VeriCache against its baselines.
+"""The concurrent scenarios: many requests at once, VeriCache against its baselines.
 
-Every variant runs the same prompts (one per request, `concurrency` at once) through the
-two-lane engine (`vericache.engine.lanes`) in this process, under the same verifier memory
-budget and, where the full KV is offloaded, behind the same link:
+Every variant of a run decodes the same prompts (`concurrency` requests arriving together,
+sharing one long code document and each asking its own question) through the two-lane engine
+(`vericache.engine.lanes`) in this process. Each output is compared with single-request full
+greedy decoding of the same prompt, run first in the same process.
 
+long-context: the full KV is the expensive thing to keep; the verifier's KV memory budget and,
+where the full KV is offloaded, its link are the same for every variant:
 - full_resident: full-KV greedy decoding, KV resident; the budget bounds how many requests
   are admitted at once.
 - full_offloaded: full-KV greedy decoding with the KV in the offloaded tier: every step
   loads it over the link (layer by layer, overlapped with compute).
 - lossy: decoding over the compressed KV only (the baseline that drifts).
 - vericache_lockstep / vericache_staggered: draft over the compressed KV, verify over the
-  offloaded full KV; all draft then all verify, or one group verifies while another drafts.
+  offloaded full KV; all draft then all verify, or one group verifies while another drafts
+  (and, with draft-ahead, the drafter drafts past drafts in verification when it is free).
+The prompts' prefill is computed once, before the variants, into an in-memory prefix cache
+that every variant (and the reference) loads from: the variants differ in decoding, and an
+8k prefill per request per variant would dominate a CPU run. Each request still holds (and
+each offloaded verification loads) its own whole full KV.
 
-Each output is compared with single-request full greedy decoding of the same prompt, run
-first in the same process. Figures per variant are in `vericache.bench.scenario_metrics`.
+remote-prefix: the shared prefix's full and compressed chunks sit in a store (published by
+an earlier request); the decoding node reaches it over a slow link (`drafter_link_gbps`), a
+verifier next to the store over a fast one (`link_gbps`). Each node keeps what it read
+(`vericache.store.node.NodeCache`), so requests that share the prefix load it once:
+- full_far: full-KV decoding on the far node: the full prefix crosses the slow link.
+- full_near: full-KV decoding next to the store (fast link).
+- lossy: decoding over the compressed prefix, loaded over the slow link.
+- vericache_lockstep / vericache_staggered: the verifier loads the full prefix over the fast
+  link and answers the first token; the drafter loads the compressed prefix over the slow
+  link in the background and drafts once it has landed (until then rounds are plain full-KV
+  decode steps). Figures per variant are in `vericache.bench.scenario_metrics`.
 """
 
 from __future__ import annotations
@@ -28,10 +45,21 @@ from vericache.engine.kvtier import make_tier
 from vericache.engine.lanes import run_requests
 from vericache.engine.local import generate
 from vericache.engine.rounds import LocalBackends
+from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument
+from vericache.store.memory import MemoryStore
+from vericache.store.node import LinkedStore, NodeCache
 
-SCENARIOS = ("long-context",)
-VARIANTS = ("full_resident", "full_offloaded", "lossy", "vericache_lockstep", "vericache_staggered")
+SCENARIOS = ("long-context", "remote-prefix")
+VARIANTS = {
+    "long-context": ("full_resident", "full_offloaded", "lossy", "vericache_lockstep",
+                     "vericache_staggered"),
+    "remote-prefix": ("full_near", "full_far", "lossy", "vericache_lockstep", "vericache_staggered"),
+}
+# which variant stands for "full KV resident" and "full KV offloaded" in the summary
+BASELINES = {"long-context": ("full_resident", "full_offloaded"),
+             "remote-prefix": ("full_near", "full_far")}
+DEFAULT_LINKS = {"long-context": 4.0, "remote-prefix": 200.0}  # the verifier's link, Gbit/s
 MB = 1 << 20
 
 
@@ -39,6 +67,7 @@ MB = 1 << 20
 class ScenarioConfig:
     """The settings every variant of a run shares."""
 
+    scenario: str = "long-context"
     concurrency: int = 4
     max_tokens: int = 32
     compressor: str = "snapkv"
@@ -46,22 +75,31 @@ class ScenarioConfig:
     draft_len: int = 8
     adaptive: bool = True
     chunk_size: int = 256
-    link_gbps: float | None = 4.0  # the offloaded tier's link; None: memory-copy speed
+    link_gbps: float | None = None  # verifier's link (tier or store); None: the scenario's default
+    drafter_link_gbps: float | None = 1.0  # remote-prefix: the far node's link to the store
     verify_budget_mb: float | None = None  # verifier KV memory; None: unbounded
+    verify_budget_caches: float | None = None  # the same, in full caches of the longest request
     draft_budget_mb: float | None = None
     groups: int = 2
     schedule: str = "lockstep"  # VeriCache's headline schedule in the ratios
+    draft_ahead: bool = True  # in the staggered variant
 
     def __post_init__(self):
+        if self.scenario not in SCENARIOS:
+            raise InvalidArgument(f"unknown scenario {self.scenario!r}; valid: {', '.join(SCENARIOS)}",
+                                  "scenario")
+        if self.link_gbps is None:
+            self.link_gbps = DEFAULT_LINKS[self.scenario]
         if self.concurrency < 1:
             raise InvalidArgument("--concurrency must be >= 1", "concurrency")
         if self.max_tokens < 2:
             raise InvalidArgument("--max-tokens must be >= 2", "max_tokens")
-        if self.link_gbps is not None and self.link_gbps <= 0:
-            raise InvalidArgument("--link-gbps must be > 0", "link_gbps")
-        for name in ("verify_budget_mb", "draft_budget_mb"):
+        for name in ("link_gbps", "drafter_link_gbps", "verify_budget_mb", "verify_budget_caches",
+                     "draft_budget_mb"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be > 0", name)
+        if self.verify_budget_mb is not None and self.verify_budget_caches is not None:
+            raise InvalidArgument("give --kv-budget-mb or --kv-budget-caches, not both", "kv_budget")
         make_compressor(self.compressor, self.ratio)
 
     def params(self, mode: str) -> GenParams:
@@ -69,9 +107,12 @@ class ScenarioConfig:
                          ratio=self.ratio, draft_len=self.draft_len, adaptive=self.adaptive,
                          chunk_size=self.chunk_size, ignore_eos=True)
 
-
-def _budget(mb: float | None) -> int | None:
-    return None if mb is None else int(mb * MB)
+    def verify_budget(self, longest_prompt: int, kv_per_token: int) -> int | None:
+        """The verifier's budget in bytes."""
+        if self.verify_budget_caches is not None:
+            per_cache = (longest_prompt + self.params("full").max_tokens + self.draft_len + 2) * kv_per_token
+            return int(self.verify_budget_caches * per_cache)
+        return None if self.verify_budget_mb is None else int(self.verify_budget_mb * MB)
 
 
 def request_cost(cfg: ScenarioConfig, kv_per_token: int, mode: str, tier: str) -> Callable:
@@ -89,40 +130,101 @@ def request_cost(cfg: ScenarioConfig, kv_per_token: int, mode: str, tier: str) -
     return cost
 
 
-def run_variant(lm, prompts, cfg: ScenarioConfig, variant: str) -> dict:
-    """Run one variant over every prompt at once; returns its raw record."""
+def _drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
+    for key in store.keys():
+        if key not in keep:
+            store.delete(key)
+
+
+def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends: LocalBackends, tier, tier_name: str,
+         budget: int | None) -> dict:
     mode = variant.split("_")[0]
-    tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
     schedule = "staggered" if variant.endswith("staggered") else "lockstep"
-    tier = make_tier(tier_name, cfg.link_gbps, lm.runner.device)
-    backends = LocalBackends(lm, tier=tier)
     gens = [Generation(lm, p.ids, cfg.params(mode), request_id=f"{variant}-{i}")
             for i, p in enumerate(prompts)]
     cost = request_cost(cfg, lm.runner.kv_bytes_per_token(), mode, tier_name)
     try:
-        trace = run_requests(backends, gens, schedule, cfg.groups, _budget(cfg.draft_budget_mb),
-                             _budget(cfg.verify_budget_mb), cost)
+        trace = run_requests(backends, gens, schedule, cfg.groups,
+                             None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB),
+                             budget, cost, draft_ahead=cfg.draft_ahead and schedule == "staggered")
     finally:
+        backends.close()
         if tier is not None:
             tier.close()
     return {"variant": variant, "mode": mode, "tier": tier_name, "schedule": schedule,
             "gens": gens, "trace": trace, "tier_stats": tier.stats if tier is not None else None}
 
 
+def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
+    """One long-context variant over every prompt at once; returns its raw record."""
+    tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
+    tier = make_tier(tier_name, cfg.link_gbps, lm.runner.device)
+    budget = cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
+    return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget)
+
+
+def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
+    """One remote-prefix variant: fresh (cold) nodes in front of the shared store."""
+    near = NodeCache(LinkedStore(store, cfg.link_gbps))
+    far = NodeCache(LinkedStore(store, cfg.drafter_link_gbps))
+    if variant == "full_far":
+        backends = LocalBackends(lm, far)
+    elif variant == "full_near":
+        backends = LocalBackends(lm, near)
+    else:  # the verifier sits near the store; the drafter (and the lossy decoder) far from it
+        backends = LocalBackends(lm, near, drafter_store=far, async_attach=variant != "lossy")
+    raw = _run(lm, prompts, cfg, variant, backends, None, "resident", None)
+    raw["links"] = {"near_bytes_read": near.inner.bytes_read, "near_bytes_written": near.inner.bytes_written,
+                    "far_bytes_read": far.inner.bytes_read, "far_bytes_written": far.inner.bytes_written}
+    return raw
+
+
+def common_prefix(prompts) -> int:
+    ids = [p.ids for p in prompts]
+    n = min(len(x) for x in ids)
+    for i in range(n):
+        if any(x[i] != ids[0][i] for x in ids[1:]):
+            return i
+    return n
+
+
 def run_scenario(lm, prompts, cfg: ScenarioConfig,
                  on_step: Callable[[str], None] | None = None) -> dict:
-    """The reference outputs, then every variant; returns the JSON document."""
+    """Warm the store, the reference outputs, then every variant; returns the JSON document."""
     step = on_step or (lambda label: None)
+    store = MemoryStore()
+    comp = make_compressor(cfg.compressor, cfg.ratio)
+    ver = Verifier(lm.runner, store, lm.model_id)
+    shared = common_prefix(prompts)
+    if cfg.scenario == "long-context":  # every prompt's prefill, once
+        warm = [(f"warm-{i}", p.ids) for i, p in enumerate(prompts)]
+    else:  # an earlier request published the shared prefix
+        warm = [("publish", prompts[0].ids[:shared])]
+    for rid, ids in warm:
+        step(f"prefill {rid} ({len(ids)} tokens) into the prefix cache")
+        ver.prefill(rid, ids, 1, cfg.chunk_size, comp)
+        ver.release(rid)
+    published = set(store.keys())
     reference = []
     for p in prompts:
         step(f"reference {p.name}")
-        reference.append(generate(lm, p.ids, cfg.params("full")).token_ids)
+        reference.append(generate(lm, p.ids, cfg.params("full"), LocalBackends(lm, store)).token_ids)
+        _drop_new_keys(store, published)
     rows = []
-    for v in VARIANTS:
+    run_variant = (run_long_context_variant if cfg.scenario == "long-context"
+                   else run_remote_prefix_variant)
+    for v in VARIANTS[cfg.scenario]:
         step(v)
-        rows.append(variant_measures(run_variant(lm, prompts, cfg, v), reference,
-                                     lm.runner.kv_bytes_per_token()))
-    return {"scenario": "long-context", "model": lm.name,
-            "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],
-                         "kv_bytes_per_token": lm.runner.kv_bytes_per_token()},
-            "variants": rows, "summary": summarize(rows, cfg.schedule)}
+        raw = run_variant(lm, prompts, cfg, v, store)
+        _drop_new_keys(store, published)
+        rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+    doc = {"scenario": cfg.scenario, "model": lm.name,
+           "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],
+                        "shared_prefix_tokens": shared,
+                        "kv_bytes_per_token": lm.runner.kv_bytes_per_token(),
+                        "verify_budget_bytes": cfg.verify_budget(max(len(p.ids) for p in prompts),
+                                                                 lm.runner.kv_bytes_per_token())},
+           "variants": rows,
+           "summary": summarize(rows, cfg.schedule, *BASELINES[cfg.scenario])}
+    store.close()
+    return doc

@@ -52,26 +52,39 @@ def add_parser(sub) -> None:
     g.add_argument("--max-tokens", type=int, default=128, help="new tokens per cell (default: 128)")
     g.add_argument("--chunk-size", type=int, default=256, help="tokens per KV chunk (default: 256)")
     g = p.add_argument_group(
-        "scenario", "--scenario long-context runs --concurrency requests at once through the "
-        "two-lane engine: full KV resident, full KV offloaded, lossy, and VeriCache (offloaded "
-        "full KV; lockstep and staggered), with the first of --compressors, --ratios and "
-        "--draft-lens, on built-in prompts of --context-tokens (prompt files are not used); every "
-        "output is checked against full greedy (exit 1 if one differs)")
-    g.add_argument("--scenario", choices=("grid", "long-context"), default="grid",
-                   help="grid: the compressor grid above (default); long-context: the "
-                        "concurrent long-context scenario")
+        "scenario", "--scenario long-context|remote-prefix runs --concurrency requests at once "
+        "through the two-lane engine, VeriCache (lockstep and staggered) beside its full-KV and "
+        "lossy baselines in the same run, with the first of --compressors, --ratios and "
+        "--draft-lens, on built-in prompts of --context-tokens that share one code document and "
+        "ask different questions (prompt files are not used). long-context: full KV resident, "
+        "full KV offloaded behind --link-gbps, lossy, VeriCache verifying over the offloaded KV. "
+        "remote-prefix: the shared prefix sits in a store; the decoding node reads it over "
+        "--drafter-link-gbps, a verifier next to the store over --link-gbps. Every output is "
+        "checked against full greedy (exit 1 if one differs); docs/performance.md has the figures")
+    g.add_argument("--scenario", choices=("grid", "long-context", "remote-prefix"), default="grid",
+                   help="grid: the compressor grid above (default); long-context or "
+                        "remote-prefix: the concurrent scenarios")
     g.add_argument("--concurrency", type=int, default=4, metavar="N",
                    help="requests at once in the scenario, one built-in prompt each (default: 4)")
     g.add_argument("--schedule", choices=("lockstep", "staggered"), default="lockstep",
                    help="VeriCache's schedule in the headline ratios; both always run, for "
                         "staggered_vs_lockstep (default: lockstep)")
-    g.add_argument("--link-gbps", type=float, default=4.0, metavar="GBIT",
-                   help="bandwidth of the verifier's link to its offloaded full KV, Gbit/s "
-                        "(1 = a 1 Gbit/s network, 200 = a 25 GB/s PCIe bus; default: 4)")
+    g.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                   help="the staggered variant does not draft ahead while drafts are verified")
+    g.add_argument("--link-gbps", type=float, default=None, metavar="GBIT",
+                   help="the verifier's link, Gbit/s: to its offloaded full KV (long-context; "
+                        "default 4, 200 = a 25 GB/s PCIe bus) or to the store (remote-prefix; "
+                        "default 200)")
+    g.add_argument("--drafter-link-gbps", type=float, default=1.0, metavar="GBIT",
+                   help="remote-prefix: the decoding node's (drafter's) slow link to the store, "
+                        "Gbit/s (default: 1)")
     g.add_argument("--kv-budget-mb", type=float, default=None, metavar="MB",
                    help="the verifier's KV memory budget: bounds the requests admitted with "
                         "resident full KV and the requests verified per offloaded pass "
                         "(default: unbounded)")
+    g.add_argument("--kv-budget-caches", type=float, default=None, metavar="N",
+                   help="the same budget in full caches of the longest request (prompt + "
+                        "output), e.g. 4")
     g.add_argument("--draft-kv-budget-mb", type=float, default=None, metavar="MB",
                    help="the drafter's KV memory budget (default: unbounded)")
     g.add_argument("--project", default=None, metavar="MACHINE",

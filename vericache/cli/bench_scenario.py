@@ -1,4 +1,4 @@
-"""`vericache bench --scenario long-context`: the concurrent scenario's command line part.
+"""`vericache bench --scenario long-context|remote-prefix`: the concurrent scenarios' command line part.
 
 Builds the scenario's settings from the bench flags (the first of --compressors, --ratios
 and --draft-lens), runs it (`vericache.bench.scenario`), prints a table, writes --json and
@@ -13,7 +13,7 @@ import sys
 
 from vericache.bench.grid import Grid, takes_ratio
 from vericache.bench.project import MACHINES, project_run
-from vericache.bench.prompts import builtin_prompts
+from vericache.bench.prompts import shared_document_prompts
 from vericache.bench.scenario import ScenarioConfig, run_scenario
 from vericache.errors import InvalidArgument
 from vericache.model import load_model
@@ -31,11 +31,12 @@ def config(args, grid: Grid) -> ScenarioConfig:
                               f"{', '.join(MACHINES)}", "project")
     comp, _ = grid.configs[0]
     return ScenarioConfig(
-        concurrency=args.concurrency, max_tokens=grid.max_tokens, compressor=comp,
+        scenario=args.scenario, concurrency=args.concurrency, max_tokens=grid.max_tokens, compressor=comp,
         ratio=grid.ratios[0] if takes_ratio(comp) else None, draft_len=grid.draft_lens[0],
         adaptive=grid.adaptive, chunk_size=grid.chunk_size, link_gbps=args.link_gbps,
-        verify_budget_mb=args.kv_budget_mb, draft_budget_mb=args.draft_kv_budget_mb,
-        schedule=args.schedule)
+        drafter_link_gbps=args.drafter_link_gbps, verify_budget_mb=args.kv_budget_mb,
+        verify_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
+        schedule=args.schedule, draft_ahead=args.draft_ahead)
 
 
 def weight_bytes(runner) -> int:
@@ -63,7 +64,7 @@ def render(doc: dict) -> str:
     s = doc["summary"]
     lines.append(", ".join(f"{k} {s[k]}" for k in (
         "throughput_ratio_vs_full_resident", "throughput_ratio_vs_full_offloaded",
-        "staggered_vs_lockstep", "tau_mean", "identical")))
+        "staggered_vs_lockstep", "ttft_ratio_vs_full", "tau_mean", "identical")))
     return "\n".join(lines)
 
 
@@ -77,7 +78,7 @@ def plot(doc: dict, path) -> None:
     ax.bar([r["variant"] for r in rows], [r["throughput_tps"] or 0 for r in rows])
     ax.set_ylabel("tokens/s")
     st = doc["settings"]
-    ax.set_title(f"long-context: {st['concurrency']} requests, link {st['link_gbps']} Gbit/s")
+    ax.set_title(f"{doc['scenario']}: {st['concurrency']} requests, link {st['link_gbps']} Gbit/s")
     ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     fig.savefig(path)
@@ -89,7 +90,7 @@ def run_scenario_cli(args, grid: Grid) -> int:
     if args.concurrency < 1:
         raise InvalidArgument("--concurrency must be >= 1", "concurrency")
     lm = load_model(args.model, args.dtype, args.device)
-    prompts = builtin_prompts(lm.tokenizer, args.concurrency, args.context_tokens)
+    prompts = shared_document_prompts(lm.tokenizer, args.concurrency, args.context_tokens)
 
     def step(label: str) -> None:
         if not args.quiet:

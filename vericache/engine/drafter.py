@@ -88,14 +88,21 @@ class Drafter:
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
                                           torch.Generator().manual_seed(seed))
 
-    def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
-                          tail_start: int, first_token: int, extra_capacity: int,
-                          temperature: float = 0.0, seed: int = 0, namespace: str = "") -> TransferStats:
+    def load_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
+                        tail_start: int, namespace: str = "") -> tuple[torch.Tensor, torch.Tensor, TransferStats]:
+        """The request's drafting KV from the store (compressed chunks + exact tail): thread-safe,
+        so it may run while this drafter drafts for others (`attach` it afterwards)."""
         if self.store is None:
             raise InvalidArgument("this drafter has no store to attach from", "kvstore")
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace)
         k, v = pc.load_draft(prompt, compressor, tail_start, rid, stats)
+        return k, v, stats
+
+    def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
+                          tail_start: int, first_token: int, extra_capacity: int,
+                          temperature: float = 0.0, seed: int = 0, namespace: str = "") -> TransferStats:
+        k, v, stats = self.load_from_store(rid, prompt, compressor, chunk_size, tail_start, namespace)
         self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, temperature, seed)
         return stats
 

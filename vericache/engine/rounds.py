@@ -9,6 +9,7 @@ process's runner; the services' client backends run them over gRPC.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
@@ -18,14 +19,22 @@ from vericache.engine.verifier import Verifier
 class LocalBackends:
     """Drafter and verifier in this process. With a store (embedded `vericache serve`: a
     memory:// store) prefixes are cached across requests and the drafter attaches from the
-    store, exactly as the services do; without one, chunks pass in memory."""
+    store, exactly as the services do; without one, chunks pass in memory.
 
-    def __init__(self, lm, store=None, tier=None):
+    With `async_attach` (remote prefix caching: the drafter's link is slow) the drafter loads
+    a new request's compressed KV in the background; until it lands the request's rounds carry
+    no drafts (each verify pass is a plain full-KV decode step), and drafting starts with the
+    first round after it lands, fed every token verified meanwhile."""
+
+    def __init__(self, lm, store=None, tier=None, drafter_store=None, async_attach: bool = False):
         """`tier`: where the verifier keeps full KV between rounds (None: resident; an
-        `vericache.engine.kvtier.OffloadedTier`: offloaded)."""
+        `vericache.engine.kvtier.OffloadedTier`: offloaded). `drafter_store`: the drafter's
+        view of the store when it differs from the verifier's (another link)."""
         self.lm, self.store, self.tier = lm, store, tier
         self.verifier = Verifier(lm.runner, store, lm.model_id, tier)
-        self.drafter = Drafter(lm.runner, lm.eos_token_ids, store, lm.model_id)
+        self.drafter = Drafter(lm.runner, lm.eos_token_ids, drafter_store or store, lm.model_id)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-attach") if async_attach else None
+        self._attaching: dict[str, tuple[Future, list[int]]] = {}  # rid -> (load, tokens verified)
 
     def admit(self, g: Generation) -> int:
         p = g.params
@@ -37,7 +46,11 @@ class LocalBackends:
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
         if g.compressor is not None:
-            if via_store:
+            if via_store and self._loader is not None and p.mode == "vericache":
+                f = self._loader.submit(self.drafter.load_from_store, g.rid, g.prompt, g.compressor,
+                                        p.chunk_size, out.tail_start, p.namespace)
+                self._attaching[g.rid] = (f, [out.first_token])
+            elif via_store:
                 tr = self.drafter.attach_from_store(
                     g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
                     g.extra_capacity, p.temperature, g.seed + 1, p.namespace)
@@ -56,22 +69,50 @@ class LocalBackends:
         g.stats.prefill_s, g.stats.compress_s = t1 - t0, time.perf_counter() - t1
         return out.first_token
 
+    def _attached(self, g: Generation) -> bool:
+        """Whether the drafter holds the request (attaching it if its load has landed)."""
+        if g.rid not in self._attaching:
+            return True
+        f, verified = self._attaching[g.rid]
+        if not f.done():
+            return False
+        del self._attaching[g.rid]
+        k, v, tr = f.result()
+        self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
+                            g.params.temperature, g.seed + 1)
+        g.stats.record_transfer(0, tr)
+        g.stats.draft_kv_bytes = tr.bytes_read
+        return True
+
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
-        return self.drafter.draft([(g.rid, k) for g, k in batch])
+        ready = [(g, k) for g, k in batch if self._attached(g)]
+        got = dict(zip([g.rid for g, _ in ready],
+                       self.drafter.draft([(g.rid, k) for g, k in ready]) if ready else []))
+        return [got.get(g.rid, DraftOut([], None)) for g, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
-        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch])
+        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch if g.rid not in self._attaching])
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
 
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch])
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
+        if g.rid in self._attaching:  # no drafter yet: a plain decode step; feed it later
+            self._attaching[g.rid][1].append(bonus)
+            return
         exact = None
         if g.params.refresh_draft and bonus is not None:
             exact = self.verifier.cache(g.rid)
         self.drafter.commit(g.rid, accepted, bonus, exact)
 
     def release(self, g: Generation) -> None:
+        pending = self._attaching.pop(g.rid, None)
+        if pending is not None:
+            pending[0].cancel()
         self.drafter.release(g.rid)
         self.verifier.release(g.rid)
 

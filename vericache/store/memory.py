@@ -54,6 +54,11 @@ class MemoryStore(ChunkStore):
                 self._evictions += 1
         self._counters.put(len(data))
 
+    def keys(self) -> list[str]:
+        """Every key held now (expired ones included until they are next touched)."""
+        with self._lock:
+            return list(self._entries)
+
     def get(self, key: str) -> bytes | None:
         check_key(key)
         with self._lock:
