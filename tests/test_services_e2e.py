@@ -56,7 +56,8 @@ def stack(services):
     ver = services("services.verifier", common, _grpc_ready("verifier"), timeout_s=120, env=ONE_THREAD)
     dra = services("services.drafter", common, _grpc_ready("drafter"), timeout_s=120, env=ONE_THREAD)
     gw = services("services.gateway", ["--drafter", dra.address, "--verifier", ver.address,
-                                       "--kvstore", kv.address, "--max-tokens", str(N)],
+                                       "--kvstore", kv.address, "--max-tokens", str(N),
+                                       "--schedule", "staggered"],
                   _http_ready, timeout_s=120, env=ONE_THREAD)
     yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw}
     r = redis.Redis(host="127.0.0.1", port=6379, db=0)  # shared server: drop only our keys
@@ -132,6 +133,9 @@ def test_four_concurrent_requests_each_identical(lm, client):
         t.join()
     for i in range(4):
         assert results[i] == _ref(lm, chat_ids(lm, QUESTIONS[i])), i
+    # the gateway runs --schedule staggered: one half verified while the other drafted
+    metrics = httpx.get(f"{client.base_url}".replace("/v1/", "/metrics"), timeout=10).text
+    assert _metric(metrics, "vericache_overlapped_rounds_total") > 0
 
 
 def _metric(text: str, name: str) -> float:

@@ -59,7 +59,7 @@ def build_engine(args) -> Engine:
     backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s,
                               token=args.internal_token)
     return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=backends)
+                       backends=backends, schedule=args.schedule)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,8 @@ def engine_collector(engine) -> Collector:
             counter("vericache_draft_seconds_total", "draft_s", "time spent drafting"),
             counter("vericache_verify_seconds_total", "verify_s", "time spent verifying"),
             counter("vericache_prefill_seconds_total", "prefill_s", "time spent in prefill"),
+            counter("vericache_overlapped_rounds_total", "overlapped_rounds",
+                    "staggered rounds in which one half verified while the other drafted"),
             counter("vericache_store_hits_total", "store_hits", "KV chunks read from the store"),
             counter("vericache_store_read_bytes_total", "store_bytes_read",
                     "KV bytes read from the store"),

@@ -28,6 +28,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=int(env("MAX_WAITING", 64)),
                    help="requests queued before new ones get 429 "
                         "(default: 64; $VERICACHE_MAX_WAITING)")
+    g.add_argument("--schedule", choices=("lockstep", "staggered"),
+                   default=env("SCHEDULE", "lockstep"),
+                   help="lockstep: every request drafts, then every one verifies; staggered: "
+                        "one half of the batch verifies while the other drafts "
+                        "(default: lockstep; $VERICACHE_SCHEDULE)")
     g.add_argument("--store", default=env("STORE", "memory://?capacity_mb=2048"),
                    help="prefix-cache store of the embedded engine: memory://?capacity_mb=N, "
                         "redis://HOST:PORT/DB, lmcache://..., grpc://HOST:PORT, or none "
@@ -97,7 +102,7 @@ def embedded_engine(args):
     lm = load_model(args.model, args.dtype, args.device)
     store = None if args.store in ("", "none") else open_store(args.store)
     return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=LocalBackends(lm, store))
+                       backends=LocalBackends(lm, store), schedule=args.schedule)
 
 
 def run(args) -> int:

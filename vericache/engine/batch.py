@@ -7,6 +7,15 @@ between rounds (continuous batching). The backends are in-process (`LocalBackend
 embedded mode) or gRPC clients of the drafter and verifier services: the same code path.
 Callers submit from any thread and read events from a thread-safe queue, or asynchronously
 with `astream`.
+
+Schedules (`schedule=`):
+- lockstep: each round, every active request drafts, then every one verifies.
+- staggered: the active requests form two halves; while one half verifies (on the engine
+  thread), the other drafts (on a drafter thread), then they swap. Drafting and verification
+  use different resources (the compressed KV and compute on the drafter; the full KV's link
+  and compute on the verifier), and with the services they are different processes, so the
+  two overlap. Verification outcomes are committed to the drafter on the drafter thread,
+  before that request's next draft.
 """
 
 from __future__ import annotations
@@ -17,12 +26,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vericache.engine.api import Engine
 from vericache.engine.generation import Generation, GenParams
 from vericache.engine.local import GenEvent
-from vericache.engine.rounds import LocalBackends, run_round, start
+from vericache.engine.rounds import (LocalBackends, commit_outcomes, draft_phase, run_round, start,
+                                     verify_phase)
 from vericache.errors import ResourceExhausted, VeriCacheError
 from vericache.model.loader import LoadedModel
 
@@ -82,8 +93,19 @@ class RequestStream:
                 return
 
 
+SCHEDULES = ("lockstep", "staggered")
+
+
 class BatchEngine(Engine):
-    def __init__(self, lm: LoadedModel, max_batch: int = 16, max_waiting: int = 64, backends=None):
+    def __init__(self, lm: LoadedModel, max_batch: int = 16, max_waiting: int = 64, backends=None,
+                 schedule: str = "lockstep"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+        self.schedule = schedule
+        self._drafted: dict = {}  # staggered: rid -> DraftOut drafted, not verified yet
+        self._outcomes: dict = {}  # staggered: rid -> (accepted, bonus) not committed yet
+        self._draft_pool = (ThreadPoolExecutor(1, thread_name_prefix="vericache-draft")
+                            if schedule == "staggered" else None)
         self.lm = lm
         self.backends = backends or LocalBackends(lm)
         self.model_name, self.tokenizer, self.max_context = lm.name, lm.tokenizer, lm.max_context
@@ -97,7 +119,7 @@ class BatchEngine(Engine):
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "cancelled": 0, "tokens": 0, "rounds": 0,
                          "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "round_s": 0.0,
                          "store_hits": 0, "store_bytes_read": 0, "store_bytes_written": 0,
-                         "cached_tokens": 0}
+                         "cached_tokens": 0, "overlapped_rounds": 0}
         self.tau_hist: dict[int, int] = {}
         self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
         self._thread.start()
@@ -133,11 +155,15 @@ class BatchEngine(Engine):
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._draft_pool is not None:
+            self._draft_pool.shutdown(wait=False)
 
     # ---- the loop ------------------------------------------------------------------
     def _finish(self, rs: RequestStream, error: str | None = None) -> None:
         g = rs.gen
         usage = g.usage()
+        self._drafted.pop(g.rid, None)
+        self._outcomes.pop(g.rid, None)
         self.backends.release(g)
         if error:
             self.counters["cancelled" if error == "cancelled" else "errors"] += 1
@@ -182,13 +208,43 @@ class BatchEngine(Engine):
             else:
                 self._active.append(rs)
 
+    def _staggered_round(self, gens: list[Generation]) -> dict[str, list[int]]:
+        """Verify the requests that have drafts while the others draft (see the module
+        docstring); returns the tokens each verified request emitted."""
+        verify = [g for g in gens if g.rid in self._drafted]
+        draft = [g for g in gens if g.rid not in self._drafted]
+        if not verify and len(draft) > 1:  # start two halves
+            draft = draft[:(len(draft) + 1) // 2]
+
+        def drafting():
+            commit_outcomes(self.backends, draft, self._outcomes)
+            return draft_phase(self.backends, draft)
+
+        job = self._draft_pool.submit(drafting) if draft else None
+        try:
+            drafts = {g.rid: self._drafted.pop(g.rid) for g in verify}
+            out = verify_phase(self.backends, verify, drafts, self._outcomes) if verify else {}
+        finally:
+            new = job.result() if job is not None else {}  # never leave the drafter running
+        self._drafted.update(new)
+        if verify and draft:
+            self.counters["overlapped_rounds"] += 1
+        return out
+
     def _round(self) -> None:
         batch = [rs for rs in self._active if not rs.cancelled]
         t0 = time.perf_counter()
-        out = run_round(self.backends, [rs.gen for rs in batch]) if batch else {}
+        gens = [rs.gen for rs in batch]
+        if not batch:
+            out = {}
+        elif self.schedule == "staggered":
+            out = self._staggered_round(gens)
+        else:
+            out = run_round(self.backends, gens)
         self.counters["round_s"] += time.perf_counter() - t0
         for rs in batch:
-            self._emit(rs, out[rs.gen.rid])
+            if rs.gen.rid in out:
+                self._emit(rs, out[rs.gen.rid])
         still = []
         for rs in self._active:
             if rs.gen.finished or rs.cancelled:
