@@ -133,10 +133,15 @@ def test_service_killed_mid_stream_then_restarted(lm, stack, victim):
     _check(text, errors, done, ref)  # the kvstore is not used mid-request: that one completes
     print(f"\n{victim} killed mid-stream: {len(text)} of {len(ref)} characters, then {errors}")
 
-    # while it is down: an error, never a wrong answer
+    # while it is down: an error, never a wrong answer; the gateway is alive but not ready
     text, errors, done = stream(gw.port, QUESTION)
     _check(text, errors, done, ref)
     assert errors
+    base = f"http://127.0.0.1:{gw.port}"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    if victim != "kvstore":
+        r = httpx.get(f"{base}/ready", timeout=10)
+        assert r.status_code == 503 and r.json()["backends"][victim] is False
 
     args, ready = stack["restart"][victim]
     # started through the module's factory, so it is stopped with the rest of the stack
@@ -152,6 +157,7 @@ def test_service_killed_mid_stream_then_restarted(lm, stack, victim):
         time.sleep(1)
     assert not errors, f"no success within 30 s of the restart: {errors}"
     print(f"after the restart: success on attempt {attempts}")
+    assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
     q2 = "Write a haiku about the sea."
     text, errors, done = stream(gw.port, q2)
     assert (text, errors, done) == (_ref(lm, q2), [], True)

@@ -93,6 +93,16 @@ class RemoteBackends:
             except grpc.RpcError:
                 pass
 
+    def health(self, timeout_s: float = 2.0) -> dict[str, bool]:
+        """Whether each service answers its Health now (never raises)."""
+        out = {}
+        for name, stub in (("drafter", self.drafter), ("verifier", self.verifier)):
+            try:
+                out[name] = bool(stub.Health(vpb.ServiceHealthRequest(), timeout=timeout_s).ok)
+            except grpc.RpcError:
+                out[name] = False
+        return out
+
     def close(self) -> None:
         for ch in self._channels:
             ch.close()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from services.common.auth import add_token_arg
 from vericache.engine.ttl import SessionClock
+from vericache.errors import VeriCacheError
 from vericache.model import load_model
 from vericache.store import open_store
 
@@ -34,6 +35,17 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
     p.add_argument("--link-gbps", type=float, default=float(env.get(f"VERICACHE_{up}_LINK_GBPS", 0)),
                    help=f"bandwidth of the link to the kvstore in Gbit/s, 0 = unlimited "
                         f"(env VERICACHE_{up}_LINK_GBPS)")
+    if name == "verifier":
+        p.add_argument("--kv-tier", choices=("resident", "offloaded"),
+                       default=env.get("VERICACHE_KV_TIER", "resident"),
+                       help="where full KV stays between rounds: resident in the verifier's "
+                            "memory, or offloaded to host memory behind --tier-link-gbps and "
+                            "loaded layer by layer for each verification "
+                            "(env VERICACHE_KV_TIER, default resident)")
+        p.add_argument("--tier-link-gbps", type=float,
+                       default=float(env.get("VERICACHE_TIER_LINK_GBPS", 0)),
+                       help="bandwidth of the offloaded tier's link in Gbit/s, 0 = memory-copy "
+                            "speed (env VERICACHE_TIER_LINK_GBPS)")
     p.add_argument("--model", default=env.get("VERICACHE_MODEL"),
                    help="Hugging Face folder or GGUF file (env VERICACHE_MODEL; default SmolLM2-135M)")
     p.add_argument("--dtype", default=env.get("VERICACHE_DTYPE", "float32"),
@@ -74,14 +86,25 @@ class ModelService:
     store: object
     clock: SessionClock
     lock: threading.Lock
+    tier: object = None  # the verifier's OffloadedTier, or None (resident)
+    tier_name: str = ""
 
     @classmethod
     def from_args(cls, a) -> "ModelService":
         logging.basicConfig(level=a.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from vericache.engine.kvtier import make_tier
+
+        tier_name = getattr(a, "kv_tier", "")
+        if tier_name:  # the verifier
+            if a.tier_link_gbps < 0:
+                raise VeriCacheError("--tier-link-gbps must be >= 0")
+            if tier_name == "resident" and a.tier_link_gbps:
+                raise VeriCacheError("--tier-link-gbps needs --kv-tier offloaded")
         lm = load_model(a.model, a.dtype, a.device)
+        tier = make_tier(tier_name, a.tier_link_gbps or None, lm.runner.device) if tier_name else None
         store = open_service_store(store_url(a.kvstore, a.link_gbps), a.internal_token)
-        return cls(lm, store, SessionClock(a.session_ttl_s), threading.Lock())
+        return cls(lm, store, SessionClock(a.session_ttl_s), threading.Lock(), tier, tier_name)
 
     def start_reaper(self, release, period_s: float = 5.0) -> threading.Thread:
         """Release sessions idle past the TTL, every `period_s`."""
@@ -146,4 +169,4 @@ class SessionServicer:
 
         vpb, _ = load("verifier")
         return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
-                                         model_id=self.svc.lm.model_id)
+                                         model_id=self.svc.lm.model_id, kv_tier=self.svc.tier_name)

@@ -8,6 +8,7 @@ Routes only parse and delegate to `OpenAIServing`; every error leaves in the Ope
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -15,7 +16,7 @@ import threading
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.auth import AccessMiddleware, AccessPolicy
@@ -99,8 +100,20 @@ def create_app(engine: Engine, served_model_name: str | None = None,
 
     @app.get("/health")
     async def health():
+        """Liveness: the gateway answers (a lost drafter or verifier does not make a restart
+        of the gateway useful; /ready says whether requests can be served)."""
         return {"status": "ok", "model": serving.model_name, "active": engine.active,
                 "queue_depth": engine.queue_depth}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 200 when every backend service answers its Health, else 503 naming the
+        ones that do not (the embedded engine has none to ask)."""
+        check = getattr(getattr(engine, "backends", None), "health", None)
+        backends = await asyncio.to_thread(check) if check is not None else {}
+        ok = all(backends.values())
+        return JSONResponse({"status": "ready" if ok else "unavailable", "backends": backends},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():

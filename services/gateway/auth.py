@@ -4,7 +4,7 @@ the routes.
 - API keys (`--api-key K1,K2` or $VERICACHE_API_KEY): when any is set, every /v1/* request
   needs `Authorization: Bearer <key>`, else 401 in the OpenAI error shape (with
   `WWW-Authenticate: Bearer`). Keys are compared with `hmac.compare_digest`, against every
-  configured key (no early exit on the first match). /health and /metrics stay open: probes
+  configured key (no early exit on the first match). /health, /ready and /metrics stay open: probes
   and Prometheus scrape them, and they show only aggregate counters (no keys, no tenants).
 - Tenants: each key maps to a namespace, `--tenant KEY=NAME` or else `t-` + the first 12 hex
   digits of sha256(key). The namespace goes into GenParams.namespace, so prefix-cache keys

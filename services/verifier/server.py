@@ -19,7 +19,7 @@ pb, pb_grpc = load("verifier")
 class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
-        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id)
+        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id, svc.tier)
         self.vocab = svc.lm.runner.vocab_size
 
     def Prefill(self, req, context):
