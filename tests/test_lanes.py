@@ -78,3 +78,25 @@ def test_draft_ahead_tokens_are_used_when_the_guess_holds(lm, prompts):
     d.commit("a", 1, full[7])  # a mismatch after one: ahead tokens are dropped
     assert s.ahead_wasted == 2 and not s.carry
     assert d.draft([("a", 3)])[0].tokens == full[8:11]
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
+def test_batch_engine_schedules_identical_to_full(lm, cases, schedule):
+    """The serving engine (`vericache serve --schedule`): four requests at once."""
+    from vericache.engine.batch import BatchEngine
+
+    ids, refs = cases
+    engine = BatchEngine(lm, max_batch=8, schedule=schedule)
+    try:
+        streams = [engine.submit(p, GenParams(max_tokens=N, ignore_eos=True, compressor="snapkv",
+                                              ratio=4, draft_len=8)) for p in ids]
+        events = [list(rs) for rs in streams]
+        assert all(ev.error is None for evs in events for ev in evs)
+        outs = [[t for ev in evs for t in ev.token_ids] for evs in events]
+    finally:
+        engine.close()
+    assert outs == refs
+    overlapped = engine.metrics()["counters"]["overlapped_rounds"]
+    assert (overlapped > 0) == (schedule == "staggered")
+    with pytest.raises(ValueError, match="lockstep, staggered"):
+        BatchEngine(lm, schedule="eager")

@@ -83,6 +83,7 @@ class ScenarioConfig:
     groups: int = 2
     schedule: str = "lockstep"  # VeriCache's headline schedule in the ratios
     draft_ahead: bool = True  # in the staggered variant
+    services: dict | None = None  # {"drafter": HOST:PORT, "verifier": HOST:PORT}: run through them
 
     def __post_init__(self):
         if self.scenario not in SCENARIOS:
@@ -179,6 +180,89 @@ def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, st
     return raw
 
 
+SERVICE_VARIANTS = ("full", "lossy", "vericache_lockstep", "vericache_staggered")
+
+
+def parse_services(text: str) -> dict:
+    """`drafter=HOST:PORT,verifier=HOST:PORT` as a dict (both needed)."""
+    out = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, addr = part.partition("=")
+        if not sep or name not in ("drafter", "verifier") or not addr:
+            raise InvalidArgument(f"--services: expected drafter=HOST:PORT,verifier=HOST:PORT, got "
+                                  f"{part!r}", "services")
+        out[name] = addr
+    if set(out) != {"drafter", "verifier"}:
+        raise InvalidArgument("--services needs both drafter=HOST:PORT and verifier=HOST:PORT",
+                              "services")
+    return out
+
+
+def _remote(lm, cfg: ScenarioConfig):
+    import os
+
+    from services.common.clients import RemoteBackends
+
+    return RemoteBackends(cfg.services["drafter"], cfg.services["verifier"], lm.runner.vocab_size,
+                          token=os.environ.get("VERICACHE_INTERNAL_TOKEN") or None)
+
+
+def verifier_tier(lm, cfg: ScenarioConfig) -> str:
+    """The verifier service's KV tier, from its Health."""
+    from services.common.clients import _call, vpb
+
+    b = _remote(lm, cfg)
+    try:
+        return _call(b.verifier.Health, vpb.ServiceHealthRequest(), 10, "verifier Health").kv_tier or "resident"
+    finally:
+        b.close()
+
+
+def run_services_variant(lm, prompts, cfg: ScenarioConfig, variant: str, tier: str,
+                         namespace: str) -> dict:
+    """One variant through the drafter and verifier services (RemoteBackends); the services'
+    own flags set their links and the verifier's tier."""
+    mode = variant.split("_")[0]
+    schedule = "staggered" if variant.endswith("staggered") else "lockstep"
+    params = cfg.params(mode)
+    params.namespace = namespace
+    gens = [Generation(lm, p.ids, params, request_id=f"{namespace}-{variant}-{i}")
+            for i, p in enumerate(prompts)]
+    backends = _remote(lm, cfg)
+    try:
+        trace = run_requests(backends, gens, schedule, cfg.groups, None,
+                             cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token()),
+                             request_cost(cfg, lm.runner.kv_bytes_per_token(), mode, tier))
+    finally:
+        backends.close()
+    name = f"full_{tier}" if mode == "full" else variant
+    return {"variant": name, "mode": mode, "tier": tier, "schedule": schedule, "gens": gens,
+            "trace": trace, "tier_stats": None}
+
+
+def _services_warm(lm, cfg: ScenarioConfig, warm: list[tuple[str, list[int]]], namespace: str,
+                   step) -> None:
+    """Prefill through the verifier service (full and compressed chunks into the kvstore),
+    then release."""
+    from services.common.clients import _call, vpb
+
+    b = _remote(lm, cfg)
+    spec = make_compressor(cfg.compressor, cfg.ratio).spec
+    try:
+        for rid, ids in warm:
+            step(f"services: prefill {rid} ({len(ids)} tokens) into the kvstore")
+            r = f"{namespace}-{rid}"
+            try:
+                _call(b.verifier.Prefill, vpb.PrefillRequest(
+                    request_id=r, token_ids=ids, compressor=spec, chunk_size=cfg.chunk_size,
+                    extra_capacity=1, namespace=namespace), b.timeout, "verifier Prefill")
+            finally:
+                _call(b.verifier.Release, vpb.ReleaseRequest(request_id=r), b.timeout,
+                      "verifier Release")
+    finally:
+        b.close()
+
+
 def common_prefix(prompts) -> int:
     ids = [p.ids for p in prompts]
     n = min(len(x) for x in ids)
@@ -211,13 +295,30 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
         reference.append(generate(lm, p.ids, cfg.params("full"), LocalBackends(lm, store)).token_ids)
         _drop_new_keys(store, published)
     rows = []
-    run_variant = (run_long_context_variant if cfg.scenario == "long-context"
-                   else run_remote_prefix_variant)
-    for v in VARIANTS[cfg.scenario]:
-        step(v)
-        raw = run_variant(lm, prompts, cfg, v, store)
-        _drop_new_keys(store, published)
-        rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+    baselines = BASELINES[cfg.scenario]
+    if cfg.services is not None:
+        import uuid
+
+        tier = verifier_tier(lm, cfg)
+        baselines = ("full_resident", None) if tier == "resident" else (None, "full_offloaded")
+        run_id = uuid.uuid4().hex[:8]
+        for v in SERVICE_VARIANTS:
+            # remote-prefix: each variant publishes into its own namespace, so none reuses the
+            # suffix chunks another wrote; long-context: one namespace, every prompt warmed
+            ns = f"bench-{run_id}" + (f"-{v}" if cfg.scenario == "remote-prefix" else "")
+            if cfg.scenario == "remote-prefix" or v == SERVICE_VARIANTS[0]:
+                _services_warm(lm, cfg, warm, ns, step)
+            step(f"services: {v}")
+            raw = run_services_variant(lm, prompts, cfg, v, tier, ns)
+            rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+    else:
+        run_variant = (run_long_context_variant if cfg.scenario == "long-context"
+                       else run_remote_prefix_variant)
+        for v in VARIANTS[cfg.scenario]:
+            step(v)
+            raw = run_variant(lm, prompts, cfg, v, store)
+            _drop_new_keys(store, published)
+            rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     doc = {"scenario": cfg.scenario, "model": lm.name,
            "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],
                         "shared_prefix_tokens": shared,
@@ -225,6 +326,6 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
                         "verify_budget_bytes": cfg.verify_budget(max(len(p.ids) for p in prompts),
                                                                  lm.runner.kv_bytes_per_token())},
            "variants": rows,
-           "summary": summarize(rows, cfg.schedule, *BASELINES[cfg.scenario])}
+           "summary": summarize(rows, cfg.schedule, *baselines)}
     store.close()
     return doc

@@ -96,14 +96,18 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
     return row
 
 
-def summarize(rows: list[dict], schedule: str, resident: str = "full_resident",
-              offloaded: str = "full_offloaded") -> dict:
+def summarize(rows: list[dict], schedule: str, resident: str | None = "full_resident",
+              offloaded: str | None = "full_offloaded") -> dict:
     """The headline ratios; VeriCache is the `schedule` variant; `resident` and `offloaded`
     name the variants that stand for full KV kept by the verifier and full KV loaded over the
-    slow link (remote-prefix: full_near and full_far)."""
+    slow link (remote-prefix: full_near and full_far); None where the run has no such
+    variant (through the services, only the verifier's own tier runs), and its ratios are None."""
     by = {r["variant"]: r for r in rows}
     vc = by[f"vericache_{schedule}"]
     tps = {k: r["throughput_tps"] for k, r in by.items()}
+    tps[None] = None
+    none = {"ttft_mean_s": None, "kv_bytes_moved_per_token": None}
+    by.setdefault(None, none)
     checked = [r for r in rows if r["mode"] != "lossy"]
     return {
         "vericache_variant": vc["variant"],

@@ -85,6 +85,11 @@ def add_parser(sub) -> None:
     g.add_argument("--kv-budget-caches", type=float, default=None, metavar="N",
                    help="the same budget in full caches of the longest request (prompt + "
                         "output), e.g. 4")
+    g.add_argument("--services", default=None, metavar="ADDRS",
+                   help="run the scenario through running services, "
+                        "drafter=HOST:PORT,verifier=HOST:PORT: full (on the verifier's own "
+                        "--kv-tier), lossy and VeriCache; their links are the services' "
+                        "--link-gbps and --tier-link-gbps flags (default: in this process)")
     g.add_argument("--draft-kv-budget-mb", type=float, default=None, metavar="MB",
                    help="the drafter's KV memory budget (default: unbounded)")
     g.add_argument("--project", default=None, metavar="MACHINE",

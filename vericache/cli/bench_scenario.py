@@ -14,7 +14,7 @@ import sys
 from vericache.bench.grid import Grid, takes_ratio
 from vericache.bench.project import MACHINES, project_run
 from vericache.bench.prompts import shared_document_prompts
-from vericache.bench.scenario import ScenarioConfig, run_scenario
+from vericache.bench.scenario import ScenarioConfig, parse_services, run_scenario
 from vericache.errors import InvalidArgument
 from vericache.model import load_model
 
@@ -36,7 +36,8 @@ def config(args, grid: Grid) -> ScenarioConfig:
         adaptive=grid.adaptive, chunk_size=grid.chunk_size, link_gbps=args.link_gbps,
         drafter_link_gbps=args.drafter_link_gbps, verify_budget_mb=args.kv_budget_mb,
         verify_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
-        schedule=args.schedule, draft_ahead=args.draft_ahead)
+        schedule=args.schedule, draft_ahead=args.draft_ahead,
+        services=parse_services(args.services) if args.services else None)
 
 
 def weight_bytes(runner) -> int:
@@ -50,6 +51,40 @@ def weight_bytes(runner) -> int:
             seen.add(id(t))
             n += t.numel() * t.element_size()
     return n
+
+
+def add_roofline(doc: dict, runner, threads: int | None) -> None:
+    """This machine's roofline cap on VeriCache's ratios (vericache.bench.roofline), and the
+    measured ratios over it, into the document."""
+    from vericache.bench.roofline import cap, measure
+
+    rows = {r["variant"]: r for r in doc["variants"]}
+    s, st = doc["summary"], doc["settings"]
+    vc = rows[s["vericache_variant"]]
+    tau = vc["tau_mean"] or 1.0
+    acc = vc["acceptance_rate"]
+    k = min(max((tau - 1) / acc if acc else st["draft_len"], 1.0), st["draft_len"])
+    full, comp = vc["full_kv_bytes_per_request"], vc["compressed_kv_bytes_per_request"]
+    wb = weight_bytes(runner)
+    model = {"params": wb // runner.embed.element_size(), "layers": runner.num_layers,
+             "heads": runner.num_heads, "head_dim": runner.head_dim, "weight_bytes": wb,
+             "kv_per_token": runner.kv_bytes_per_token()}
+    budget = st["verify_budget_bytes"]
+    per_cache = (max(st["context_tokens"]) + st["max_tokens"]) * runner.kv_bytes_per_token()
+    run = {"ctx": sum(st["context_tokens"]) / len(st["context_tokens"]) + st["max_tokens"] / 2,
+           "batch": st["concurrency"], "budget_caches": budget / per_cache if budget else None,
+           "tau": tau, "k": k, "compression": full / comp if comp else 1.0,
+           "link_gbps": st["link_gbps"]}
+    roof = cap(measure(threads), model, run)
+    which = s["vericache_variant"].split("_")[1]
+    c_res, c_off = (roof[f"ratio_vs_full_resident_{which}"], roof[f"ratio_vs_full_offloaded_{which}"])
+    doc["roofline"] = roof
+    s["resident_ratio_cap"] = round(c_res, 4)
+    s["resident_ratio_of_cap"] = (round(s["throughput_ratio_vs_full_resident"] / c_res, 4)
+                                  if s["throughput_ratio_vs_full_resident"] else None)
+    s["offloaded_ratio_cap"] = round(c_off, 4)
+    s["offloaded_ratio_of_cap"] = (round(s["throughput_ratio_vs_full_offloaded"] / c_off, 4)
+                                   if s["throughput_ratio_vs_full_offloaded"] else None)
 
 
 def render(doc: dict) -> str:
@@ -100,11 +135,19 @@ def run_scenario_cli(args, grid: Grid) -> int:
     doc["settings"].update({"dtype": args.dtype, "device": args.device, "threads": args.threads})
     if args.project is not None:
         doc["projection"] = project_run(doc, args.project, weight_bytes(lm.runner))
+    if doc["scenario"] == "long-context" and args.services is None:
+        step("roofline: this machine's read bandwidth and matmul rates")
+        add_roofline(doc, lm.runner, args.threads)
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot is not None:
         plot(doc, args.plot)
     print(render(doc))
+    if "roofline" in doc:
+        s = doc["summary"]
+        print(f"roofline cap here: x{s['resident_ratio_cap']:.3g} vs full resident (measured "
+              f"{s['resident_ratio_of_cap']} of it), x{s['offloaded_ratio_cap']:.3g} vs full "
+              f"offloaded (measured {s['offloaded_ratio_of_cap']} of it)")
     if args.project is not None:
         p = doc["projection"]
         print(f"projected on {p['machine']}: vericache {p['vericache_staggered_tps']:.4g} tok/s, "

@@ -1,0 +1,144 @@
+"""The scenario benchmarks end to end on the real model (small sizes): long-context and
+remote-prefix in this process, long-context through real drafter and verifier services, and
+the node-side store pieces they stand on."""
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+
+from vericache.cli import main as vericache_main
+from vericache.store.memory import MemoryStore
+from vericache.store.node import LinkedStore, NodeCache
+
+SMALL = ["--concurrency", "2", "--context-tokens", "600", "--max-tokens", "12", "--compressors",
+         "snapkv", "--ratios", "4", "--draft-lens", "8", "--chunk-size", "64", "--threads", "1",
+         "--quiet"]
+
+
+def _bench(tmp_path, *args) -> dict:
+    out = tmp_path / "run.json"
+    assert vericache_main(["bench", *args, *SMALL, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_common(doc: dict, names: set[str]) -> None:
+    s = doc["summary"]
+    assert {r["variant"] for r in doc["variants"]} == names
+    assert s["identical"] is True and s["not_identical"] == []
+    for key in ("throughput_ratio_vs_full_resident", "throughput_ratio_vs_full_offloaded",
+                "staggered_vs_lockstep", "ttft_ratio_vs_full", "tau_mean"):
+        assert key in s
+    for r in doc["variants"]:
+        assert r["tokens"] == 2 * 12 and r["throughput_tps"] > 0
+
+
+@pytest.mark.slow
+def test_remote_prefix_scenario(tmp_path):
+    doc = _bench(tmp_path, "--scenario", "remote-prefix", "--drafter-link-gbps", "1",
+                 "--link-gbps", "200")
+    _check_common(doc, {"full_near", "full_far", "lossy", "vericache_lockstep", "vericache_staggered"})
+    by = {r["variant"]: r for r in doc["variants"]}
+    assert doc["settings"]["shared_prefix_tokens"] > 500
+    # the far node read the full prefix once (shared by both requests: one load per node)
+    far = by["full_far"]["link_bytes"]["far_bytes_read"]
+    prefix_full = doc["settings"]["shared_prefix_tokens"] // 64 * 64 * doc["settings"]["kv_bytes_per_token"]
+    assert prefix_full <= far < 1.5 * prefix_full
+    # VeriCache's slow link carried the compressed prefix and exact tails, less than full
+    assert 0 < by["vericache_staggered"]["slow_link_bytes"] < far
+    assert by["full_near"]["slow_link_bytes"] == 0
+    assert doc["summary"]["ttft_ratio_vs_full"] > 0
+
+
+@pytest.mark.slow
+def test_long_context_scenario_with_budget_and_roofline(tmp_path):
+    doc = _bench(tmp_path, "--scenario", "long-context", "--kv-budget-caches", "1",
+                 "--link-gbps", "8")
+    _check_common(doc, {"full_resident", "full_offloaded", "lossy", "vericache_lockstep",
+                        "vericache_staggered"})
+    by = {r["variant"]: r for r in doc["variants"]}
+    assert by["full_resident"]["max_active"] == 1  # the budget holds one full cache
+    assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
+    roof = doc["roofline"]
+    assert roof["inputs"]["read_gb_s"] > 0 and roof["inputs"]["matmul_gflop_s"] > 0
+    assert doc["summary"]["resident_ratio_cap"] > 0 and doc["summary"]["resident_ratio_of_cap"] > 0
+
+
+def test_bad_scenario_flags_fail_before_the_model_loads(capsys):
+    assert vericache_main(["bench", "--scenario", "remote-prefix", "--drafter-link-gbps", "0"]) == 2
+    assert vericache_main(["bench", "--scenario", "long-context", "--kv-budget-mb", "10",
+                           "--kv-budget-caches", "2"]) == 2
+    assert vericache_main(["bench", "--scenario", "long-context", "--services", "drafter=x:1"]) == 2
+    err = capsys.readouterr().err
+    assert "drafter-link-gbps" in err and "not both" in err and "verifier=HOST:PORT" in err
+
+
+def _grpc_ready(module: str):
+    from vericache._proto import load
+
+    vpb, _ = load("verifier")
+    stub_cls = getattr(load(module)[1], f"{module.capitalize()}Stub")
+
+    def ready(port: int) -> bool:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return stub_cls(ch).Health(vpb.ServiceHealthRequest(), timeout=2).ok
+    return ready
+
+
+def _kvstore_ready(port: int) -> bool:
+    from vericache._proto import load
+
+    pb, pb_grpc = load("kvstore")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=2).status == \
+            pb.HealthResponse.STATUS_SERVING
+
+
+@pytest.mark.slow
+def test_long_context_through_the_services(tmp_path, services):
+    """The scenario's rounds over gRPC: a verifier with an offloaded tier, a drafter, one
+    kvstore (in memory); every output identical to in-process full greedy."""
+    env = {"OMP_NUM_THREADS": "1"}
+    kv = services("services.kvstore", ["--backend", "memory://"], _kvstore_ready, env=env)
+    common = ["--kvstore", kv.address]
+    ver = services("services.verifier", [*common, "--kv-tier", "offloaded", "--tier-link-gbps", "8"],
+                   _grpc_ready("verifier"), timeout_s=120, env=env)
+    dra = services("services.drafter", common, _grpc_ready("drafter"), timeout_s=120, env=env)
+    doc = _bench(tmp_path, "--scenario", "long-context", "--services",
+                 f"drafter={dra.address},verifier={ver.address}")
+    _check_common(doc, {"full_offloaded", "lossy", "vericache_lockstep", "vericache_staggered"})
+    s = doc["summary"]
+    assert s["throughput_ratio_vs_full_resident"] is None  # the verifier runs one tier
+    assert s["throughput_ratio_vs_full_offloaded"] > 0
+
+
+def test_node_cache_loads_a_key_once_for_concurrent_readers():
+    inner = MemoryStore()
+    inner.put("k", b"x" * 200_000)
+    linked = LinkedStore(inner, 0.016)  # 2 MB/s: a read takes ~0.1 s
+    node = NodeCache(linked)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(node.get("k"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [b"x" * 200_000] * 4
+    assert linked.bytes_read == 200_000  # one transfer for four readers
+    node.put("w", b"y" * 1000)  # written through, paced
+    assert inner.get("w") == b"y" * 1000 and linked.bytes_written == 1000
+    assert node.get("missing") is None
+    with pytest.raises(ValueError):
+        LinkedStore(inner, 0)
+
+
+def test_linked_store_paces_reads():
+    inner = MemoryStore()
+    inner.put("k", b"z" * 250_000)
+    linked = LinkedStore(inner, 0.01)  # 1.25 MB/s
+    t = time.perf_counter()
+    linked.get("k")
+    # 250 kB at 1.25 MB/s, less the 64 KiB burst the bucket starts with: 0.148 s
+    assert time.perf_counter() - t >= 0.14
