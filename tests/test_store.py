@@ -265,3 +265,23 @@ def test_changed_proto_regenerates(tmp_path):
     _proto.ensure(out, protos)
     assert not _proto.is_stale(out, protos)
     assert "reset" in (out / "v1/kvstore_pb2.py").read_text()
+
+
+def test_load_full_reuses_tail_chunks_that_need_no_compressed_form():
+    """Full chunks past the compressed region (they lie in the exact tail) are reused; a
+    missing compressed chunk inside the region stops reuse there."""
+    from vericache.store.prefix import PrefixCache, TransferStats
+
+    store, spec, cs = MemoryStore(), "snapkv:ratio=4", 4
+    pc = PrefixCache(store, "m", cs)
+    prompt = list(range(18))  # 4 full chunks before the last (partial) one
+    keys = pc.keys(prompt)
+    for i, key in enumerate(keys[:4]):
+        store.put(full_key(key), encode_full(torch.zeros(2, 1, cs, 3), torch.zeros(2, 1, cs, 3), i * cs))
+    for key in keys[:2]:
+        store.put(compressed_key(key, spec), b"c")
+    # the compressed region ends at token 8 (2 chunks); chunks 2 and 3 are tail: reused
+    assert pc.load_full(prompt, spec, 8, 4, TransferStats()).length == 16
+    store.delete(compressed_key(keys[1], spec))
+    assert pc.load_full(prompt, spec, 8, 4, TransferStats()).length == 4
+    assert pc.load_full(prompt, None, 8, 4, TransferStats()).length == 16

@@ -51,7 +51,9 @@ class PrefixCache:
         n = self.store.longest_prefix([full_key(k) for k in keys])
         need = min(n, compress_until // self.chunk_size) if spec is not None else 0
         if need:  # a chunk without its compressed form is recomputed (compressing needs queries)
-            n = min(n, self.store.longest_prefix([compressed_key(k, spec) for k in keys[:need]]))
+            have = self.store.longest_prefix([compressed_key(k, spec) for k in keys[:need]])
+            if have < need:  # full chunks past `need` lie in the exact tail: no compressed form
+                n = have
         if n == 0:
             stats.seconds += time.perf_counter() - t
             return None
