@@ -44,3 +44,24 @@ def test_machines():
     assert machine("gh200").bw_link > machine("h200-pcie5").bw_link
     with pytest.raises(ValueError, match="h200-pcie5"):
         machine("a100")
+
+
+def test_remote_prefix_projection():
+    from vericache.bench.project import project_remote_prefix
+
+    # 2 GB prefix: 16 s over a 1 Gbit/s link, 0.08 s over 200 Gbit/s
+    p = project_remote_prefix(M, tau=5.0, k=8, r=4, weight_bytes=W, prefix_kv_bytes=F, batch=4,
+                              slow_gbps=1, fast_gbps=200, max_tokens=64)
+    t_full = (W + 4 * F) / M.bw_hbm
+    assert p["full_far_ttft_s"] == pytest.approx(16 + t_full)
+    assert p["vericache_ttft_s"] == pytest.approx(0.08 + t_full)
+    assert p["ttft_ratio_vs_full"] > 2
+    # the verifier decodes alone until the compressed prefix (4 s) lands: 64 tokens take
+    # 64 steps of 24 ms (1.5 s), done before then; so the far node's wait is the whole gap
+    assert p["throughput_ratio_vs_full_far"] == pytest.approx((16 + 64 * t_full) / (0.08 + 64 * t_full))
+    # a drafter that lands at once (fast slow link): rounds of k drafts + one verify pass
+    q = project_remote_prefix(M, tau=5.0, k=8, r=4, weight_bytes=W, prefix_kv_bytes=F, batch=4,
+                              slow_gbps=1e6, fast_gbps=1e6, max_tokens=64)
+    t_draft = (W + 4 * F / 4) / M.bw_hbm
+    far, vc = F / 125e12 + 64 * t_full, F / 125e12 + t_full + 63 / 5.0 * (8 * t_draft + t_full)
+    assert q["throughput_ratio_vs_full_far"] == pytest.approx(far / vc)

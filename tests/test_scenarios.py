@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from conftest import chat_ids
 
 from vericache.cli import main as vericache_main
 from vericache.store.memory import MemoryStore
@@ -97,7 +98,7 @@ def _kvstore_ready(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_long_context_through_the_services(tmp_path, services):
+def test_long_context_through_the_services(tmp_path, services, lm):
     """The scenario's rounds over gRPC: a verifier with an offloaded tier, a drafter, one
     kvstore (in memory); every output identical to in-process full greedy."""
     env = {"OMP_NUM_THREADS": "1"}
@@ -112,6 +113,26 @@ def test_long_context_through_the_services(tmp_path, services):
     s = doc["summary"]
     assert s["throughput_ratio_vs_full_resident"] is None  # the verifier runs one tier
     assert s["throughput_ratio_vs_full_offloaded"] > 0
+
+    # the drafter gets the verifier's exact KV through the store, as in-process: the same
+    # rounds, not only the same tokens (without the refresh the rounds differ)
+    from services.common.clients import RemoteBackends
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+    from vericache.engine.rounds import LocalBackends
+    ids = chat_ids(lm, "Write a Python function that merges two sorted lists.")
+    runs = {}
+    for name in ("local", "remote", "remote-no-refresh"):
+        params = GenParams(max_tokens=40, compressor="streamingllm", ratio=4, draft_len=8,
+                           chunk_size=16, ignore_eos=True, refresh_draft=name != "remote-no-refresh",
+                           namespace=name)
+        b = (LocalBackends(lm, MemoryStore()) if name == "local" else
+             RemoteBackends(dra.address, ver.address, lm.runner.vocab_size))
+        runs[name] = generate(lm, ids, params, b)
+    assert runs["remote"].token_ids == runs["local"].token_ids == runs["remote-no-refresh"].token_ids
+    assert runs["remote"].stats.round_emitted == runs["local"].stats.round_emitted
+    # and the refresh did travel: without it the drafter's KV, hence its rounds, differ
+    assert runs["remote-no-refresh"].stats.round_emitted != runs["remote"].stats.round_emitted
 
 
 def test_node_cache_loads_a_key_once_for_concurrent_readers():

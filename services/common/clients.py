@@ -30,6 +30,11 @@ def _call(fn, request, timeout: float, what: str):
         raise STATUS_ERRORS.get(e.code(), VeriCacheError)(f"{what}: {e.code().name}: {e.details()}") from None
 
 
+def _refresh(g: Generation) -> bool:
+    """Whether the drafter gets the exact KV of verified tokens through the store."""
+    return g.params.refresh_draft and g.params.mode == "vericache"
+
+
 class RemoteBackends:
     """The drafter and verifier services as the engine's backends. `token`: the services'
     internal token, sent with every call."""
@@ -75,12 +80,14 @@ class RemoteBackends:
 
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
         res = _call(self.verifier.Verify, vpb.VerifyRequest(items=[
-            vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q))
+            vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
+                           refresh_draft=_refresh(g))
             for g, d in batch]), self.timeout, "verifier Verify")
         return [(r.accepted, r.bonus) for r in res.results]
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
-        req = dpb.CommitRequest(request_id=g.rid, accepted=accepted)
+        req = dpb.CommitRequest(request_id=g.rid, accepted=accepted,
+                                refresh_draft=_refresh(g) and bonus is not None)
         if bonus is not None:
             req.bonus = bonus
         _call(self.drafter.Commit, req, self.timeout, "drafter Commit")

@@ -11,6 +11,8 @@ from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.drafter import Drafter
+from vericache.store.codec import decode_full
+from vericache.store.keys import refresh_key
 
 pb, pb_grpc = load("drafter")
 
@@ -49,11 +51,25 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         return pb.DraftResponse(results=[pb.DraftResult(tokens=o.tokens, probs=probs_to_bytes(o.q))
                                          for o in outs], seconds=time.perf_counter() - t)
 
+    def Release(self, req, context):
+        out = super().Release(req, context)
+        try:  # a request that ended right after a verification leaves its exact KV unread
+            self.svc.store.delete(refresh_key(request_id(req.request_id)))
+        except Exception:  # noqa: BLE001 -- releasing never fails on the store
+            pass
+        return out
+
     def Commit(self, req, context):
         request_id(req.request_id)
         bounded_int(req.accepted, "accepted", MAX_DRAFT_TOKENS)
         bonus = token_list([req.bonus], self.vocab, "bonus")[0] if req.HasField("bonus") else None
+        exact = None
+        if req.refresh_draft and bonus is not None:  # the verifier wrote the exact KV
+            data = self.svc.store.get(refresh_key(req.request_id))
+            if data is not None:
+                exact = decode_full(data)
+                self.svc.store.delete(refresh_key(req.request_id))
         with self.svc.lock:
-            self.core.commit(req.request_id, req.accepted, bonus)
+            self.core.commit(req.request_id, req.accepted, bonus, exact)
         self.svc.clock.touch(req.request_id, time.monotonic())
         return pb.CommitResponse()

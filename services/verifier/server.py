@@ -11,6 +11,8 @@ from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.verifier import Verifier
+from vericache.store.codec import encode_full
+from vericache.store.keys import refresh_key
 from vericache.errors import InvalidArgument
 
 pb, pb_grpc = load("verifier")
@@ -42,15 +44,27 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                   bytes_read=tr.bytes_read, bytes_written=tr.bytes_written,
                                   seconds=time.perf_counter() - t, store_seconds=tr.seconds)
 
+    def _span(self, rid: str, before: int) -> bytes:
+        """The exact KV of this round's verified tokens and the one before them (the drafter
+        may not have fed it yet): positions [before - 1, length) of the request's cache."""
+        c = self.core.cache(rid)
+        lo = max(0, before - 1)
+        return encode_full(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), start=lo)
+
     def Verify(self, req, context):
         batch = []
         for it in batch_items(req.items):
             bounded_int(len(it.draft_tokens), "draft_tokens", MAX_DRAFT_TOKENS)
             drafts = token_list(it.draft_tokens, self.vocab, "draft_tokens", allow_empty=True)
             batch.append((it.request_id, drafts, probs_from_bytes(it.draft_probs, len(drafts), self.vocab)))
+        refresh = [it.request_id for it in req.items if it.refresh_draft]
         t = time.perf_counter()
         with self.svc.lock:
+            before = {rid: self.core.cache(rid).length for rid in refresh}
             res = self.core.verify(batch)
+            spans = {rid: self._span(rid, before[rid]) for rid in refresh}
+        for rid, data in spans.items():  # outside the lock: the store's link may be slow
+            self.svc.store.put(refresh_key(rid), data)
         now = time.monotonic()
         for rid, _, _ in batch:
             self.svc.clock.touch(rid, now)

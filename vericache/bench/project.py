@@ -105,6 +105,39 @@ def project(m: Machine, tau: float, k: float, r: float, weight_bytes: float,
     }
 
 
+def project_remote_prefix(m: Machine, tau: float, k: float, r: float, weight_bytes: float,
+                          prefix_kv_bytes: float, batch: int, slow_gbps: float, fast_gbps: float,
+                          max_tokens: int) -> dict:
+    """Remote prefix caching on `m`: B requests share a prefix of P bytes of full KV and
+    decode T tokens each. Full decoding on the far node waits for P over the slow link, then
+    decodes T steps. VeriCache's verifier (next to the store) reads P over the fast link and
+    answers at once; its rounds carry no drafts until the compressed prefix (P/r) has crossed
+    the slow link, then emit τ tokens per request per round of k draft steps and one verify
+    pass (about one decode step's bytes on a GPU)."""
+    W, P, B, T = weight_bytes, prefix_kv_bytes, batch, max_tokens
+    slow, fast = slow_gbps * 1e9 / 8, fast_gbps * 1e9 / 8
+    t_full = (W + B * P) / m.bw_hbm
+    t_draft = (W + B * P / r) / m.bw_hbm
+    far_ttft = P / slow + t_full
+    far_total = P / slow + T * t_full
+    vc_ttft = P / fast + t_full
+    t, done, ready = vc_ttft, 1, P / fast + P / (r * slow)
+    while done < T and t < ready:  # plain decode steps on the verifier until drafts can start
+        t, done = t + t_full, done + 1
+    rounds = max(0.0, (T - done) / tau)
+    vc_total = t + rounds * (k * t_draft + t_full)
+    return {
+        "machine": m.name, "scenario": "remote-prefix", "batch": B, "max_tokens": T,
+        "full_far_ttft_s": far_ttft, "vericache_ttft_s": vc_ttft,
+        "ttft_ratio_vs_full": far_ttft / vc_ttft,
+        "full_far_tps": B * T / far_total, "vericache_tps": B * T / vc_total,
+        "throughput_ratio_vs_full_far": far_total / vc_total,
+        "inputs": {"tau": tau, "k": k, "compression": r, "weight_bytes": W,
+                   "prefix_kv_bytes": P, "slow_link_bytes_s": slow, "fast_link_bytes_s": fast,
+                   "bw_hbm": m.bw_hbm},
+    }
+
+
 def project_run(doc: dict, machine_name: str, weight_bytes: float) -> dict:
     """Project a scenario document (`vericache.bench.scenario.run_scenario`) onto a machine:
     τ, drafts per round and compression as measured; F and B as in the run."""
@@ -115,4 +148,10 @@ def project_run(doc: dict, machine_name: str, weight_bytes: float) -> dict:
     k = min(max((tau - 1) / acc if acc else kmax, 1.0), kmax)  # drafts per round
     full = vc["full_kv_bytes_per_request"]
     comp = vc["compressed_kv_bytes_per_request"] or full
+    st = doc["settings"]
+    if doc.get("scenario") == "remote-prefix":
+        prefix = st["shared_prefix_tokens"] * st["kv_bytes_per_token"]
+        return project_remote_prefix(machine(machine_name), tau, k, full / comp, weight_bytes,
+                                     prefix, vc["requests"], st["drafter_link_gbps"],
+                                     st["link_gbps"], st["max_tokens"])
     return project(machine(machine_name), tau, k, full / comp, weight_bytes, full, vc["requests"])

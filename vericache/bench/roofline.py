@@ -5,7 +5,9 @@ by arithmetic (multiply-adds over the matrix-multiply rate), whichever is slower
 GPU, verifying k+1 tokens over a long cache costs about k+1 decode steps of arithmetic. So
 the ratio VeriCache can reach against the full-resident baseline here is capped well below
 the GPU's. `measure()` reads the machine's read bandwidth and fp32 matmul rates (fat
-products and skinny ≤16-row ones); `cap()` puts them in the same cost model as
+products and skinny ≤16-row ones), and, as a profile figure, the rate at which a decode
+step's attention (one group's query rows against an 8k cache, per layer and KV head) reads
+the KV; `cap()` puts the peaks in the same cost model as
 `vericache.bench.project`, with arithmetic added, and the run's τ, k, compression, batch,
 budget and link:
 
@@ -47,10 +49,18 @@ def measure(threads: int | None = None) -> dict:
         fat = 2 * 512 * 576 * 1536 / _best(lambda: a @ w)
         s, ws = torch.randn(16, 576), torch.randn(576, 1536 * 16)
         skinny = 2 * 16 * 576 * 1536 * 16 / _best(lambda: s @ ws)
+        # a decode step's attention as the runner does it: per layer and KV head, the G = 3
+        # query rows of a group against an 8k-token K and V (30 layers x 3 heads)
+        k, v, q = torch.randn(90, 8192, 64), torch.randn(90, 8192, 64), torch.randn(90, 3, 64)
+
+        def attend():
+            for h in range(90):
+                torch.mm(torch.softmax(torch.mm(q[h], k[h].t()), dim=-1), v[h])
+        attn = 2 * k.numel() * 4 / _best(attend, 3)
     finally:
         torch.set_num_threads(before)
     return {"read_gb_s": bw / 1e9, "matmul_gflop_s": fat / 1e9, "skinny_matmul_gflop_s": skinny / 1e9,
-            "threads": threads or before}
+            "decode_attention_kv_gb_s": attn / 1e9, "threads": threads or before}
 
 
 def flops_per_token(params: int, layers: int, heads: int, head_dim: int, ctx: float) -> float:
@@ -66,7 +76,7 @@ def cap(m: dict, model: dict, run: dict) -> dict:
     W, kvt = model["weight_bytes"], model["kv_per_token"]
     ctx, B, tau, k, r = run["ctx"], run["batch"], run["tau"], run["k"], run["compression"]
     F = ctx * kvt
-    link = run["link_gbps"] * 1e9 / 8
+    link = run["link_gbps"] * 1e9 / 8 if run["link_gbps"] else bw / 2  # unpaced: a memcpy (read + write)
     b_res = max(1, min(B, int(run["budget_caches"] or B)))
 
     def fl(c):

@@ -75,7 +75,8 @@ class ScenarioConfig:
     draft_len: int = 8
     adaptive: bool = True
     chunk_size: int = 256
-    link_gbps: float | None = None  # verifier's link (tier or store); None: the scenario's default
+    link_gbps: float | None = None  # verifier's link (tier or store); None: the scenario's
+    # default; 0: unpaced (memory-copy speed: on a CPU the "host tier" is the same memory)
     drafter_link_gbps: float | None = 1.0  # remote-prefix: the far node's link to the store
     verify_budget_mb: float | None = None  # verifier KV memory; None: unbounded
     verify_budget_caches: float | None = None  # the same, in full caches of the longest request
@@ -95,7 +96,9 @@ class ScenarioConfig:
             raise InvalidArgument("--concurrency must be >= 1", "concurrency")
         if self.max_tokens < 2:
             raise InvalidArgument("--max-tokens must be >= 2", "max_tokens")
-        for name in ("link_gbps", "drafter_link_gbps", "verify_budget_mb", "verify_budget_caches",
+        if self.link_gbps < 0:
+            raise InvalidArgument("--link-gbps must be >= 0 (0: unpaced)", "link_gbps")
+        for name in ("drafter_link_gbps", "verify_budget_mb", "verify_budget_caches",
                      "draft_budget_mb"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be > 0", name)
@@ -159,14 +162,14 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends: LocalBackends
 def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
     """One long-context variant over every prompt at once; returns its raw record."""
     tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
-    tier = make_tier(tier_name, cfg.link_gbps, lm.runner.device)
+    tier = make_tier(tier_name, cfg.link_gbps or None, lm.runner.device)
     budget = cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
     return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget)
 
 
 def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
     """One remote-prefix variant: fresh (cold) nodes in front of the shared store."""
-    near = NodeCache(LinkedStore(store, cfg.link_gbps))
+    near = NodeCache(LinkedStore(store, cfg.link_gbps or None))
     far = NodeCache(LinkedStore(store, cfg.drafter_link_gbps))
     if variant == "full_far":
         backends = LocalBackends(lm, far)

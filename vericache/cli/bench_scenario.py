@@ -87,6 +87,17 @@ def add_roofline(doc: dict, runner, threads: int | None) -> None:
                                    if s["throughput_ratio_vs_full_offloaded"] else None)
 
 
+def describe_projection(p: dict) -> str:
+    """One line for a projection (`vericache.bench.project.project_run`)."""
+    if p.get("scenario") == "remote-prefix":
+        return (f"projected on {p['machine']}: TTFT x{p['ttft_ratio_vs_full']:.3g} and throughput "
+                f"x{p['throughput_ratio_vs_full_far']:.3g} vs full KV over the slow link")
+    return (f"projected on {p['machine']}: vericache {p['vericache_staggered_tps']:.4g} tok/s, "
+            f"x{p['throughput_ratio_vs_full_resident']:.3g} vs full resident, "
+            f"x{p['throughput_ratio_vs_full_offloaded']:.3g} vs full offloaded; "
+            f"break-even tau {p['break_even_tau']:.3g}")
+
+
 def render(doc: dict) -> str:
     head = " ".join(f"{title:>{w}}" for _, title, w in COLUMNS)
     lines = [head]
@@ -150,10 +161,7 @@ def run_scenario_cli(args, grid: Grid) -> int:
               f"offloaded (measured {s['offloaded_ratio_of_cap']} of it)")
     if args.project is not None:
         p = doc["projection"]
-        print(f"projected on {p['machine']}: vericache {p['vericache_staggered_tps']:.4g} tok/s, "
-              f"x{p['throughput_ratio_vs_full_resident']:.3g} vs full resident, "
-              f"x{p['throughput_ratio_vs_full_offloaded']:.3g} vs full offloaded; "
-              f"break-even tau {p['break_even_tau']:.3g}")
+        print(describe_projection(p))
     s = doc["summary"]
     if not s["identical"]:
         print("vericache: error: output differs from full greedy in: " + ", ".join(s["not_identical"]),

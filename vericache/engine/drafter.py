@@ -175,9 +175,7 @@ class Drafter:
             # the guess held: drafts and bonus are fed already; the rest drafts the next round
             n = len(s.pending) + k  # verified tokens fed this round, the bonus aside
             if exact is not None:
-                p0 = s.seq_len - len(s.pending)
-                s.cache.k[:, :, s.len_before:s.len_before + n] = exact.k[:, :, p0:p0 + n]
-                s.cache.v[:, :, s.len_before:s.len_before + n] = exact.v[:, :, p0:p0 + n]
+                self._refresh(s, exact, n)
             if len(s.ahead) > 1:
                 s.len_before += n + 1
                 s.pending, s.carry = [], s.ahead[1:]
@@ -195,14 +193,24 @@ class Drafter:
             n = len(s.pending) + keep
             s.cache.crop(s.len_before + n)
             if exact is not None:  # the verify pass computed these tokens' exact KV
-                p0 = s.seq_len - len(s.pending)
-                s.cache.k[:, :, s.len_before:s.len_before + n] = exact.k[:, :, p0:p0 + n]
-                s.cache.v[:, :, s.len_before:s.len_before + n] = exact.v[:, :, p0:p0 + n]
+                self._refresh(s, exact, n)
             s.pending = s.drafts[keep:accepted] + ([] if bonus is None else [bonus])
         else:
             s.pending = s.pending + new
         s.seq_len += len(new)
         s.drafts, s.q = [], []
+
+    @staticmethod
+    def _refresh(s: DraftSession, exact, n: int) -> None:
+        """Overwrite the KV of the round's first `n` fed tokens with the exact KV. `exact` has
+        k, v [layers, Hkv, T, D] starting at sequence position `exact.start` (0 for a whole
+        cache); a span that does not cover them is ignored (refreshing only raises τ)."""
+        p0 = s.seq_len - len(s.pending)
+        lo = p0 - getattr(exact, "start", 0)
+        if n <= 0 or lo < 0 or lo + n > exact.k.shape[2]:
+            return
+        s.cache.k[:, :, s.len_before:s.len_before + n] = exact.k[:, :, lo:lo + n]
+        s.cache.v[:, :, s.len_before:s.len_before + n] = exact.v[:, :, lo:lo + n]
 
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)

@@ -65,3 +65,8 @@ def stored_key(prefix_key: str, compressor_spec: str | None = None) -> str:
     if compressor_spec is None:
         return full_key(prefix_key)
     return compressed_key(prefix_key, compressor_spec)
+
+
+def refresh_key(request_id: str) -> str:
+    """Where the verifier leaves a round's exact KV for the drafter (services only)."""
+    return f"refresh/{request_id}"
