@@ -100,3 +100,21 @@ def test_batch_engine_schedules_identical_to_full(lm, cases, schedule):
     assert (overlapped > 0) == (schedule == "staggered")
     with pytest.raises(ValueError, match="lockstep, staggered"):
         BatchEngine(lm, schedule="eager")
+
+
+def test_a_request_id_in_use_is_refused(lm, prompts):
+    """Two gateways sharing a verifier must never share a session: a second prefill or attach
+    under a live id is an error, not an overwrite of the first request's cache."""
+    from vericache.errors import InvalidArgument
+
+    b = LocalBackends(lm)
+    g = Generation(lm, prompts["code"], GenParams(max_tokens=4, compressor="identity"), request_id="dup")
+    b.admit(g)
+    with pytest.raises(InvalidArgument, match="already has a verifier session"):
+        b.verifier.prefill("dup", prompts["code"], 8, 256)
+    k, v = b.verifier.cache("dup").view(0, 4)
+    with pytest.raises(InvalidArgument, match="already has a drafter session"):
+        b.drafter.attach("dup", k, v, [1], 5, 8)
+    b.release(g)
+    b.admit(g)  # free again once released
+    b.release(g)

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -116,6 +117,8 @@ class BatchEngine(Engine):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._ids = 0
+        # request ids name sessions on shared drafter and verifier services: unique per engine
+        self._id_prefix = uuid.uuid4().hex[:12]
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "cancelled": 0, "tokens": 0, "rounds": 0,
                          "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "round_s": 0.0,
                          "store_hits": 0, "store_bytes_read": 0, "store_bytes_written": 0,
@@ -129,7 +132,7 @@ class BatchEngine(Engine):
         """Validate and queue a request (raises InvalidArgument / ContextTooLong / ResourceExhausted)."""
         with self._lock:
             self._ids += 1
-            rid = f"req-{self._ids}"
+            rid = f"req-{self._id_prefix}-{self._ids}"
         gen = Generation(self.lm, prompt_ids, params, request_id=rid)
         if self._waiting.qsize() >= self.max_waiting:
             raise ResourceExhausted(f"{self.max_waiting} requests are already waiting")

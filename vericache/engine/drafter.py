@@ -83,6 +83,8 @@ class Drafter:
 
     def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
                extra_capacity: int, temperature: float = 0.0, seed: int = 0) -> None:
+        if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
+            raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
         cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,

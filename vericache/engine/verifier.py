@@ -25,7 +25,7 @@ from vericache.compress.base import CompressedChunk, Compressor
 from vericache.engine.drafter import choose, tempered_softmax
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
-from vericache.errors import NotFound
+from vericache.errors import InvalidArgument, NotFound
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
 from vericache.model.kvcache import KVCache
@@ -68,6 +68,8 @@ class Verifier:
     def prefill(self, rid: str, prompt_ids: list[int], extra_capacity: int, chunk_size: int,
                 compressor: Compressor | None = None, temperature: float = 0.0, seed: int = 0,
                 namespace: str = "", save_tail: bool = False) -> PrefillOut:
+        if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
+            raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
