@@ -6,9 +6,9 @@ import json
 import threading
 import time
 
-import grpc
 import pytest
 from conftest import chat_ids
+from test_services_e2e import _grpc_ready, _kvstore_ready
 
 from vericache.cli import main as vericache_main
 from vericache.store.memory import MemoryStore
@@ -74,27 +74,6 @@ def test_bad_scenario_flags_fail_before_the_model_loads(capsys):
     assert vericache_main(["bench", "--scenario", "long-context", "--services", "drafter=x:1"]) == 2
     err = capsys.readouterr().err
     assert "drafter-link-gbps" in err and "not both" in err and "verifier=HOST:PORT" in err
-
-
-def _grpc_ready(module: str):
-    from vericache._proto import load
-
-    vpb, _ = load("verifier")
-    stub_cls = getattr(load(module)[1], f"{module.capitalize()}Stub")
-
-    def ready(port: int) -> bool:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            return stub_cls(ch).Health(vpb.ServiceHealthRequest(), timeout=2).ok
-    return ready
-
-
-def _kvstore_ready(port: int) -> bool:
-    from vericache._proto import load
-
-    pb, pb_grpc = load("kvstore")
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return pb_grpc.KVStoreStub(ch).Health(pb.HealthRequest(), timeout=2).status == \
-            pb.HealthResponse.STATUS_SERVING
 
 
 @pytest.mark.slow

@@ -140,11 +140,15 @@ def _drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
             store.delete(key)
 
 
-def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends: LocalBackends, tier, tier_name: str,
-         budget: int | None) -> dict:
+def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_name: str,
+         budget: int | None, namespace: str = "") -> dict:
+    """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`)."""
     mode = variant.split("_")[0]
     schedule = "staggered" if variant.endswith("staggered") else "lockstep"
-    gens = [Generation(lm, p.ids, cfg.params(mode), request_id=f"{variant}-{i}")
+    params = cfg.params(mode)
+    params.namespace = namespace
+    prefix = f"{namespace}-" if namespace else ""
+    gens = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-{i}")
             for i, p in enumerate(prompts)]
     cost = request_cost(cfg, lm.runner.kv_bytes_per_token(), mode, tier_name)
     try:
@@ -225,22 +229,11 @@ def run_services_variant(lm, prompts, cfg: ScenarioConfig, variant: str, tier: s
                          namespace: str) -> dict:
     """One variant through the drafter and verifier services (RemoteBackends); the services'
     own flags set their links and the verifier's tier."""
-    mode = variant.split("_")[0]
-    schedule = "staggered" if variant.endswith("staggered") else "lockstep"
-    params = cfg.params(mode)
-    params.namespace = namespace
-    gens = [Generation(lm, p.ids, params, request_id=f"{namespace}-{variant}-{i}")
-            for i, p in enumerate(prompts)]
-    backends = _remote(lm, cfg)
-    try:
-        trace = run_requests(backends, gens, schedule, cfg.groups, None,
-                             cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token()),
-                             request_cost(cfg, lm.runner.kv_bytes_per_token(), mode, tier))
-    finally:
-        backends.close()
-    name = f"full_{tier}" if mode == "full" else variant
-    return {"variant": name, "mode": mode, "tier": tier, "schedule": schedule, "gens": gens,
-            "trace": trace, "tier_stats": None}
+    budget = cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
+    raw = _run(lm, prompts, cfg, variant, _remote(lm, cfg), None, tier, budget, namespace)
+    if raw["mode"] == "full":
+        raw["variant"] = f"full_{tier}"
+    return raw
 
 
 def _services_warm(lm, cfg: ScenarioConfig, warm: list[tuple[str, list[int]]], namespace: str,
