@@ -44,13 +44,6 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                   bytes_read=tr.bytes_read, bytes_written=tr.bytes_written,
                                   seconds=time.perf_counter() - t, store_seconds=tr.seconds)
 
-    def _span(self, rid: str, before: int) -> bytes:
-        """The exact KV of this round's verified tokens and the one before them (the drafter
-        may not have fed it yet): positions [before - 1, length) of the request's cache."""
-        c = self.core.cache(rid)
-        lo = max(0, before - 1)
-        return encode_full(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), start=lo)
-
     def Verify(self, req, context):
         batch = []
         for it in batch_items(req.items):
@@ -62,9 +55,9 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         with self.svc.lock:
             before = {rid: self.core.cache(rid).length for rid in refresh}
             res = self.core.verify(batch)
-            spans = {rid: self._span(rid, before[rid]) for rid in refresh}
-        for rid, data in spans.items():  # outside the lock: the store's link may be slow
-            self.svc.store.put(refresh_key(rid), data)
+            spans = {rid: self.core.verified_span(rid, before[rid]) for rid in refresh}
+        for rid, sp in spans.items():  # outside the lock: the store's link may be slow
+            self.svc.store.put(refresh_key(rid), encode_full(sp.k, sp.v, start=sp.start))
         now = time.monotonic()
         for rid, _, _ in batch:
             self.svc.clock.touch(rid, now)

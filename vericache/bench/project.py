@@ -138,20 +138,28 @@ def project_remote_prefix(m: Machine, tau: float, k: float, r: float, weight_byt
     }
 
 
-def project_run(doc: dict, machine_name: str, weight_bytes: float) -> dict:
-    """Project a scenario document (`vericache.bench.scenario.run_scenario`) onto a machine:
-    τ, drafts per round and compression as measured; F and B as in the run."""
+def measured_round(doc: dict) -> tuple[dict, float, float, float]:
+    """VeriCache's row of a scenario document and what a round measured there: τ, drafts
+    per round k (= (τ − 1) / acceptance, within [1, k_max]) and compression r."""
     rows = {r["variant"]: r for r in doc["variants"]}
     vc = rows[doc["summary"]["vericache_variant"]]
     tau = vc["tau_mean"] or 1.0
     acc, kmax = vc["acceptance_rate"], doc["settings"]["draft_len"]
-    k = min(max((tau - 1) / acc if acc else kmax, 1.0), kmax)  # drafts per round
+    k = min(max((tau - 1) / acc if acc else kmax, 1.0), kmax)
     full = vc["full_kv_bytes_per_request"]
     comp = vc["compressed_kv_bytes_per_request"] or full
+    return vc, tau, k, full / comp
+
+
+def project_run(doc: dict, machine_name: str, weight_bytes: float) -> dict:
+    """Project a scenario document (`vericache.bench.scenario.run_scenario`) onto a machine:
+    τ, drafts per round and compression as measured; F and B as in the run."""
+    vc, tau, k, r = measured_round(doc)
     st = doc["settings"]
     if doc.get("scenario") == "remote-prefix":
         prefix = st["shared_prefix_tokens"] * st["kv_bytes_per_token"]
-        return project_remote_prefix(machine(machine_name), tau, k, full / comp, weight_bytes,
-                                     prefix, vc["requests"], st["drafter_link_gbps"],
-                                     st["link_gbps"], st["max_tokens"])
-    return project(machine(machine_name), tau, k, full / comp, weight_bytes, full, vc["requests"])
+        return project_remote_prefix(machine(machine_name), tau, k, r, weight_bytes, prefix,
+                                     vc["requests"], st["drafter_link_gbps"], st["link_gbps"],
+                                     st["max_tokens"])
+    return project(machine(machine_name), tau, k, r, weight_bytes, vc["full_kv_bytes_per_request"],
+                   vc["requests"])

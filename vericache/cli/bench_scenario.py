@@ -12,7 +12,7 @@ import json
 import sys
 
 from vericache.bench.grid import Grid, takes_ratio
-from vericache.bench.project import MACHINES, project_run
+from vericache.bench.project import MACHINES, measured_round, project_run
 from vericache.bench.prompts import shared_document_prompts
 from vericache.bench.scenario import ScenarioConfig, parse_services, run_scenario
 from vericache.errors import InvalidArgument
@@ -58,13 +58,8 @@ def add_roofline(doc: dict, runner, threads: int | None) -> None:
     measured ratios over it, into the document."""
     from vericache.bench.roofline import cap, measure
 
-    rows = {r["variant"]: r for r in doc["variants"]}
     s, st = doc["summary"], doc["settings"]
-    vc = rows[s["vericache_variant"]]
-    tau = vc["tau_mean"] or 1.0
-    acc = vc["acceptance_rate"]
-    k = min(max((tau - 1) / acc if acc else st["draft_len"], 1.0), st["draft_len"])
-    full, comp = vc["full_kv_bytes_per_request"], vc["compressed_kv_bytes_per_request"]
+    _, tau, k, r = measured_round(doc)
     wb = weight_bytes(runner)
     model = {"params": wb // runner.embed.element_size(), "layers": runner.num_layers,
              "heads": runner.num_heads, "head_dim": runner.head_dim, "weight_bytes": wb,
@@ -73,7 +68,7 @@ def add_roofline(doc: dict, runner, threads: int | None) -> None:
     per_cache = (max(st["context_tokens"]) + st["max_tokens"]) * runner.kv_bytes_per_token()
     run = {"ctx": sum(st["context_tokens"]) / len(st["context_tokens"]) + st["max_tokens"] / 2,
            "batch": st["concurrency"], "budget_caches": budget / per_cache if budget else None,
-           "tau": tau, "k": k, "compression": full / comp if comp else 1.0,
+           "tau": tau, "k": k, "compression": r,
            "link_gbps": st["link_gbps"]}
     roof = cap(measure(threads), model, run)
     which = s["vericache_variant"].split("_")[1]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.compress.base import CompressedChunk, Compressor
+from vericache.compress.base import CompressedChunk, Compressor, KVSpan
 from vericache.engine.drafter import choose, tempered_softmax
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
@@ -92,6 +92,14 @@ class Verifier:
 
     def cache(self, rid: str) -> KVCache:
         return self._get(rid).cache
+
+    def verified_span(self, rid: str, since: int) -> KVSpan:
+        """The exact KV of the tokens verified from cache position `since` on, and of the one
+        before them (a drafter may not have fed it yet): what a remote drafter copies over its
+        own KV of those tokens (`Drafter.commit(exact=...)`)."""
+        c = self._get(rid).cache
+        lo = max(0, since - 1)
+        return KVSpan(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), lo)
 
     def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]]) -> list[tuple[int, int]]:
         """For each (rid, drafts, q): one pass over the full KV, accept, crop."""
