@@ -108,6 +108,20 @@ def test_ratio_axis_only_where_it_applies():
     assert sum(c.mode == "vericache" for c in cells) == 6
 
 
+def test_selection_axis_runs_vericache_once_per_policy():
+    g = Grid(["snapkv"], [4.0], [8, 32], selections=["static", "question", "verify:every=2"])
+    cells = plan([BenchPrompt("p", [1, 2, 3])], g)
+    vc = [c for c in cells if c.mode == "vericache"]
+    assert [(c.draft_len, c.selection) for c in vc] == [
+        (8, "static"), (8, "question"), (8, "verify:every=2"),
+        (32, "static"), (32, "question"), (32, "verify:every=2")]
+    assert [c.selection for c in cells if c.mode == "lossy"] == ["static"]
+    assert vc[2].label == "p vericache snapkv@4 k=8 sel=verify:every=2"
+    assert g.params("vericache", "snapkv", 4.0, 8, selection="verify").selection == "verify"
+    with pytest.raises(UnknownName, match="valid: question, static, verify"):
+        Grid(["snapkv"], [4.0], [8], selections=["oracle"])
+
+
 def test_grid_rejects_bad_input():
     with pytest.raises(UnknownName):
         Grid(["nope"], [4.0], [8])
@@ -126,7 +140,10 @@ def _fake_cell(mode, identical=True, **kw):
                 full_kv_bytes=4 << 20, compressed_kv_bytes=1 << 20, compression=4.0,
                 first_divergence=None, identical=identical, parses_code=True, parses_json=None,
                 prefill_s=0.1, compress_s=0.01, draft_s=0.4, verify_s=0.4, draft_steps=9,
-                verify_tokens=12, ngram_tau=1.5 if mode == "vericache" else None, ngram_tau_hist=None)
+                verify_tokens=12, ngram_tau=1.5 if mode == "vericache" else None, ngram_tau_hist=None,
+                selection=None if mode == "full" else "question", select_s=0.01,
+                select_share_of_rounds=0.0125, select_moved_tokens=100, select_delta_bytes=52400,
+                select_delta_bytes_per_token=5240.0)
     cell.update(kw)
     return cell
 
@@ -145,7 +162,7 @@ def test_run_exits_nonzero_when_vericache_differs(monkeypatch, tmp_path, capsys)
     out = tmp_path / "r.json"
     assert main(["bench", "--compressors", "snapkv", "--ratios", "4", "--json", str(out)]) == 1
     captured = capsys.readouterr()
-    assert "differs from full greedy" in captured.err and "p vericache snapkv@4 k=8" in captured.err
+    assert "differs from full greedy" in captured.err and "p vericache snapkv@4 k=8 sel=question" in captured.err
     doc = json.loads(out.read_text())
     assert doc["summary"]["all_vericache_identical"] is False
     cells[2]["identical"] = True

@@ -35,6 +35,11 @@ def _refresh(g: Generation) -> bool:
     return g.params.refresh_draft and g.params.mode == "vericache"
 
 
+def _record_selection(g: Generation, st) -> None:
+    """A service's selection totals (SelectionStats) into the request's stats."""
+    g.stats.record_selection(st.seconds, st.moves, st.moved_tokens, st.delta_bytes)
+
+
 class RemoteBackends:
     """The drafter and verifier services as the engine's backends. `token`: the services'
     internal token, sent with every call."""
@@ -45,6 +50,7 @@ class RemoteBackends:
         self._channels = [grpc.insecure_channel(t, options=_OPTIONS) for t in (drafter, verifier)]
         self.drafter = dpb_grpc.DrafterStub(with_token(self._channels[0], token))
         self.verifier = vpb_grpc.VerifierStub(with_token(self._channels[1], token))
+        self._moved: dict[str, bool] = {}  # rid -> the last Verify left a selection delta
 
     def admit(self, g: Generation) -> int:
         p = g.params
@@ -52,8 +58,11 @@ class RemoteBackends:
         out = _call(self.verifier.Prefill, vpb.PrefillRequest(
             request_id=g.rid, token_ids=g.prompt, compressor=spec, chunk_size=p.chunk_size,
             temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
-            namespace=p.namespace, save_tail=bool(spec)), self.timeout, "verifier Prefill")
+            namespace=p.namespace, save_tail=bool(spec),
+            selection=g.selection.spec if g.selection is not None else ""),
+            self.timeout, "verifier Prefill")
         s = g.stats
+        _record_selection(g, out.selection)
         s.prefill_s, s.cached_tokens = out.seconds, out.cached_tokens
         s.store_hits, s.store_bytes_read = out.store_hits, out.bytes_read
         s.store_bytes_written, s.store_s = out.bytes_written, out.store_seconds
@@ -61,8 +70,8 @@ class RemoteBackends:
             att = _call(self.drafter.Attach, dpb.AttachRequest(
                 request_id=g.rid, token_ids=g.prompt, first_token=out.first_token, compressor=spec,
                 chunk_size=p.chunk_size, tail_start=out.tail_start, temperature=p.temperature,
-                seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace),
-                self.timeout, "drafter Attach")
+                seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace,
+                apply_selection=out.selection_deltas > 0), self.timeout, "drafter Attach")
             s.store_hits += att.store_hits
             s.store_bytes_read += att.bytes_read
             s.store_s += att.seconds
@@ -83,17 +92,22 @@ class RemoteBackends:
             vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
                            refresh_draft=_refresh(g))
             for g, d in batch]), self.timeout, "verifier Verify")
+        for (g, _), r in zip(batch, res.results):
+            self._moved[g.rid] = r.selection_deltas > 0
+            _record_selection(g, r.selection)
         return [(r.accepted, r.bonus) for r in res.results]
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         req = dpb.CommitRequest(request_id=g.rid, accepted=accepted,
-                                refresh_draft=_refresh(g) and bonus is not None)
+                                refresh_draft=_refresh(g) and bonus is not None,
+                                apply_selection=self._moved.pop(g.rid, False))
         if bonus is not None:
             req.bonus = bonus
         _call(self.drafter.Commit, req, self.timeout, "drafter Commit")
 
     def release(self, g: Generation) -> None:
         """Free both sides; never raises (a lost service frees its sessions by TTL)."""
+        self._moved.pop(g.rid, None)
         for stub in (self.drafter, self.verifier):
             try:
                 stub.Release(vpb.ReleaseRequest(request_id=g.rid), timeout=10)

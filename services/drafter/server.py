@@ -11,8 +11,8 @@ from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.drafter import Drafter
-from vericache.store.codec import decode_full
-from vericache.store.keys import refresh_key
+from vericache.store.codec import decode_deltas, decode_full
+from vericache.store.keys import refresh_key, select_key
 
 pb, pb_grpc = load("drafter")
 
@@ -35,6 +35,8 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
             tr = self.core.attach_from_store(rid, ids, comp, size, req.tail_start, first,
                                              req.extra_capacity, req.temperature, req.seed,
                                              bounded_str(req.namespace, "namespace"))
+        if req.apply_selection:
+            self._apply_selection(rid)
         self.svc.clock.touch(rid, time.monotonic())
         return pb.AttachResponse(bytes_read=tr.bytes_read, store_hits=tr.hits, seconds=tr.seconds)
 
@@ -53,11 +55,24 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
 
     def Release(self, req, context):
         out = super().Release(req, context)
-        try:  # a request that ended right after a verification leaves its exact KV unread
-            self.svc.store.delete(refresh_key(request_id(req.request_id)))
-        except Exception:  # noqa: BLE001 -- releasing never fails on the store
-            pass
+        for key in (refresh_key, select_key):
+            try:  # a request that ended right after a verification leaves its exact KV unread
+                self.svc.store.delete(key(request_id(req.request_id)))
+            except Exception:  # noqa: BLE001 -- releasing never fails on the store
+                pass
         return out
+
+    def _apply_selection(self, rid: str) -> None:
+        """Apply the moves of the kept set the verifier left in the store (an evicted key
+        only leaves the set where it was: drafting stays lossless either way)."""
+        data = self.svc.store.get(select_key(rid))
+        if data is None:
+            return
+        self.svc.store.delete(select_key(rid))
+        deltas = decode_deltas(data)
+        with self.svc.lock:
+            for d in deltas:
+                self.core.apply_delta(rid, d)
 
     def Commit(self, req, context):
         request_id(req.request_id)
@@ -71,5 +86,7 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
                 self.svc.store.delete(refresh_key(req.request_id))
         with self.svc.lock:
             self.core.commit(req.request_id, req.accepted, bonus, exact)
+        if req.apply_selection:
+            self._apply_selection(req.request_id)
         self.svc.clock.touch(req.request_id, time.monotonic())
         return pb.CommitResponse()

@@ -125,6 +125,13 @@ def engine_collector(engine) -> Collector:
                     "KV bytes written to the store"),
             counter("vericache_cached_prompt_tokens_total", "cached_tokens",
                     "prompt tokens whose full KV came from the prefix cache"),
+            counter("vericache_selection_seconds_total", "select_s",
+                    "verifier time spent choosing the drafter's kept tokens"),
+            counter("vericache_selection_moved_tokens_total", "select_moved_tokens",
+                    "tokens moved into drafters' kept sets (over layers and KV heads)"),
+            counter("vericache_selection_delta_bytes_total", "select_delta_bytes",
+                    "bytes of the moves of drafters' kept sets"),
+            _by_policy(c),
             Family("vericache_queue_depth", "gauge", "requests waiting to start")
             .add(engine.queue_depth),
             Family("vericache_active_requests", "gauge", "requests being decoded")
@@ -132,6 +139,15 @@ def engine_collector(engine) -> Collector:
             *_session_gauges(engine),
         ]
     return collect
+
+
+def _by_policy(counters: dict) -> Family:
+    """Finished requests per selection policy."""
+    fam = Family("vericache_selection_requests_total", "counter",
+                 "finished requests by the selection policy that moved their drafter's set")
+    for key in sorted(k for k in counters if k.startswith("selection:")):
+        fam.add(counters[key], policy=key.partition(":")[2])
+    return fam
 
 
 def _session_gauges(engine) -> list[Family]:

@@ -50,6 +50,8 @@ class VeriCacheOptions(OpenAIModel):
     ratio: float | None = Field(None, description="compression ratio of token-dropping compressors")
     draft_len: int | None = Field(None, ge=1, le=256,
                                   description="largest draft length k per round (1..256)")
+    selection: str | None = Field(None, description="how the drafter's kept tokens move: static, "
+                                                    "question or verify (NAME:key=value,...)")
 
 
 class SamplingFields(OpenAIModel):
@@ -151,6 +153,10 @@ class UsageInfo(BaseModel):
     rounds: int = Field(0, description="draft/verify rounds (full mode: one per decode step)")
     tokens_per_round: float = Field(0.0, description="verified tokens emitted per round (tau)")
     acceptance_rate: float = Field(0.0, description="accepted drafts / drafted tokens")
+    selection: str | None = Field(None, description="the selection policy that moved the "
+                                                    "drafter's kept tokens (None in full mode)")
+    selection_moved_tokens: int = Field(0, description="tokens the verifier moved into the "
+                                                       "drafter's set, over layers and KV heads")
 
 
 class AssistantMessage(BaseModel):

@@ -11,8 +11,9 @@ from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.verifier import Verifier
-from vericache.store.codec import encode_full
-from vericache.store.keys import refresh_key
+from vericache.select import make_selection
+from vericache.store.codec import encode_deltas, encode_full
+from vericache.store.keys import refresh_key, select_key
 from vericache.errors import InvalidArgument
 
 pb, pb_grpc = load("verifier")
@@ -33,16 +34,34 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                   f"the model's {self.svc.lm.max_context}-token context", "token_ids")
         comp = make_compressor(bounded_str(req.compressor, "compressor")) if req.compressor else None
         size = chunk_size(req.chunk_size)
+        sel = make_selection(bounded_str(req.selection, "selection")) if req.selection else None
         t = time.perf_counter()
         with self.svc.lock:
             out = self.core.prefill(rid, ids, req.extra_capacity, size,
-                                    comp, req.temperature, req.seed, req.namespace, req.save_tail)
+                                    comp, req.temperature, req.seed, req.namespace, req.save_tail,
+                                    selection=sel)
+            deltas = self.core.take_deltas(rid)
+        moved = self._put_deltas(rid, deltas)
         self.svc.clock.touch(rid, time.monotonic())
         tr = out.transfer
         return pb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
                                   tail_start=out.tail_start, store_hits=tr.hits,
                                   bytes_read=tr.bytes_read, bytes_written=tr.bytes_written,
-                                  seconds=time.perf_counter() - t, store_seconds=tr.seconds)
+                                  seconds=time.perf_counter() - t, store_seconds=tr.seconds,
+                                  selection_deltas=moved, selection=self._selection_stats(rid))
+
+    def _put_deltas(self, rid: str, deltas) -> int:
+        """Leave moves of the drafter's set in the store for the drafter; returns how many."""
+        if deltas:
+            self.svc.store.put(select_key(rid), encode_deltas(deltas))
+        return len(deltas)
+
+    def _selection_stats(self, rid: str):
+        rec = self.core.selection(rid)
+        if rec is None:
+            return pb.SelectionStats()
+        return pb.SelectionStats(seconds=rec.seconds, moves=rec.state.moves,
+                                 moved_tokens=rec.state.moved_tokens, delta_bytes=rec.delta_bytes)
 
     def Verify(self, req, context):
         batch = []
@@ -56,10 +75,14 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
             before = {rid: self.core.cache(rid).length for rid in refresh}
             res = self.core.verify(batch)
             spans = {rid: self.core.verified_span(rid, before[rid]) for rid in refresh}
+            deltas = {rid: self.core.take_deltas(rid) for rid, _, _ in batch}
         for rid, sp in spans.items():  # outside the lock: the store's link may be slow
             self.svc.store.put(refresh_key(rid), encode_full(sp.k, sp.v, start=sp.start))
+        moved = {rid: self._put_deltas(rid, d) for rid, d in deltas.items()}
         now = time.monotonic()
         for rid, _, _ in batch:
             self.svc.clock.touch(rid, now)
-        return pb.VerifyResponse(results=[pb.VerifyResult(accepted=a, bonus=b) for a, b in res],
-                                 seconds=time.perf_counter() - t)
+        return pb.VerifyResponse(results=[
+            pb.VerifyResult(accepted=a, bonus=b, selection_deltas=moved[rid],
+                            selection=self._selection_stats(rid))
+            for (rid, _, _), (a, b) in zip(batch, res)], seconds=time.perf_counter() - t)

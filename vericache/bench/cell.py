@@ -6,6 +6,8 @@ to `full` on the same prompt in the same run. Rounds: τ (tokens emitted per rou
 histogram, acceptance. Memory: the prompt's full and compressed KV bytes. Fidelity: the
 first output token where the cell departs from full greedy, and `identical`. Answers: do
 code and JSON parse. Time: prefill, draft and verify seconds, draft steps, verify tokens.
+Selection: the policy, its seconds (and share of the rounds' time), the tokens it moved into
+the drafter's set and the bytes of those moves, per output token.
 For vericache cells, also the τ a model-free n-gram (prompt-lookup) drafter reaches on the
 full-greedy output with the same draft length.
 """
@@ -49,6 +51,7 @@ def measure(cell, prompt: BenchPrompt, result, reference) -> dict:
     out = {
         "prompt": cell.prompt, "mode": cell.mode, "compressor": cell.compressor,
         "ratio": cell.ratio, "draft_len": cell.draft_len,
+        "selection": cell.selection if cell.mode != "full" else None,
         "completion_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
         "seconds": _rnd(result.seconds), "tokens_per_s": _rnd(tps, 3),
         "decode_tokens_per_s": _rnd(dtps, 3),
@@ -65,6 +68,12 @@ def measure(cell, prompt: BenchPrompt, result, reference) -> dict:
         "prefill_s": _rnd(s.prefill_s), "compress_s": _rnd(s.compress_s),
         "draft_s": _rnd(s.draft_s), "verify_s": _rnd(s.verify_s),
         "draft_steps": s.draft_steps, "verify_tokens": s.verify_tokens,
+        "select_s": _rnd(s.select_s),
+        # verifier time spent choosing the drafter's set, as a share of the decode rounds' time
+        "select_share_of_rounds": _rnd(_ratio(s.select_s, s.draft_s + s.verify_s)),
+        "select_moved_tokens": s.select_moved_tokens,
+        "select_delta_bytes": s.select_delta_bytes,
+        "select_delta_bytes_per_token": _rnd(_ratio(s.select_delta_bytes, len(result.token_ids)), 1),
         "ngram_tau": None, "ngram_tau_hist": None,
         "text": result.text,
     }

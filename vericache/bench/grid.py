@@ -1,7 +1,8 @@
 """The benchmark grid: parse the axes, plan the cells, run them in one process.
 
 Per prompt: `full` once (the speed baseline and the reference tokens), `lossy` once per
-compressor × ratio, `vericache` once per compressor × ratio × draft length. Compressors
+compressor × ratio (with the first selection policy), `vericache` once per compressor × ratio
+× draft length × selection policy. Compressors
 without a ratio parameter (kivi: bits via "kivi:bits=4") or whose spec sets one run once,
 with ratio None.
 """
@@ -18,6 +19,7 @@ from vericache.compress.registry import compressor_class, make_compressor
 from vericache.engine import local
 from vericache.engine.generation import GenParams
 from vericache.errors import InvalidArgument
+from vericache.select import make_selection
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class CellPlan:
     compressor: str | None = None
     ratio: float | None = None
     draft_len: int | None = None
+    selection: str | None = None
 
     @property
     def label(self) -> str:
@@ -37,6 +40,8 @@ class CellPlan:
             parts.append(self.compressor + (f"@{self.ratio:g}" if self.ratio else ""))
         if self.draft_len:
             parts.append(f"k={self.draft_len}")
+        if self.selection and self.mode == "vericache":
+            parts.append(f"sel={self.selection}")
         return " ".join(parts)
 
 
@@ -50,9 +55,14 @@ class Grid:
     max_tokens: int = 128
     chunk_size: int = 256
     adaptive: bool = True
+    selections: list[str] = field(default_factory=lambda: ["question"])
     configs: list[tuple[str, float | None]] = field(init=False)
 
     def __post_init__(self):
+        if not self.selections:
+            raise InvalidArgument("--selection is empty", "selection")
+        for s in self.selections:
+            make_selection(s)
         if not self.compressors:
             raise InvalidArgument("--compressors is empty", "compressors")
         if not self.draft_lens or min(self.draft_lens) < 1:
@@ -66,11 +76,12 @@ class Grid:
                 self.configs.append((c, r))
 
     def params(self, mode: str, compressor: str | None = None, ratio: float | None = None,
-               draft_len: int | None = None, max_tokens: int | None = None) -> GenParams:
+               draft_len: int | None = None, max_tokens: int | None = None,
+               selection: str | None = None) -> GenParams:
         return GenParams(max_tokens=max_tokens or self.max_tokens, temperature=0.0, mode=mode,
                          compressor=compressor or "snapkv", ratio=ratio,
                          draft_len=draft_len or 1, adaptive=self.adaptive,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, selection=selection or self.selections[0])
 
 
 def split_compressors(text: str) -> list[str]:
@@ -108,8 +119,9 @@ def plan(prompts: list[BenchPrompt], grid: Grid) -> list[CellPlan]:
     for p in prompts:
         cells.append(CellPlan(p.name, "full"))
         for c, r in grid.configs:
-            cells.append(CellPlan(p.name, "lossy", c, r))
-            cells.extend(CellPlan(p.name, "vericache", c, r, k) for k in grid.draft_lens)
+            cells.append(CellPlan(p.name, "lossy", c, r, selection=grid.selections[0]))
+            cells.extend(CellPlan(p.name, "vericache", c, r, k, s)
+                         for k in grid.draft_lens for s in grid.selections)
     return cells
 
 
@@ -131,7 +143,8 @@ def run_grid(lm, prompts: list[BenchPrompt], grid: Grid,
         if on_cell is not None:
             on_cell(cell)
         prompt = by_name[cell.prompt]
-        params = grid.params(cell.mode, cell.compressor, cell.ratio, cell.draft_len)
+        params = grid.params(cell.mode, cell.compressor, cell.ratio, cell.draft_len,
+                             selection=cell.selection)
         result = local.generate(lm, prompt.ids, params)
         if cell.mode == "full":
             reference = result

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from vericache.bench.metrics import mean
 
-CONFIG_KEYS = ("mode", "compressor", "ratio", "draft_len")
+CONFIG_KEYS = ("mode", "compressor", "ratio", "draft_len", "selection")
 _AVERAGED = ("tokens_per_s", "decode_tokens_per_s", "speed_ratio_vs_full",
              "decode_speed_ratio_vs_full", "tau_mean", "ngram_tau", "acceptance_rate",
-             "compression", "first_divergence")
+             "compression", "first_divergence", "select_share_of_rounds",
+             "select_delta_bytes_per_token")
 
 
 def machine() -> dict:
@@ -35,7 +36,7 @@ def _rate(values: Sequence) -> float | None:
 
 
 def by_config(cells: list[dict]) -> list[dict]:
-    """Cells averaged over prompts, one row per (mode, compressor, ratio, draft_len)."""
+    """Cells averaged over prompts, one row per (mode, compressor, ratio, draft_len, selection)."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
         groups.setdefault(tuple(c[k] for k in CONFIG_KEYS), []).append(c)
@@ -56,6 +57,8 @@ def label(c: dict) -> str:
         parts.append(c["compressor"] + (f"@{c['ratio']:g}" if c["ratio"] else ""))
     if c["draft_len"]:
         parts.append(f"k={c['draft_len']}")
+    if c.get("selection") and c["mode"] == "vericache":
+        parts.append(f"sel={c['selection']}")
     return " ".join(parts)
 
 
@@ -118,7 +121,9 @@ def _parse(c: dict) -> str:
 MAIN_COLUMNS = [
     ("prompt", lambda c: c["prompt"]), ("mode", lambda c: c["mode"]),
     ("compressor", lambda c: c["compressor"] or "-"), ("ratio", lambda c: _num(c["ratio"])),
-    ("k", lambda c: fmt(c["draft_len"])), ("tok/s", lambda c: fmt(c["tokens_per_s"], 1)),
+    ("k", lambda c: fmt(c["draft_len"])),
+    ("sel", lambda c: c["selection"] if c.get("selection") and c["mode"] == "vericache" else "-"),
+    ("tok/s", lambda c: fmt(c["tokens_per_s"], 1)),
     ("dec tok/s", lambda c: fmt(c["decode_tokens_per_s"], 1)),
     ("x full", lambda c: fmt(c["speed_ratio_vs_full"])), ("tau", lambda c: fmt(c["tau_mean"])),
     ("ngram tau", lambda c: fmt(c["ngram_tau"])), ("accept", lambda c: fmt(c["acceptance_rate"])),

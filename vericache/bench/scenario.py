@@ -36,7 +36,7 @@ verifier next to the store over a fast one (`link_gbps`). Each node keeps what i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from vericache.bench.scenario_metrics import summarize, variant_measures
 from vericache.compress.registry import make_compressor
@@ -47,6 +47,7 @@ from vericache.engine.local import generate
 from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument
+from vericache.select import make_selection
 from vericache.store.memory import MemoryStore
 from vericache.store.node import LinkedStore, NodeCache
 
@@ -85,6 +86,9 @@ class ScenarioConfig:
     schedule: str = "lockstep"  # VeriCache's headline schedule in the ratios
     draft_ahead: bool = True  # in the staggered variant
     services: dict | None = None  # {"drafter": HOST:PORT, "verifier": HOST:PORT}: run through them
+    # selection policies: the first is the headline (and lossy's); each other one runs the
+    # `schedule` variant again, named "vericache_<schedule>:<policy>"
+    selections: list[str] = field(default_factory=lambda: ["question"])
 
     def __post_init__(self):
         if self.scenario not in SCENARIOS:
@@ -105,11 +109,23 @@ class ScenarioConfig:
         if self.verify_budget_mb is not None and self.verify_budget_caches is not None:
             raise InvalidArgument("give --kv-budget-mb or --kv-budget-caches, not both", "kv_budget")
         make_compressor(self.compressor, self.ratio)
+        if not self.selections:
+            raise InvalidArgument("--selection is empty", "selection")
+        for s in self.selections:
+            make_selection(s)
 
     def params(self, mode: str) -> GenParams:
         return GenParams(max_tokens=self.max_tokens, mode=mode, compressor=self.compressor,
                          ratio=self.ratio, draft_len=self.draft_len, adaptive=self.adaptive,
-                         chunk_size=self.chunk_size, ignore_eos=True)
+                         chunk_size=self.chunk_size, ignore_eos=True, selection=self.selections[0])
+
+    def variants(self, names: tuple[str, ...]) -> list[tuple[str, "ScenarioConfig"]]:
+        """(row name, settings) of every variant to run: `names` with the headline selection,
+        then the `schedule` variant once per other selection."""
+        out = [(v, self) for v in names]
+        for s in self.selections[1:]:
+            out.append((f"vericache_{self.schedule}:{s}", replace(self, selections=[s])))
+        return out
 
     def verify_budget(self, longest_prompt: int, kv_per_token: int) -> int | None:
         """The verifier's budget in bytes."""
@@ -144,7 +160,7 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
          budget: int | None, namespace: str = "") -> dict:
     """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`)."""
     mode = variant.split("_")[0]
-    schedule = "staggered" if variant.endswith("staggered") else "lockstep"
+    schedule = "staggered" if variant.partition(":")[0].endswith("staggered") else "lockstep"
     params = cfg.params(mode)
     params.namespace = namespace
     prefix = f"{namespace}-" if namespace else ""
@@ -298,21 +314,21 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
         tier = verifier_tier(lm, cfg)
         baselines = ("full_resident", None) if tier == "resident" else (None, "full_offloaded")
         run_id = uuid.uuid4().hex[:8]
-        for v in SERVICE_VARIANTS:
+        for i, (v, vcfg) in enumerate(cfg.variants(SERVICE_VARIANTS)):
             # remote-prefix: each variant publishes into its own namespace, so none reuses the
             # suffix chunks another wrote; long-context: one namespace, every prompt warmed
-            ns = f"bench-{run_id}" + (f"-{v}" if cfg.scenario == "remote-prefix" else "")
-            if cfg.scenario == "remote-prefix" or v == SERVICE_VARIANTS[0]:
+            ns = f"bench-{run_id}" + (f"-{i}" if cfg.scenario == "remote-prefix" else "")
+            if cfg.scenario == "remote-prefix" or i == 0:
                 _services_warm(lm, cfg, warm, ns, step)
             step(f"services: {v}")
-            raw = run_services_variant(lm, prompts, cfg, v, tier, ns)
+            raw = run_services_variant(lm, prompts, vcfg, v, tier, ns)
             rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     else:
         run_variant = (run_long_context_variant if cfg.scenario == "long-context"
                        else run_remote_prefix_variant)
-        for v in VARIANTS[cfg.scenario]:
+        for v, vcfg in cfg.variants(VARIANTS[cfg.scenario]):
             step(v)
-            raw = run_variant(lm, prompts, cfg, v, store)
+            raw = run_variant(lm, prompts, vcfg, v, store)
             _drop_new_keys(store, published)
             rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     doc = {"scenario": cfg.scenario, "model": lm.name,

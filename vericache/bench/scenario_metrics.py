@@ -11,6 +11,9 @@ much of the link's transfer time was hidden:
 - transfer_hidden_share: the sum of the two, over the transfer time.
 In the remote-prefix scenario the bytes each node read over its link are reported too
 (`link_bytes`), and the summary's ttft_ratio_vs_full is full_far's mean TTFT over VeriCache's.
+Selection (`vericache.select`): the policy, the verifier's seconds choosing the drafter's set
+as a share of the requests' draft and verify time, and the bytes of the set's moves per
+emitted token; the summary has τ and the throughput ratios per policy (`by_selection`).
 """
 
 from __future__ import annotations
@@ -53,8 +56,14 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
             for g in gens if len(g.output_ids) > 1 and g.rid in tr.finish]
     rounds = [n for g in gens for n in g.stats.round_emitted]
     identical = [g.output_ids == ref for g, ref in zip(gens, reference)]
+    sel_s = sum(g.stats.select_s for g in gens)
+    round_s = sum(g.stats.draft_s + g.stats.verify_s for g in gens)
     row = {
         "variant": raw["variant"], "mode": raw["mode"], "tier": raw["tier"],
+        "selection": gens[0].params.selection if raw["mode"] != "full" else None,
+        "select_s": _r(sel_s), "select_share_of_rounds": _r(_ratio(sel_s, round_s)),
+        "select_delta_bytes_per_token": _r(_ratio(sum(g.stats.select_delta_bytes for g in gens),
+                                                  tokens), 1),
         "schedule": raw["schedule"], "requests": len(gens), "tokens": tokens,
         "wall_s": _r(wall), "throughput_tps": _r(tokens / wall if wall > 0 else None, 3),
         "ttft_mean_s": _r(mean(ttft)), "tpot_mean_s": _r(mean(tpot)),
@@ -109,7 +118,17 @@ def summarize(rows: list[dict], schedule: str, resident: str | None = "full_resi
     none = {"ttft_mean_s": None, "kv_bytes_moved_per_token": None}
     by.setdefault(None, none)
     checked = [r for r in rows if r["mode"] != "lossy"]
+    headline = f"vericache_{schedule}"
+    by_selection = {
+        r["selection"]: {"variant": r["variant"], "tau_mean": r["tau_mean"],
+                         "throughput_tps": r["throughput_tps"],
+                         "throughput_ratio_vs_full_resident": _r(_ratio(r["throughput_tps"], tps[resident])),
+                         "throughput_ratio_vs_full_offloaded": _r(_ratio(r["throughput_tps"], tps[offloaded])),
+                         "select_share_of_rounds": r["select_share_of_rounds"],
+                         "select_delta_bytes_per_token": r["select_delta_bytes_per_token"]}
+        for r in rows if r["variant"].partition(":")[0] == headline}
     return {
+        "by_selection": by_selection,
         "vericache_variant": vc["variant"],
         "baseline_variants": {"full_resident": resident, "full_offloaded": offloaded},
         "throughput_ratio_vs_full_resident": _r(_ratio(vc["throughput_tps"], tps[resident])),

@@ -49,6 +49,11 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-lens", default="8,32", help="comma list of largest draft lengths k "
                                                         "(default: 8,32)")
     g.add_argument("--fixed-draft-len", action="store_true", help="keep k fixed, no adaptation")
+    g.add_argument("--selection", default="question",
+                   help="comma list of selection policies (how the drafter's kept tokens move): "
+                        "static, question, verify, each with optional NAME:key=value,... "
+                        "(default: question); the first is the lossy cells' and the scenario's "
+                        "headline")
     g.add_argument("--max-tokens", type=int, default=128, help="new tokens per cell (default: 128)")
     g.add_argument("--chunk-size", type=int, default=256, help="tokens per KV chunk (default: 256)")
     g = p.add_argument_group(
@@ -115,7 +120,7 @@ def make_grid(args) -> Grid:
                 ratios=split_numbers(args.ratios, float, "--ratios"),
                 draft_lens=split_numbers(args.draft_lens, int, "--draft-lens"),
                 max_tokens=args.max_tokens, chunk_size=args.chunk_size,
-                adaptive=not args.fixed_draft_len)
+                adaptive=not args.fixed_draft_len, selections=split_compressors(args.selection))
 
 
 def load_prompts(args, tokenizer) -> list:
@@ -174,7 +179,8 @@ def _run(args, grid: Grid) -> int:
     prompts = load_prompts(args, lm.tokenizer)
     cells = run_cells(lm, prompts, grid, args.quiet)
     settings = {"compressors": grid.compressors, "ratios": grid.ratios,
-                "draft_lens": grid.draft_lens, "max_tokens": grid.max_tokens,
+                "draft_lens": grid.draft_lens, "selections": grid.selections,
+                "max_tokens": grid.max_tokens,
                 "chunk_size": grid.chunk_size, "adaptive": grid.adaptive, "dtype": args.dtype,
                 "device": args.device, "temperature": 0.0}
     doc = report.document(lm.name, prompts, cells, settings)

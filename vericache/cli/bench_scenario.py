@@ -36,7 +36,7 @@ def config(args, grid: Grid) -> ScenarioConfig:
         adaptive=grid.adaptive, chunk_size=grid.chunk_size, link_gbps=args.link_gbps,
         drafter_link_gbps=args.drafter_link_gbps, verify_budget_mb=args.kv_budget_mb,
         verify_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
-        schedule=args.schedule, draft_ahead=args.draft_ahead,
+        schedule=args.schedule, draft_ahead=args.draft_ahead, selections=grid.selections,
         services=parse_services(args.services) if args.services else None)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from vericache.compress import compressor_names
 from vericache.engine.generation import MODES, GenParams
 from vericache.errors import InvalidArgument
+from vericache.select import make_selection, selection_names
 
 BUILTIN_PROMPT = ("Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number "
                   "iteratively, with a docstring, and a short test for it.")
@@ -45,6 +46,12 @@ def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g.add_argument("--draft-len", type=int, default=int(env("DRAFT_LEN", 16)),
                    help="largest draft length k per round; k adapts below it (default: 16)")
     g.add_argument("--fixed-draft-len", action="store_true", help="keep k fixed, no adaptation")
+    g.add_argument("--selection", default=env("SELECTION", "question"),
+                   help=f"how the drafter's kept tokens move: {', '.join(selection_names())} "
+                        "(parameters as NAME:key=value,...; default: question; "
+                        "$VERICACHE_SELECTION). static: each chunk's own choice; question: the "
+                        "prompt's last 32 queries choose over the whole prompt; verify: that, then "
+                        "each verify pass's attention re-ranks (verify:every=4,tokens=32)")
     g.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, lossless in distribution")
@@ -66,7 +73,8 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 
 def gen_params(args, mode: str | None = None) -> GenParams:
-    return GenParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+    make_selection(args.selection)  # a bad name or parameter fails before the model loads
+    return GenParams(selection=args.selection, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                      stop=list(args.stop), mode=mode or args.mode, compressor=args.compressor,
                      ratio=None if args.ratio is None else float(args.ratio),
                      draft_len=args.draft_len, adaptive=not args.fixed_draft_len,

@@ -14,6 +14,10 @@ Methods, when they are called and how often:
   copied exact. Default: none beyond the last, partial chunk.
 - `observation_window`: how many of a chunk's last queries `compress` needs (SnapKV); the
   prefill captures them. Default 0.
+- `drops_tokens`: whether chunks keep a subset of their tokens (tensor "pos" holds which).
+  Only then can a selection policy (`vericache.select`) move the drafter's set.
+- `requantize(k, v)`: tokens a selection policy moves into the drafter's set pass through it,
+  so they are stored as lossy as the compressor stores the rest. Default: unchanged.
 
 A new compressor subclasses `Compressor`, implements `compress` and `decompress`, and is
 registered by name in `vericache/compress/registry.py`; scheduling and verification do not
@@ -61,6 +65,7 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     observation_window: int = 0
+    drops_tokens: ClassVar[bool] = False
 
     def __init__(self, **params):
         self.params = params
@@ -83,6 +88,10 @@ class Compressor(ABC):
     def exact_tail(self, prompt_len: int) -> int:
         return 0
 
+    def requantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entering tokens' (k, v) [layers, Hkv, r, D] as the drafter would hold them."""
+        return k, v
+
     def draft_kv(self, chunks: list[CompressedChunk], tail_k: torch.Tensor,
                  tail_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's initial KV: the chunks decompressed in order, then the exact tail
@@ -91,7 +100,8 @@ class Compressor(ABC):
         return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
     def kept_positions(self, chunk: CompressedChunk) -> torch.Tensor:
-        """Absolute positions of the kept tokens: [layers, Hkv, m] (for tests and stats)."""
+        """Absolute positions of the kept tokens: [layers, Hkv, m], in the order decompress
+        returns them (the drafter's slot order)."""
         pos = chunk.tensors.get("pos")
         if pos is not None:
             return pos.long() + chunk.start

@@ -34,6 +34,7 @@ class StreamingLLM(Compressor):
     """
 
     name = "streamingllm"
+    drops_tokens = True
 
     def __init__(self, ratio: float = 8.0, sinks: int = 4):
         self.ratio, self.sinks = _check_ratio(ratio), int(sinks)
@@ -63,6 +64,7 @@ class SnapKV(Compressor):
     """
 
     name = "snapkv"
+    drops_tokens = True
 
     def __init__(self, ratio: float = 4.0, window: int = 16, pool: int = 7, recent: int = 64):
         self.ratio, self.window, self.pool = _check_ratio(ratio), int(window), int(pool)

@@ -99,6 +99,7 @@ class SnapKVKIVI(Compressor):
     """SnapKV token dropping, then KIVI quantization of the kept tokens."""
 
     name = "snapkv-kivi"
+    drops_tokens = True
 
     def __init__(self, ratio: float = 4.0, bits: int = 4, window: int = 16, group: int = 32,
                  residual: int = 64):
@@ -120,3 +121,6 @@ class SnapKVKIVI(Compressor):
 
     def decompress(self, chunk: CompressedChunk):
         return self.kivi.dequantize(chunk.tensors, chunk.tensors["dtype_probe"].dtype)
+
+    def requantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kivi.dequantize(self.kivi.quantize(k, v), k.dtype)

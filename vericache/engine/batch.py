@@ -122,7 +122,8 @@ class BatchEngine(Engine):
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "cancelled": 0, "tokens": 0, "rounds": 0,
                          "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "round_s": 0.0,
                          "store_hits": 0, "store_bytes_read": 0, "store_bytes_written": 0,
-                         "cached_tokens": 0, "overlapped_rounds": 0}
+                         "cached_tokens": 0, "overlapped_rounds": 0, "select_s": 0.0,
+                         "select_moved_tokens": 0, "select_delta_bytes": 0}
         self.tau_hist: dict[int, int] = {}
         self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
         self._thread.start()
@@ -174,8 +175,11 @@ class BatchEngine(Engine):
         self.counters["finished"] += 1
         self.counters["rounds"] += g.stats.rounds
         for key in ("draft_s", "verify_s", "store_hits", "store_bytes_read", "store_bytes_written",
-                    "cached_tokens"):
+                    "cached_tokens", "select_s", "select_moved_tokens", "select_delta_bytes"):
             self.counters[key] += getattr(g.stats, key)
+        if g.selection is not None:
+            key = f"selection:{g.selection.name}"
+            self.counters[key] = self.counters.get(key, 0) + 1
         for n in g.stats.round_emitted:
             self.tau_hist[n] = self.tau_hist.get(n, 0) + 1
 

@@ -13,6 +13,9 @@ Methods and when they are called:
 - `commit(rid, accepted, bonus, exact)`: once per round after verification: crop to the
   accepted tokens (and overwrite their KV with the exact KV when `exact` is given), queue
   the unfed verified tokens.
+- `apply_delta(rid, delta)`: when the verifier moved the request's kept set
+  (`vericache.select`): overwrite the named slots of the prompt region with the entering
+  tokens' K/V. Any time between rounds; the region is never cropped, so it touches no draft.
 - `release(rid)`: once, when the request ends or fails.
 """
 
@@ -59,6 +62,7 @@ class DraftSession:
     carry: list[int] = field(default_factory=list)  # confirmed ahead drafts: next round's first
     ahead_used: int = 0  # ahead tokens kept over the request's life
     ahead_wasted: int = 0  # ahead tokens thrown away
+    region: int = 0  # leading cache slots holding the prompt region's kept set (movable)
 
 
 @dataclass
@@ -82,13 +86,32 @@ class Drafter:
             raise NotFound(f"no drafter session {rid!r}") from None
 
     def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
-               extra_capacity: int, temperature: float = 0.0, seed: int = 0) -> None:
+               extra_capacity: int, temperature: float = 0.0, seed: int = 0, region: int = 0) -> None:
+        """`region`: how many leading slots of k, v hold the prompt region's kept set (the
+        compressed chunks' tokens, which a selection policy may move)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
         cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
-                                          torch.Generator().manual_seed(seed))
+                                          torch.Generator().manual_seed(seed), region=region)
+
+    def apply_delta(self, rid: str, delta) -> None:
+        """Write a `vericache.select.SelectionDelta` into the request's prompt region."""
+        s = self._get(rid)
+        c = s.cache
+        L, H, cap, D = c.k.shape
+        valid = delta.slots >= 0  # [L, Hkv, r]
+        if delta.slots.shape[:2] != (L, H) or delta.k.shape[-1] != D:
+            raise InvalidArgument(f"selection delta of shape {tuple(delta.k.shape)} does not fit "
+                                  f"the drafter cache {tuple(c.k.shape)}", "selection")
+        if valid.any() and int(delta.slots[valid].max()) >= s.region:
+            raise InvalidArgument(f"selection delta writes slot {int(delta.slots[valid].max())} "
+                                  f"outside the prompt region ({s.region} slots)", "selection")
+        row = (torch.arange(L)[:, None, None] * H + torch.arange(H)[None, :, None]) * cap
+        lin = (row + delta.slots)[valid].to(c.k.device)
+        c.k.view(L * H * cap, D)[lin] = delta.k[valid].to(c.k.device, c.k.dtype)
+        c.v.view(L * H * cap, D)[lin] = delta.v[valid].to(c.v.device, c.v.dtype)
 
     def load_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
                         tail_start: int, namespace: str = "") -> tuple[torch.Tensor, torch.Tensor, TransferStats]:
@@ -105,7 +128,8 @@ class Drafter:
                           tail_start: int, first_token: int, extra_capacity: int,
                           temperature: float = 0.0, seed: int = 0, namespace: str = "") -> TransferStats:
         k, v, stats = self.load_from_store(rid, prompt, compressor, chunk_size, tail_start, namespace)
-        self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, temperature, seed)
+        self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, temperature, seed,
+                    region=k.shape[2] - (len(prompt) - tail_start))
         return stats
 
     def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:

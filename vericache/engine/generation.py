@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from vericache.compress import make_compressor
+from vericache.select import make_selection
 from vericache.engine.stop import IncrementalText, StopChecker
 from vericache.errors import ContextTooLong, InvalidArgument
 from vericache.spec.draftlen import DraftLength
@@ -39,6 +40,7 @@ class GenParams:
     adaptive: bool = True
     chunk_size: int = 256
     refresh_draft: bool = True  # overwrite the drafter's KV of accepted tokens with the exact KV
+    selection: str = "question"  # how the drafter's set moves (vericache.select): static|question|verify
     namespace: str = ""  # tenant: prefix-cache keys are namespaced by it
 
     def __post_init__(self):
@@ -53,6 +55,7 @@ class GenParams:
             raise InvalidArgument(f"draft_len must be >= 1 (got {self.draft_len})", "draft_len")
         if self.chunk_size < 1:
             raise InvalidArgument("chunk_size must be >= 1", "chunk_size")
+        make_selection(self.selection)  # unknown names and bad parameters fail here
 
 
 @dataclass
@@ -75,6 +78,15 @@ class GenStats:
     store_bytes_read: int = 0
     store_bytes_written: int = 0
     store_s: float = 0.0
+    select_s: float = 0.0  # verifier time spent choosing the drafter's set
+    select_moves: int = 0  # deltas applied to the drafter's set
+    select_moved_tokens: int = 0  # tokens moved in, over layers and KV heads
+    select_delta_bytes: int = 0  # bytes of those deltas (K/V + slots + positions)
+
+    def record_selection(self, seconds: float, moves: int, moved_tokens: int, delta_bytes: int) -> None:
+        """Take a request's selection totals so far (from the verifier, here or a service)."""
+        self.select_s, self.select_moves = seconds, moves
+        self.select_moved_tokens, self.select_delta_bytes = moved_tokens, delta_bytes
 
     def record_transfer(self, cached_tokens: int, t) -> None:
         """Add a store transfer (vericache.store.prefix.TransferStats)."""
@@ -109,6 +121,7 @@ class Generation:
         self.params = params
         self.prompt = list(prompt_ids)
         self.compressor = None if params.mode == "full" else make_compressor(params.compressor, params.ratio)
+        self.selection = None if params.mode == "full" else make_selection(params.selection)
         self.text = IncrementalText(lm.tokenizer, params.stop)
         self.stop = StopChecker(params.max_tokens, lm.eos_token_ids, self.text, params.ignore_eos)
         self.draftlen = DraftLength(params.draft_len, adaptive=params.adaptive)
@@ -184,4 +197,6 @@ class Generation:
         return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(self.stop.tokens),
                 "total_tokens": s.prompt_tokens + len(self.stop.tokens), "rounds": s.rounds,
                 "tokens_per_round": round(s.tokens_per_round, 3),
-                "acceptance_rate": round(s.acceptance_rate, 4)}
+                "acceptance_rate": round(s.acceptance_rate, 4),
+                "selection": self.selection.spec if self.selection is not None else None,
+                "selection_moved_tokens": s.select_moved_tokens}

@@ -16,13 +16,16 @@ class Prefilled:
     cache: KVCache  # the full KV of the prompt
     logits: torch.Tensor  # [V] after the last prompt token
     obs_q: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> [L, Hq, w, D]
+    window_q: torch.Tensor | None = None  # [L, Hq, w, D]: the prompt's last computed queries
+    window_pos: torch.Tensor | None = None  # [w]: their positions
 
 
 def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int = 256,
-            window: int = 0, cache: KVCache | None = None) -> Prefilled:
+            window: int = 0, cache: KVCache | None = None, question_window: int = 0) -> Prefilled:
     """Run the prompt through the model `chunk_size` tokens per pass (from cache.length on,
     when a cache with a cached prefix is given). Captures the last `window` queries of every
-    complete chunk, for compressors that score tokens by them."""
+    complete chunk, for compressors that score tokens by them, and the prompt's last
+    `question_window` queries (those computed here), for selection policies."""
     n = len(ids)
     if cache is None:
         cache = runner.new_cache(n + extra_capacity)
@@ -33,17 +36,30 @@ def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int
     obs: dict[int, torch.Tensor] = {}
     logits = None
     s = cache.length
+    wq, wpos = [], []
     while s < n:
         e = min(n, (s // chunk_size + 1) * chunk_size)
         complete = e % chunk_size == 0 and s % chunk_size == 0
-        cap = torch.arange(e - s - window, e - s) if window and complete else None
+        lo = max(s, n - question_window) if question_window else e
+        cap = None
+        if window and complete:
+            cap = torch.arange(e - s - window, e - s)
+        if lo < e:  # rows of the question window, after the chunk's observation rows
+            q_rows = torch.arange(lo - s, e - s)
+            cap = q_rows if cap is None else torch.cat([cap, q_rows])
         out, item = runner.step(ids[s:e], s, cache, logits="last" if e == n else "none",
                                 capture_q=cap)
-        if cap is not None:
-            obs[s // chunk_size] = item.captured
+        if window and complete:
+            obs[s // chunk_size] = item.captured[:, :, :window]
+        if lo < e:
+            wq.append(item.captured[:, :, item.captured.shape[2] - (e - lo):])
+            wpos.append(torch.arange(lo, e))
         logits = out
         s = e
-    return Prefilled(cache, logits[0], obs)
+    pre = Prefilled(cache, logits[0], obs)
+    if wq:
+        pre.window_q, pre.window_pos = torch.cat(wq, dim=2), torch.cat(wpos)
+    return pre
 
 
 def tail_start(compressor: Compressor, prompt_len: int, chunk_size: int) -> int:

@@ -14,6 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verifier
+from vericache.store.codec import decode_deltas, encode_deltas
+from vericache.store.keys import select_key
 
 
 class LocalBackends:
@@ -33,15 +35,18 @@ class LocalBackends:
         self.lm, self.store, self.tier = lm, store, tier
         self.verifier = Verifier(lm.runner, store, lm.model_id, tier)
         self.drafter = Drafter(lm.runner, lm.eos_token_ids, drafter_store or store, lm.model_id)
+        self._drafter_link = drafter_store is not None and store is not None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-attach") if async_attach else None
         self._attaching: dict[str, tuple[Future, list[int]]] = {}  # rid -> (load, tokens verified)
+        self._tail_start: dict[str, int] = {}
 
     def admit(self, g: Generation) -> int:
         p = g.params
         t0 = time.perf_counter()
         via_store = self.store is not None and g.compressor is not None
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
-                                    p.temperature, g.seed, p.namespace, save_tail=via_store)
+                                    p.temperature, g.seed, p.namespace, save_tail=via_store,
+                                    selection=g.selection)
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -50,6 +55,7 @@ class LocalBackends:
                 f = self._loader.submit(self.drafter.load_from_store, g.rid, g.prompt, g.compressor,
                                         p.chunk_size, out.tail_start, p.namespace)
                 self._attaching[g.rid] = (f, [out.first_token])
+                self._tail_start[g.rid] = out.tail_start
             elif via_store:
                 tr = self.drafter.attach_from_store(
                     g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
@@ -59,11 +65,14 @@ class LocalBackends:
             else:
                 full = self.verifier.cache(g.rid)
                 k, v = g.compressor.draft_kv(out.chunks, *full.view(out.tail_start, len(g.prompt)))
-                self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
-                                    g.extra_capacity, p.temperature, g.seed + 1)
                 tail = len(g.prompt) - out.tail_start
+                self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
+                                    g.extra_capacity, p.temperature, g.seed + 1,
+                                    region=k.shape[2] - tail)
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
+            if g.rid not in self._attaching:
+                self._apply_deltas(g)
             if p.mode == "lossy":
                 self.verifier.release(g.rid)  # the lossy baseline never uses the full KV again
         g.stats.prefill_s, g.stats.compress_s = t1 - t0, time.perf_counter() - t1
@@ -78,11 +87,30 @@ class LocalBackends:
             return False
         del self._attaching[g.rid]
         k, v, tr = f.result()
+        tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
-                            g.params.temperature, g.seed + 1)
+                            g.params.temperature, g.seed + 1, region=k.shape[2] - tail)
         g.stats.record_transfer(0, tr)
         g.stats.draft_kv_bytes = tr.bytes_read
+        self._apply_deltas(g)
         return True
+
+    def _apply_deltas(self, g: Generation) -> None:
+        """Move the drafter's set as the verifier decided (`vericache.select`). With the
+        drafter on its own link to the store (remote prefix), the moves cross it as they do
+        between the services: written by the verifier, read by the drafter."""
+        deltas = self.verifier.take_deltas(g.rid)
+        if deltas and self._drafter_link:
+            key = select_key(g.rid)
+            self.store.put(key, encode_deltas(deltas))
+            deltas = decode_deltas(self.drafter.store.get(key))
+            self.drafter.store.delete(key)
+        for delta in deltas:
+            self.drafter.apply_delta(g.rid, delta)
+        rec = self.verifier.selection(g.rid)
+        if rec is not None:
+            g.stats.record_selection(rec.seconds, rec.state.moves, rec.state.moved_tokens,
+                                     rec.delta_bytes)
 
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
         ready = [(g, k) for g, k in batch if self._attached(g)]
@@ -108,9 +136,12 @@ class LocalBackends:
         if g.params.refresh_draft and bonus is not None:
             exact = self.verifier.cache(g.rid)
         self.drafter.commit(g.rid, accepted, bonus, exact)
+        if bonus is not None:
+            self._apply_deltas(g)
 
     def release(self, g: Generation) -> None:
         pending = self._attaching.pop(g.rid, None)
+        self._tail_start.pop(g.rid, None)
         if pending is not None:
             pending[0].cancel()
         self.drafter.release(g.rid)

@@ -8,6 +8,9 @@ Methods and when they are called:
 - `verify(batch)`: once per round for every verifying request together: ONE forward pass of
   [x_0, d_1..d_k] per request over its full KV; accepts by `vericache.spec.accept`; crops the
   cache to the accepted tokens. Returns (accepted, bonus) per request.
+- `take_deltas(rid)`: after prefill and after each verification, for requests with a
+  selection policy (`vericache.select`): the moves of the drafter's set made since the last
+  call, in order, for the drafter to apply (`Drafter.apply_delta`).
 - `release(rid)`: once, when the request ends or fails.
 
 Where the full KV lives between rounds is a tier (`vericache.engine.kvtier`): resident (the
@@ -17,6 +20,7 @@ loads it layer by layer while computing, then writes the accepted tokens' KV bac
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +34,28 @@ from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
+from vericache.select.base import SelectionDelta, SelectionPolicy, SelectionState
 from vericache.spec.accept import greedy_accept, speculative_accept
+
+
+@dataclass
+class SelectionRecord:
+    """A request's selection on the verifier: the policy, its record of the drafter's set, the
+    moves not yet taken by the drafter, and what selecting cost."""
+
+    policy: SelectionPolicy
+    state: SelectionState
+    compressor: Compressor
+    deltas: list[SelectionDelta] = field(default_factory=list)
+    seconds: float = 0.0
+    delta_bytes: int = 0
+
+    def add(self, delta: SelectionDelta | None) -> None:
+        if delta is None:
+            return
+        delta.k, delta.v = self.compressor.requantize(delta.k, delta.v)
+        self.deltas.append(delta)
+        self.delta_bytes += delta.nbytes()
 
 
 @dataclass
@@ -39,6 +64,7 @@ class VerifySession:
     pending: list[int]  # [x_0]
     temperature: float = 0.0
     gen: torch.Generator = field(default_factory=torch.Generator)
+    selection: SelectionRecord | None = None
 
 
 @dataclass
@@ -67,28 +93,57 @@ class Verifier:
 
     def prefill(self, rid: str, prompt_ids: list[int], extra_capacity: int, chunk_size: int,
                 compressor: Compressor | None = None, temperature: float = 0.0, seed: int = 0,
-                namespace: str = "", save_tail: bool = False) -> PrefillOut:
+                namespace: str = "", save_tail: bool = False,
+                selection: SelectionPolicy | None = None) -> PrefillOut:
+        """`selection`: the policy that moves the drafter's set (None or one that cannot move
+        anything, as with a compressor that keeps every token: the base set stays)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
+        if selection is not None and (compressor is None or not compressor.drops_tokens
+                                      or selection.name == "static" or ts == 0):
+            selection = None
+        qwin = selection.window if selection is not None else 0
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
         cached = None
         if pc is not None:
             cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
-                                  extra_capacity, stats)
+                                  extra_capacity, stats, compute_last=qwin)
         first_chunk = cached.length // chunk_size if cached is not None else 0
         window = compressor.observation_window if compressor else 0
-        pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached)
+        pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,
+                      question_window=qwin)
         gen = torch.Generator().manual_seed(seed)
         first, _ = choose(pre.logits, temperature, gen)
         chunks = (compress_prompt(compressor, pre, len(prompt_ids), chunk_size, first_chunk)
                   if compressor else [])
         if pc is not None:
             pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, rid if save_tail else None, stats)
+        record = None
+        if selection is not None:
+            t = time.perf_counter()
+            kept = pc.load_kept_positions(prompt_ids, compressor, first_chunk, stats) if first_chunk else []
+            kept += [compressor.kept_positions(c) for c in chunks]
+            state = SelectionState(torch.cat(kept, dim=2), ts)
+            record = SelectionRecord(selection, state, compressor)
+            record.add(selection.after_prefill(state, list(pre.window_q.unbind(0)), pre.window_pos,
+                                               *pre.cache.view()))
+            record.seconds += time.perf_counter() - t
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
-        self.sessions[rid] = VerifySession(cache, [first], temperature, gen)
+        self.sessions[rid] = VerifySession(cache, [first], temperature, gen, record)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats)
+
+    def take_deltas(self, rid: str) -> list[SelectionDelta]:
+        """The moves of the drafter's set made since the last call (see the module docstring)."""
+        rec = self._get(rid).selection
+        if rec is None or not rec.deltas:
+            return []
+        out, rec.deltas = rec.deltas, []
+        return out
+
+    def selection(self, rid: str) -> SelectionRecord | None:
+        return self._get(rid).selection
 
     def cache(self, rid: str) -> KVCache:
         return self._get(rid).cache
@@ -111,17 +166,23 @@ class Verifier:
         for s, c, (_, drafts, _) in zip(sess, caches, batch):
             toks = s.pending + list(drafts)
             pos0 = c.length
+            votes = s.selection is not None and s.selection.policy.needs_votes
             items.append(SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)),
-                                      c, logits="all"))
+                                      c, logits="all", votes=votes))
         logits = self.runner.forward(items)
         out = []
-        for s, c, (_, drafts, q), lg in zip(sess, caches, batch, logits):
+        for s, c, it, (_, drafts, q), lg in zip(sess, caches, items, batch, logits):
             k = len(drafts)
             if s.temperature == 0:
                 a, bonus = greedy_accept(list(drafts), lg.argmax(dim=-1).tolist())
             else:
                 p = tempered_softmax(lg, s.temperature)
                 a, bonus = speculative_accept(list(drafts), q if k else p[:0], p, s.gen)
+            if s.selection is not None and k:
+                rec, t = s.selection, time.perf_counter()
+                rec.add(rec.policy.after_verify(rec.state, it.attn_votes, len(it.tokens), a, k,
+                                                c.k, c.v))
+                rec.seconds += time.perf_counter() - t
             c.crop(c.length - k + a)
             if c is not s.cache:
                 self.tier.write_back(c)

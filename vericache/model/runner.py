@@ -37,6 +37,8 @@ class SeqBatchItem:
     logits: str = "last"  # "last" -> [1, V], "all" -> [L, V], "none" -> None
     capture_q: torch.Tensor | None = None  # [R] row indices whose post-RoPE queries to return
     captured: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hq, R, D] out
+    votes: bool = False  # return the attention mass each cached key gets from this pass
+    attn_votes: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hkv, n] out
 
 
 @dataclass
@@ -137,8 +139,9 @@ class Runner:
         return torch.arange(past + L, device=self.device)[None, :] > row_pos[:, None]
 
     def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                future: torch.Tensor | None) -> torch.Tensor:
-        """q: [L, Hq, D]; k_all, v_all: [Hkv, past + L, D] -> [L, Hq D]."""
+                future: torch.Tensor | None, votes: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [L, Hq, D]; k_all, v_all: [Hkv, past + L, D] -> [L, Hq D]. With `votes`
+        ([Hkv, past + L] fp32), each key's attention mass summed over the rows is written there."""
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)  # rows: (g, l)
@@ -149,8 +152,10 @@ class Runner:
             scores = torch.mm(qg[h], k_all[h].t())  # [G L, n]
             if future is not None:
                 scores.masked_fill_(future, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_all.dtype)
-            torch.mm(probs, v_all[h], out=out[h])
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            if votes is not None:
+                torch.sum(probs, dim=0, out=votes[h])
+            torch.mm(probs.to(v_all.dtype), v_all[h], out=out[h])
         return out.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, hkv * g * d)
 
     @torch.inference_mode()
@@ -173,6 +178,9 @@ class Runner:
             if it.capture_q is not None:
                 it.captured = torch.empty(self.num_layers, hq, it.capture_q.shape[0], d,
                                           dtype=self.dtype, device=self.device)
+            if it.votes:
+                it.attn_votes = torch.empty(self.num_layers, hkv, it.cache.length + L,
+                                            dtype=torch.float32, device=self.device)
         h = self.embed[tokens]  # [T, H]
         for li, lyr in enumerate(self.layers):
             x = self._rms(h, lyr.ln_in)
@@ -189,7 +197,8 @@ class Runner:
                 qs = q[start: start + L]
                 if it.capture_q is not None:
                     it.captured[li] = qs[it.capture_q].transpose(0, 1)
-                outs.append(self._attend(qs, ck[:, : past + L], cv[:, : past + L], mask))
+                outs.append(self._attend(qs, ck[:, : past + L], cv[:, : past + L], mask,
+                                         it.attn_votes[li] if it.votes else None))
                 start += L
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             h = h + F.linear(attn, lyr.w_o)

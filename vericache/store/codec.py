@@ -12,6 +12,8 @@ Two kinds of chunk sit on top (`meta["kind"]`):
 - "full": the exact KV of one chunk, tensors "k" and "v", each [layers, Hkv, n, D];
   meta: start, length.
 - "compressed": a `CompressedChunk`; meta: compressor (its spec), start, length.
+- "selection": moves of a drafter's kept set (`vericache.select.SelectionDelta`, compact
+  form), tensors "<i>.<name>" for the i-th delta; meta: count.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from vericache.compress.base import CompressedChunk, KVSpan
 from vericache.errors import InvalidArgument
+from vericache.select.base import SelectionDelta
 
 MAGIC = b"VCKV"
 VERSION = 1
@@ -130,6 +133,24 @@ def decode_full(data: bytes | bytearray | memoryview) -> KVSpan:
     tensors, meta = decode(data)
     _expect_kind(meta, "full")
     return KVSpan(k=tensors["k"], v=tensors["v"], start=meta["start"])
+
+
+def encode_deltas(deltas: list[SelectionDelta]) -> bytes:
+    """`SelectionDelta`s, in order, as bytes (only their real entries)."""
+    tensors = {f"{i}.{name}": t for i, d in enumerate(deltas) for name, t in d.compact().items()}
+    return encode(tensors, {"kind": "selection", "count": len(deltas)})
+
+
+def decode_deltas(data: bytes | bytearray | memoryview) -> list[SelectionDelta]:
+    """The `SelectionDelta`s stored by `encode_deltas`."""
+    tensors, meta = decode(data)
+    _expect_kind(meta, "selection")
+    names = ("row", "slot", "pos", "k", "v", "shape")
+    try:
+        return [SelectionDelta.from_compact({n: tensors[f"{i}.{n}"] for n in names})
+                for i in range(int(meta["count"]))]
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise InvalidArgument(f"malformed selection delta: {e}", param="value") from None
 
 
 def _expect_kind(meta: dict[str, Any], kind: str) -> None:

@@ -70,3 +70,8 @@ def stored_key(prefix_key: str, compressor_spec: str | None = None) -> str:
 def refresh_key(request_id: str) -> str:
     """Where the verifier leaves a round's exact KV for the drafter (services only)."""
     return f"refresh/{request_id}"
+
+
+def select_key(request_id: str) -> str:
+    """Where the verifier leaves moves of the drafter's kept set for the drafter (services)."""
+    return f"select/{request_id}"

@@ -44,10 +44,11 @@ class PrefixCache:
         return f"tail/{self.namespace}/{request_id}"
 
     def load_full(self, prompt: list[int], spec: str | None, compress_until: int,
-                  extra_capacity: int, stats: TransferStats) -> KVCache | None:
-        """The cached prefix (never the whole prompt: prefill needs one token to compute)."""
+                  extra_capacity: int, stats: TransferStats, compute_last: int = 1) -> KVCache | None:
+        """The cached prefix, never past the prompt's last `compute_last` tokens (prefill
+        computes at least one token; a selection policy needs the queries of its window)."""
         t = time.perf_counter()
-        keys = self.keys(prompt[:-1])
+        keys = self.keys(prompt[:len(prompt) - max(1, compute_last)])
         n = self.store.longest_prefix([full_key(k) for k in keys])
         need = min(n, compress_until // self.chunk_size) if spec is not None else 0
         if need:  # a chunk without its compressed form is recomputed (compressing needs queries)
@@ -93,6 +94,17 @@ class PrefixCache:
             self.store.put(self.tail_key(request_id), data)
             stats.bytes_written += len(data)
         stats.seconds += time.perf_counter() - t
+
+    def load_kept_positions(self, prompt: list[int], compressor: Compressor, n_chunks: int,
+                            stats: TransferStats) -> list[torch.Tensor]:
+        """Positions each of the first `n_chunks` stored compressed chunks keeps ([L, Hkv, m]
+        each): the drafter's base set there, for a selection policy on the verifier."""
+        t = time.perf_counter()
+        keys = self.keys(prompt)[:n_chunks]
+        out = [compressor.kept_positions(decode_chunk(self._read(compressed_key(k, compressor.spec), stats)))
+               for k in keys]
+        stats.seconds += time.perf_counter() - t
+        return out
 
     def load_draft(self, prompt: list[int], compressor: Compressor, tail_start: int, request_id: str,
                    stats: TransferStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,213 @@
+"""Selection: which prompt tokens the drafter's lossy cache holds, and how that set moves.
+
+Words (used across `vericache.select`, the verifier and the drafter):
+- region: the prompt tokens before the drafter's exact tail, [0, tail_start). A token-dropping
+  compressor keeps a subset of them per layer and KV head; the tail, the sinks and the tokens
+  generated while decoding are never moved.
+- base set: what the prefix-causal compressed chunks keep (the store holds it; a remote drafter
+  receives it first). Slot i of the drafter's cache holds the i-th kept token of the chunks
+  taken in order, so the verifier, which made (or read) the chunks, knows the drafter's layout.
+- kept set: what the drafter holds now, per layer and KV head: `positions[l, h, slot]`. Its
+  size per row (the budget, m) never changes: a move swaps tokens, slot for slot.
+- delta: one move of the kept set: per row, the slots to overwrite and the positions (with
+  their exact K/V, re-quantized as the compressor stores them) that enter. The verifier
+  computes it (it holds the full KV); the drafter only writes it (`Drafter.apply_delta`).
+- policy: when and towards what the kept set moves (`static`, `question`, `verify`).
+
+Methods of a policy, when they are called and how often:
+- `after_prefill(state, window_q, window_pos, cache)`: once per request, after prefill (or the
+  load of a cached prefix), on the verifier. May return a delta.
+- `after_verify(state, votes, accepted, drafted, cache)`: once per verify round of the
+  request, with the round's attention votes over the full KV when `needs_votes`. May return
+  a delta.
+Policies are pure over the tensors they are given: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+SINKS = 4  # the first tokens always stay (attention sinks)
+
+
+@dataclass
+class SelectionDelta:
+    """One move of a drafter's kept set. Entries with slot -1 are padding (rows move by
+    different counts); their k/v are copies of a real entry of the row, never written."""
+
+    slots: torch.Tensor  # [L, Hkv, r] int64: drafter cache slots to overwrite (-1: none)
+    positions: torch.Tensor  # [L, Hkv, r] int64: sequence positions that enter
+    k: torch.Tensor  # [L, Hkv, r, D] post-RoPE
+    v: torch.Tensor  # [L, Hkv, r, D]
+
+    @property
+    def moved(self) -> int:
+        """Tokens that enter, summed over layers and KV heads."""
+        return int((self.slots >= 0).sum())
+
+    def nbytes(self) -> int:
+        """Bytes the compact form moves: the entering tokens' K/V plus row, slot and position
+        (int32 each) per entry."""
+        d = self.k.shape[-1]
+        return self.moved * (2 * d * self.k.element_size() + 12)
+
+    def compact(self) -> dict[str, torch.Tensor]:
+        """Only the real entries: row (l * Hkv + h), slot, position [m] int32; k, v [m, D]."""
+        valid = self.slots >= 0
+        L, H, _ = self.slots.shape
+        li, hi, _ = valid.nonzero(as_tuple=True)
+        return {"row": (li * H + hi).to(torch.int32), "slot": self.slots[valid].to(torch.int32),
+                "pos": self.positions[valid].to(torch.int32), "k": self.k[valid], "v": self.v[valid],
+                "shape": torch.tensor([L, H], dtype=torch.int32)}
+
+    @classmethod
+    def from_compact(cls, t: dict[str, torch.Tensor]) -> "SelectionDelta":
+        """The inverse of `compact` (rows sorted as `compact` writes them)."""
+        L, H = (int(x) for x in t["shape"])
+        row = t["row"].long()
+        if row.numel() and (int(row.min()) < 0 or int(row.max()) >= L * H
+                            or bool((row[1:] < row[:-1]).any())):
+            raise ValueError("selection delta rows out of range or unsorted")
+        counts = torch.bincount(row, minlength=L * H)
+        r = int(counts.max()) if row.numel() else 0
+        j = torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts)[row]
+        d = t["k"].shape[-1]
+        slots = torch.full((L * H, r), -1, dtype=torch.long)
+        pos = torch.zeros((L * H, r), dtype=torch.long)
+        k = t["k"].new_zeros(L * H, r, d)
+        v = t["v"].new_zeros(L * H, r, d)
+        slots[row, j], pos[row, j] = t["slot"].long(), t["pos"].long()
+        k[row, j], v[row, j] = t["k"], t["v"]
+        return cls(slots.view(L, H, r), pos.view(L, H, r), k.view(L, H, r, d), v.view(L, H, r, d))
+
+
+@dataclass
+class SelectionState:
+    """The verifier's record of one request's drafter set (see the module words)."""
+
+    positions: torch.Tensor  # [L, Hkv, m] int64: the position each region slot holds
+    region_end: int  # tail_start: candidates are positions [0, region_end)
+    score: torch.Tensor | None = None  # [L, Hkv, region_end] float32: the policy's running score
+    rounds: int = 0  # verify rounds since the last move
+    moves: int = 0  # deltas made
+    moved_tokens: int = 0  # entries moved, over layers and KV heads
+
+    @property
+    def budget(self) -> int:
+        return self.positions.shape[-1]
+
+    def held_mask(self) -> torch.Tensor:
+        """[L, Hkv, region_end] bool: True where the drafter holds the position."""
+        L, H, _ = self.positions.shape
+        mask = torch.zeros(L, H, self.region_end, dtype=torch.bool)
+        mask.scatter_(2, self.positions, True)
+        return mask
+
+
+def pooled(score: torch.Tensor, pool: int) -> torch.Tensor:
+    """Max over `pool` neighbours along the last dim (SnapKV's clustering): [L, H, n]."""
+    if pool <= 1:
+        return score
+    L, H, n = score.shape
+    return F.max_pool1d(score.reshape(L * H, 1, n), pool, stride=1, padding=pool // 2).view(L, H, n)
+
+
+def window_votes(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Attention mass each key gets from a window of queries, summed over the window and the
+    query heads of each KV group (classic SnapKV scoring, one layer).
+    q: [Hq, w, D] post-RoPE; k: [Hkv, n, D]; q_pos: [w] positions of the queries (< n).
+    Returns [Hkv, n] float32 (each query row contributes a total of 1)."""
+    hq, w, d = q.shape
+    hkv, n, _ = k.shape
+    g = hq // hkv
+    qg = q.float().reshape(hkv, g * w, d)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * d ** -0.5  # [Hkv, G w, n]
+    future = torch.arange(n)[None, :] > q_pos.repeat(g)[:, None]  # rows: (g, w)
+    scores.masked_fill_(future, float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=1)
+
+
+def target_mask(score: torch.Tensor, budget: int, pool: int) -> torch.Tensor:
+    """[L, H, n] bool: the top `budget` positions of the pooled score per row, sinks always in."""
+    s = pooled(score, pool).clone()
+    s[..., :SINKS] = float("inf")
+    idx = s.topk(min(budget, s.shape[-1]), dim=-1).indices
+    mask = torch.zeros_like(s, dtype=torch.bool)
+    return mask.scatter_(2, idx, True)
+
+
+def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: int | None,
+                 k_full: torch.Tensor, v_full: torch.Tensor) -> SelectionDelta | None:
+    """The delta that moves `state`'s kept set towards the top of `score` ([L, H, region_end])
+    at the same budget, at most `limit` tokens per row (None: all the way), the best-scored
+    entering first and the worst-scored leaving first. k_full, v_full: [L, H, >= region_end, D],
+    the full KV to take entering tokens from. Updates `state.positions`; None when nothing moves."""
+    L, H, n = score.shape
+    held = state.held_mask()
+    want = target_mask(score, state.budget, pool)
+    s = pooled(score, pool)
+    enter = want & ~held
+    leave = held & ~want  # per row as many as enter: both sets have `budget` members
+    count = int(enter.sum(-1).max())
+    if count == 0:
+        return None
+    r = count if limit is None else min(count, limit)
+    ninf = torch.tensor(float("-inf"))
+    e_val, e_pos = torch.where(enter, s, ninf).topk(r, dim=-1)  # best entering first
+    l_val, l_pos = torch.where(leave, -s, ninf).topk(r, dim=-1)  # worst leaving first
+    valid = torch.isfinite(e_val) & torch.isfinite(l_val)  # [L, H, r]
+    # slot of each leaving position: invert positions -> slot over the region
+    slot_of = torch.full((L, H, n), -1, dtype=torch.long)
+    slot_of.scatter_(2, state.positions, torch.arange(state.budget).expand(L, H, -1).contiguous())
+    slots = slot_of.gather(2, l_pos)
+    # padding entries copy the row's first entry (never written; keeps re-quantization groups sane)
+    first = e_pos[..., :1].expand_as(e_pos)
+    e_pos = torch.where(valid, e_pos, first)
+    slots = torch.where(valid, slots, torch.full_like(slots, -1))
+    idx = e_pos.unsqueeze(-1).expand(L, H, r, k_full.shape[-1])
+    k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
+    v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
+    # the verifier's record follows the drafter
+    rows = valid.nonzero(as_tuple=True)
+    state.positions[rows[0], rows[1], slots[valid]] = e_pos[valid]
+    state.moves += 1
+    state.moved_tokens += int(valid.sum())
+    return SelectionDelta(slots, e_pos, k, v)
+
+
+class SelectionPolicy(ABC):
+    """How a request's drafter set moves. See the module docstring."""
+
+    name: ClassVar[str]
+    needs_votes: ClassVar[bool] = False  # whether verify passes must return attention votes
+    window: int = 0  # prompt queries after_prefill needs (the last `window` tokens)
+
+    def __init__(self, **params):
+        self.params = params
+
+    @property
+    def spec(self) -> str:
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+
+    def after_prefill(self, state: SelectionState, window_q: list[torch.Tensor],
+                      window_pos: torch.Tensor, k_full: torch.Tensor,
+                      v_full: torch.Tensor) -> SelectionDelta | None:
+        """window_q: per layer [Hq, w, D]; window_pos: [w]; k_full, v_full: [L, Hkv, n, D]."""
+        return None
+
+    def after_verify(self, state: SelectionState, votes: torch.Tensor | None, queries: int,
+                     accepted: int, drafted: int, k_full: torch.Tensor,
+                     v_full: torch.Tensor) -> SelectionDelta | None:
+        """votes: [L, Hkv, >= region_end] attention mass of the pass's `queries` rows per KV
+        group (None unless `needs_votes`)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec}>"

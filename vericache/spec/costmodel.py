@@ -1,0 +1,220 @@
+"""Cost-aware draft length: the k per round that maximises expected tokens per second.
+
+Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
+- acceptance profile of a request: p_j = P(draft j is accepted | drafts 1..j-1 were), for
+  j = 1..k_max, counted from the request's own rounds and shrunk towards its overall rate
+  (and, before it has rounds, towards the rate of every request so far).
+- expected tokens of a round with k drafts: E(k) = 1 + sum_{i=1..k} prod_{j<=i} p_j (the
+  bonus token always comes).
+- round time of a group: T(k) = k * t_draft_step + t_verify(pass); with k = 0 the round is a
+  plain full-KV decode step (no draft step, a verify pass of one token per request).
+- goodput: the group's expected tokens over its round time, sum_i E_i(k_i) / T. The group
+  drafts a common K (a draft step runs while any request drafts); a request whose own
+  expected gain does not pay for its verify tokens drops to k = 0 that round.
+
+The times come from the engine's own rounds (`CostModel.observe_*`): a draft step is linear
+in the sequences drafting and their total context; a verify pass in its tokens, its total
+context (KV read, or loaded from an offloaded tier) and tokens × context (attention). Each is a
+recursive least-squares fit with forgetting, so it follows the machine and the load. Until
+both fits have seen enough distinct shapes the plan explores a fixed cycle of k values.
+This module is bookkeeping: no tensors, no clocks (callers pass seconds in).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PRIOR_RATE = 0.6  # acceptance rate assumed before any round has been seen
+SHRINK = 4.0  # pseudo-rounds pulling a position's rate towards the request's overall rate
+EXPLORE = (1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.125, 0.75)  # k / k_max while the fits learn
+MIN_FIT = 6  # observations (with >= 3 distinct token counts) before a fit is trusted
+PROBE_EVERY = 16  # a request on plain steps drafts once this often, to refresh its profile
+
+
+class LinearFit:
+    """y ≈ θ·x by recursive least squares with exponential forgetting (λ per observation)."""
+
+    def __init__(self, dims: int, forget: float = 0.98):
+        self.theta = np.zeros(dims)
+        self.P = np.eye(dims) * 1e4
+        self.forget = forget
+        self.n = 0
+        self.shapes: set = set()
+
+    def observe(self, x: np.ndarray, y: float, shape=None) -> None:
+        Px = self.P @ x
+        gain = Px / (self.forget + x @ Px)
+        self.theta = self.theta + gain * (y - x @ self.theta)
+        self.P = (self.P - np.outer(gain, Px)) / self.forget
+        self.n += 1
+        if shape is not None and len(self.shapes) < 64:
+            self.shapes.add(shape)
+
+    def ready(self) -> bool:
+        return self.n >= MIN_FIT and len(self.shapes) >= 3
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(x @ self.theta)
+
+
+def _verify_x(tokens: int, ctx_sum: float, work: float) -> np.ndarray:
+    return np.array([1.0, tokens, ctx_sum / 1e4, work / 1e5])
+
+
+def _draft_x(batch: int, ctx_sum: float) -> np.ndarray:
+    return np.array([1.0, batch, ctx_sum / 1e4])
+
+
+@dataclass
+class AcceptanceProfile:
+    """One request's p_j (see the module words); `k_max` positions."""
+
+    k_max: int
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reached = [0] * self.k_max
+        self.accepted = [0] * self.k_max
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A round drafted `drafted` tokens; the first `accepted` were accepted."""
+        for j in range(min(drafted, accepted + 1, self.k_max)):
+            self.reached[j] += 1
+            self.accepted[j] += j < accepted
+
+    def rate(self, prior: float) -> float:
+        r, a = sum(self.reached), sum(self.accepted)
+        return (a + SHRINK * prior) / (r + SHRINK)
+
+    def expected_tokens(self, prior: float) -> list[float]:
+        """[E(0), E(1), ..., E(k_max)]."""
+        overall = self.rate(prior)
+        out, alive = [1.0], 1.0
+        for r, a in zip(self.reached, self.accepted):
+            alive *= (a + SHRINK * overall) / (r + SHRINK)
+            out.append(out[-1] + alive)
+        return out
+
+
+@dataclass
+class Plan:
+    """One group's round: the k of each request and the goodput the model expects."""
+
+    ks: list[int]
+    predicted_tps: float | None  # None while exploring
+
+
+class CostModel:
+    """The engine's running cost estimates and the per-round choice of k (see the module
+    docstring). Thread-safe: the staggered lanes observe from two threads."""
+
+    def __init__(self, forget: float = 0.98):
+        self.verify = LinearFit(4, forget)
+        self.draft = LinearFit(3, forget)
+        self._lock = threading.Lock()
+        self._explore = 0
+        self.pooled = [0, 0]  # accepted, reached over every request: the prior of new ones
+        self.predicted_tps = 0.0  # running means, for /metrics
+        self.measured_tps = 0.0
+        self.rounds = 0
+        self.k_hist: dict[int, int] = {}  # request-rounds at each k (0: plain decode steps)
+
+    # ---- observations ----------------------------------------------------------------
+    def observe_draft(self, steps: int, batch: int, ctx_sum: float, seconds: float) -> None:
+        """A draft phase: `steps` forward passes over `batch` sequences of `ctx_sum` tokens."""
+        if steps < 1 or batch < 1:
+            return
+        with self._lock:
+            self.draft.observe(_draft_x(batch, ctx_sum), seconds / steps, (batch, round(ctx_sum, -3)))
+
+    def observe_verify(self, tokens: int, ctx_sum: float, work: float, seconds: float) -> None:
+        """A verify pass of `tokens` new tokens over caches of `ctx_sum` tokens in all;
+        `work` = sum over requests of new tokens × context."""
+        with self._lock:
+            self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens)
+
+    def observe_round(self, emitted: int, seconds: float, profiles: list[tuple[int, int]]) -> None:
+        """A group's round emitted `emitted` tokens in `seconds`; (drafted, accepted) per request."""
+        with self._lock:
+            if seconds > 0:
+                tps = emitted / seconds
+                self.measured_tps = tps if self.rounds == 0 else 0.9 * self.measured_tps + 0.1 * tps
+            self.rounds += 1
+            for d, a in profiles:
+                self.pooled[0] += min(a, d)
+                self.pooled[1] += min(d, a + 1)
+
+    @property
+    def prior_rate(self) -> float:
+        a, r = self.pooled
+        return (a + SHRINK * PRIOR_RATE) / (r + SHRINK)
+
+    # ---- the choice ------------------------------------------------------------------
+    def _round_s(self, k: int, caps: list[int], ctxs: list[int], dctx: float) -> tuple[float, list[int]]:
+        ks = [min(k, c) for c in caps]
+        drafting = [i for i, x in enumerate(ks) if x > 0]
+        t = 0.0
+        if drafting:
+            steps = max(ks)
+            t += steps * max(1e-6, self.draft.predict(_draft_x(len(drafting), dctx)))
+        tokens = sum(x + 1 for x in ks)
+        work = sum((x + 1) * c for x, c in zip(ks, ctxs))
+        t += max(1e-6, self.verify.predict(_verify_x(tokens, sum(ctxs), work)))
+        return t, ks
+
+    def plan(self, caps: list[int], ctxs: list[int], profiles: list[AcceptanceProfile],
+             probes: list[bool]) -> Plan:
+        """k for each request of a group. caps: each request's largest k this round (k_max,
+        less near max_tokens); ctxs: their contexts (tokens); probes: requests whose profile
+        is stale (plain steps for a while) and draft this round whatever the costs say."""
+        with self._lock:
+            if not (self.verify.ready() and self.draft.ready()):
+                frac = EXPLORE[self._explore % len(EXPLORE)]
+                self._explore += 1
+                ks = [int(round(frac * c)) for c in caps]
+                self._count(ks)
+                return Plan(ks, None)
+            prior = self.prior_rate
+            gains = [p.expected_tokens(prior) for p in profiles]
+            dctx = float(sum(ctxs))
+            best = (-1.0, [0] * len(caps))
+            for k in range(0, max(caps, default=0) + 1):
+                t, ks = self._round_s(k, caps, ctxs, dctx)
+                g = sum(e[x] for e, x in zip(gains, ks)) / t
+                if g > best[0]:
+                    best = (g, ks)
+            tps, ks = best
+            # a request whose drafts do not pay for their verify tokens takes a plain step
+            for i, x in enumerate(ks):
+                if x == 0 or probes[i]:
+                    continue
+                trial = ks[:i] + [0] + ks[i + 1:]
+                t, _ = self._round_s(max(trial), trial, ctxs, dctx)
+                g = sum(e[y] for e, y in zip(gains, trial)) / t
+                if g > tps:
+                    ks, tps = trial, g
+            for i, p in enumerate(probes):
+                if p and ks[i] == 0 and caps[i] > 0:
+                    ks[i] = max(1, min(caps[i], max(ks) or caps[i] // 4 or 1))
+            self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
+            self._count(ks)
+            return Plan(ks, tps)
+
+    def _count(self, ks: list[int]) -> None:
+        for k in ks:
+            self.k_hist[k] = self.k_hist.get(k, 0) + 1
+
+    def snapshot(self) -> dict:
+        """Figures for /metrics and reports."""
+        with self._lock:
+            total = sum(self.k_hist.values())
+            return {"predicted_tps": self.predicted_tps, "measured_tps": self.measured_tps,
+                    "rounds": self.rounds, "k_hist": dict(self.k_hist),
+                    "plain_share": self.k_hist.get(0, 0) / total if total else 0.0,
+                    "fitted": self.verify.ready() and self.draft.ready(),
+                    "verify_theta": self.verify.theta.tolist(),
+                    "draft_theta": self.draft.theta.tolist()}
