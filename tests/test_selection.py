@@ -10,7 +10,6 @@ from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument, UnknownName
-from vericache.model.kvcache import KVCache
 from vericache.select import SelectionDelta, SelectionState, make_selection, selection_names
 from vericache.select.base import SINKS, move_towards, target_mask
 from vericache.store.codec import decode_deltas, encode_deltas
@@ -141,6 +140,23 @@ def test_question_policy_moves_the_drafter_to_the_verifiers_set(lm, prompts, spe
     dr.release("q")
 
 
+def test_question_policy_over_a_cached_prefix_reaching_into_the_tail(lm, prompts):
+    """A prompt whose cached full chunks reach past its compressed region (into its exact
+    tail): the base set is the stored compressed chunks before the tail, nothing past it."""
+    long = prompts["long"]
+    comp, store = make_compressor("snapkv", 4), MemoryStore()
+    ver = Verifier(lm.runner, store, lm.model_id)
+    ver.prefill("warm", long[:1400], 1, 256, comp)
+    ver.release("warm")
+    short = long[:1064]  # tail from 768 (1064 - 64); full chunks cached up to 1024
+    out = ver.prefill("s", short, 8, 256, comp, save_tail=True, selection=make_selection("question"))
+    assert out.cached_tokens == 1024 and out.tail_start == 768 and out.chunks == []
+    rec = ver.selection("s")
+    assert rec.state.region_end == 768 and int(rec.state.positions.max()) < 768
+    assert rec.state.budget == 3 * 64 and rec.state.moved_tokens > 0
+    ver.release("s")
+
+
 @pytest.mark.parametrize("spec", ["identity", "kivi"])
 def test_nothing_to_move_when_every_token_is_kept(lm, prompts, spec):
     ver = Verifier(lm.runner)
@@ -156,15 +172,20 @@ def long_reference(lm, prompts):
     return generate(lm, prompts["long"], GenParams(mode="full", max_tokens=N, ignore_eos=True))
 
 
+VERIFY = "verify:every=2,tokens=16"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [4, 16])
-@pytest.mark.parametrize("spec", ["streamingllm", "snapkv", "snapkv-kivi:bits=2"])
-@pytest.mark.parametrize("selection", ["static", "verify:every=2,tokens=16"])
+@pytest.mark.parametrize("selection,spec,k", [
+    ("static", "snapkv", 4), ("static", "snapkv", 16), (VERIFY, "snapkv", 4), (VERIFY, "snapkv", 16),
+    (VERIFY, "snapkv-kivi:bits=2", 16), (VERIFY, "streamingllm", 4)])
 def test_every_policy_identical_to_full_on_the_long_prompt(lm, prompts, long_reference, spec, k,
                                                            selection):
-    """(`question`, the default, runs in test_identity for every compressor and prompt.)"""
+    """(`question`, the default, runs in test_identity for every compressor, k and prompt.)
+    k is fixed here, so τ says whether drafting works, not what the cost model chose."""
     res = generate(lm, prompts["long"], GenParams(mode="vericache", compressor=spec, draft_len=k,
-                                                  selection=selection, max_tokens=N, ignore_eos=True))
+                                                  selection=selection, max_tokens=N, ignore_eos=True,
+                                                  adaptive=False))
     assert res.token_ids == long_reference.token_ids, (spec, k, selection)
     assert res.usage["tokens_per_round"] >= 1.5  # drafting works, not only identity
     moved = res.stats.select_moves

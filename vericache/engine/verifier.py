@@ -123,7 +123,10 @@ class Verifier:
         record = None
         if selection is not None:
             t = time.perf_counter()
-            kept = pc.load_kept_positions(prompt_ids, compressor, first_chunk, stats) if first_chunk else []
+            # the base set: stored chunks before those computed here (a cached prefix may
+            # reach past the compressed region, into the exact tail), then the new ones
+            stored = min(first_chunk, ts // chunk_size)
+            kept = pc.load_kept_positions(prompt_ids, compressor, stored, stats) if stored else []
             kept += [compressor.kept_positions(c) for c in chunks]
             state = SelectionState(torch.cat(kept, dim=2), ts)
             record = SelectionRecord(selection, state, compressor)
