@@ -5,6 +5,12 @@ and where a decode step's time goes (torch profiler: matmuls, attention, the res
 
 Prompts are the built-in code prompts of `vericache bench`. Speeds are decode-only (prefill
 excluded; it is reported apart). Every vericache output is checked identical to full greedy.
+
+Each compressor runs three ways: `fixed` (k = --draft-len every round), `cold` (the cost
+model chooses k, starting from nothing: it explores its first rounds) and `warm` (the same
+request again with the cost model the cold run trained, as in a server that has been up).
+Reported per run: the k histogram (rounds at each k; 0 = plain decode steps), the model's
+predicted and measured tokens/s, and the rounds it took to leave exploration.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from vericache.bench.prompts import builtin_prompts
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
 from vericache.model import load_model
+from vericache.spec.costmodel import CostModel
 
 
 def runner_loop(lm, ids: list[int], steps: int = 64) -> float:
@@ -88,16 +95,25 @@ def main() -> int:
         dec = ref.seconds - ref.stats.prefill_s
         row = {"context": len(ids), "prefill_tokens_per_s": len(ids) / ref.stats.prefill_s,
                "full_decode_tokens_per_s": len(ref.token_ids) / dec, "vericache": []}
-        for spec in specs:
+        for spec, run in [(s, r) for s in specs for r in ("fixed", "cold", "warm")]:
             name, _, ratio = spec.partition("@")
+            if run == "cold":
+                costs = CostModel()
             res = generate(lm, ids, GenParams(mode="vericache", compressor=name, ratio=float(ratio) if ratio else None,
-                                              draft_len=a.draft_len, max_tokens=a.max_tokens, ignore_eos=True))
+                                              draft_len=a.draft_len, max_tokens=a.max_tokens, ignore_eos=True,
+                                              adaptive=run != "fixed"),
+                           costs=costs if run != "fixed" else None)
             s = res.stats
             d = res.seconds - s.prefill_s - s.compress_s
             same = res.token_ids == ref.token_ids
             ok &= same
+            snap = costs.snapshot() if run != "fixed" else {}
             row["vericache"].append({
-                "compressor": spec, "identical": same, "decode_tokens_per_s": len(res.token_ids) / d,
+                "compressor": spec, "run": run, "identical": same,
+                "k_hist": dict(sorted(s.k_hist.items())), "plain_share": s.k_hist.get(0, 0) / max(1, s.rounds),
+                "predicted_tps": snap.get("predicted_tps"), "measured_tps": snap.get("measured_tps"),
+                "explore_rounds": snap.get("explore_rounds"),
+                "decode_tokens_per_s": len(res.token_ids) / d,
                 "speed_vs_full": (len(res.token_ids) / d) / row["full_decode_tokens_per_s"],
                 "tau": s.tokens_per_round, "acceptance": s.acceptance_rate, "draft_s": s.draft_s,
                 "verify_s": s.verify_s, "draft_steps": s.draft_steps, "verify_tokens": s.verify_tokens,

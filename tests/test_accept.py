@@ -29,22 +29,20 @@ def test_greedy_accept_needs_k_plus_one_targets():
         greedy_accept([1, 2], [1, 2])
 
 
-def test_draft_length_adapts_within_bounds():
-    d = DraftLength(k_max=16, k_min=2)
-    assert d.k == 16
-    d.update(16, 0)
-    assert d.k == 8
-    d.update(8, 0)
-    d.update(4, 0)
-    d.update(2, 0)
-    assert d.k == 2  # never below k_min
-    d.update(2, 2)
-    assert d.k == 4
-    for _ in range(5):
-        d.update(d.k, d.k)
+def test_draft_length_follows_the_plan_only_when_adaptive():
+    d = DraftLength(k_max=16)
+    assert d.k == 16 and not d.probe
+    d.choose(0)
+    assert d.k == 0
+    d.choose(99)
     assert d.k == 16  # never above k_max
+    for _ in range(40):
+        d.update(0, 0)
+    assert d.probe  # plain steps for a while: its profile is stale
+    d.update(4, 1)
+    assert not d.probe and d.profile.reached[:3] == [1, 1, 0] and d.profile.accepted[:2] == [1, 0]
     fixed = DraftLength(k_max=8, adaptive=False)
-    fixed.update(8, 0)
+    fixed.choose(2)
     assert fixed.k == 8
 
 

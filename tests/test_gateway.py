@@ -147,6 +147,7 @@ def test_four_concurrent_requests_each_equal_their_reference(lm, client):
 @pytest.mark.parametrize("options", [
     {"mode": "full"},
     {"mode": "vericache", "compressor": "streamingllm", "ratio": 4, "draft_len": 4},
+    {"mode": "vericache", "compressor": "snapkv", "draft_len": 4, "selection": "verify:every=1"},
 ])
 def test_vericache_field_is_honoured(client, chat_ref, options):
     ref = chat_ref
@@ -162,6 +163,7 @@ def test_vericache_field_is_honoured(client, chat_ref, options):
     else:
         assert 1 <= extra(u, "tokens_per_round") <= options["draft_len"] + 1
         assert extra(u, "rounds") < u.completion_tokens
+        assert extra(u, "selection").startswith(options.get("selection", "question"))
 
 
 def test_metrics_exposition(base, client):
@@ -170,7 +172,11 @@ def test_metrics_exposition(base, client):
                  "vericache_tokens_per_round_bucket", "vericache_tokens_per_round_count",
                  "vericache_draft_seconds_total", "vericache_verify_seconds_total",
                  "vericache_prefill_seconds_total", "vericache_queue_depth",
-                 "vericache_active_requests", "vericache_http_responses_total"):
+                 "vericache_active_requests", "vericache_http_responses_total",
+                 "vericache_selection_moved_tokens_total", "vericache_selection_delta_bytes_total",
+                 "vericache_selection_requests_total", "vericache_draft_len_rounds_total",
+                 "vericache_plain_round_share", "vericache_cost_model_predicted_tokens_per_second",
+                 "vericache_cost_model_measured_tokens_per_second", "vericache_cost_model_fitted"):
         assert f"\n{name}" in text, name
     assert "# TYPE vericache_tokens_per_round histogram" in text
 
@@ -188,6 +194,8 @@ BAD = [  # name, path, body (bytes are sent as they are), status, param, code
      chat_body(vericache={"compressor": "no-such"}), 400, "compressor", None),
     ("unknown_mode", "/v1/chat/completions", chat_body(vericache={"mode": "x"}), 400, "mode",
      None),
+    ("unknown_selection", "/v1/chat/completions",
+     chat_body(vericache={"selection": "oracle"}), 400, "selection", None),
     ("top_p", "/v1/chat/completions", chat_body(top_p=0.9), 400, "top_p", None),
     ("n", "/v1/chat/completions", chat_body(n=2), 400, "n", None),
     ("prompt_past_context", "/v1/chat/completions",

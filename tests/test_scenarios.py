@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import chat_ids
+from conftest import chat_ids, long_code_prompt
 from test_services_e2e import _grpc_ready, _kvstore_ready
 
 from vericache.cli import main as vericache_main
@@ -56,10 +56,16 @@ def test_remote_prefix_scenario(tmp_path):
 @pytest.mark.slow
 def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     doc = _bench(tmp_path, "--scenario", "long-context", "--kv-budget-caches", "1",
-                 "--link-gbps", "8")
+                 "--link-gbps", "8", "--selection", "question,static")
     _check_common(doc, {"full_resident", "full_offloaded", "lossy", "vericache_lockstep",
-                        "vericache_staggered"})
+                        "vericache_staggered", "vericache_lockstep:static"})
     by = {r["variant"]: r for r in doc["variants"]}
+    # one row per selection policy for the headline schedule, each with τ and its costs
+    sel = doc["summary"]["by_selection"]
+    assert set(sel) == {"question", "static"} and sel["static"]["variant"] == "vericache_lockstep:static"
+    assert by["vericache_lockstep"]["select_delta_bytes_per_token"] > 0
+    assert by["vericache_lockstep:static"]["select_delta_bytes_per_token"] == 0
+    assert all(sel[p]["tau_mean"] >= 1 and sel[p]["ngram_tau"] >= 1 for p in sel)
     assert by["full_resident"]["max_active"] == 1  # the budget holds one full cache
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
     roof = doc["roofline"]
@@ -102,9 +108,10 @@ def test_long_context_through_the_services(tmp_path, services, lm):
     ids = chat_ids(lm, "Write a Python function that merges two sorted lists.")
     runs = {}
     for name in ("local", "remote", "remote-no-refresh"):
+        # fixed k: rounds chosen by the cost model would follow each run's timings
         params = GenParams(max_tokens=40, compressor="streamingllm", ratio=4, draft_len=8,
                            chunk_size=16, ignore_eos=True, refresh_draft=name != "remote-no-refresh",
-                           namespace=name)
+                           namespace=name, adaptive=False)
         b = (LocalBackends(lm, MemoryStore()) if name == "local" else
              RemoteBackends(dra.address, ver.address, lm.runner.vocab_size))
         runs[name] = generate(lm, ids, params, b)
@@ -112,6 +119,22 @@ def test_long_context_through_the_services(tmp_path, services, lm):
     assert runs["remote"].stats.round_emitted == runs["local"].stats.round_emitted
     # and the refresh did travel: without it the drafter's KV, hence its rounds, differ
     assert runs["remote-no-refresh"].stats.round_emitted != runs["remote"].stats.round_emitted
+
+    # the drafter's set moves the same way over the services (deltas through the kvstore) as
+    # in-process: `verify` re-selects after every round, and the rounds match
+    ids = long_code_prompt(lm, 600)
+    moved = {}
+    for name in ("local", "remote", "remote-static"):
+        params = GenParams(max_tokens=32, compressor="snapkv", ratio=4, draft_len=8, chunk_size=64,
+                           ignore_eos=True, adaptive=False, namespace=f"sel-{name}",
+                           selection="static" if name == "remote-static" else "verify:every=1,tokens=8")
+        b = (LocalBackends(lm, MemoryStore()) if name == "local" else
+             RemoteBackends(dra.address, ver.address, lm.runner.vocab_size))
+        runs[name] = generate(lm, ids, params, b)
+        moved[name] = runs[name].stats.select_moves
+    assert runs["remote"].token_ids == runs["local"].token_ids == runs["remote-static"].token_ids
+    assert runs["remote"].stats.round_emitted == runs["local"].stats.round_emitted
+    assert moved["remote"] == moved["local"] >= 2 and moved["remote-static"] == 0
 
 
 def test_node_cache_loads_a_key_once_for_concurrent_readers():

@@ -155,12 +155,31 @@ def test_long_prompt_goes_through_the_store_and_is_reused(lm, client, stack):
     for _ in range(2):
         r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=8)
         outs.append(r.choices[0].text)
+        # the question-aware set reached the drafter through the kvstore (select/<id>)
+        u = r.usage.model_extra or {}
+        assert u["selection"].startswith("question") and u["selection_moved_tokens"] > 0
     after = httpx.get(url).text
     assert outs[0] == outs[1] == _ref(lm, ids, 8)
     cached = _metric(after, "vericache_cached_prompt_tokens_total") - \
         _metric(before, "vericache_cached_prompt_tokens_total")
     assert cached >= 2048  # the second request reused 8 complete chunks
     assert _metric(after, "vericache_kvstore_hits_total") > _metric(before, "vericache_kvstore_hits_total")
+
+
+def test_verify_selection_moves_the_drafters_set_between_rounds(lm, client, stack):
+    """`verify`: the verifier's re-selections after verify passes reach the drafter through the
+    kvstore on Commit; the answer stays full greedy."""
+    ids = long_code_prompt(lm, 2100)
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=N,
+                                  extra_body={"vericache": {"selection": "verify:every=1,tokens=8",
+                                                            "draft_len": 4}})
+    assert r.choices[0].text == _ref(lm, ids)
+    u = r.usage.model_extra or {}
+    assert u["selection"].startswith("verify") and u["rounds"] >= 3
+    # the question's move at attach, then moves after verify passes
+    assert u["selection_moves"] >= 2 and u["selection_moved_tokens"] > 0
+    url = f"http://127.0.0.1:{stack['gateway'].port}/metrics"
+    assert _metric(httpx.get(url).text, "vericache_selection_delta_bytes_total") > 0
 
 
 def test_services_release_sessions(stack):

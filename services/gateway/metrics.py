@@ -132,6 +132,7 @@ def engine_collector(engine) -> Collector:
             counter("vericache_selection_delta_bytes_total", "select_delta_bytes",
                     "bytes of the moves of drafters' kept sets"),
             _by_policy(c),
+            *_draft_len_families(m.get("k_hist", {}), m.get("costs", {})),
             Family("vericache_queue_depth", "gauge", "requests waiting to start")
             .add(engine.queue_depth),
             Family("vericache_active_requests", "gauge", "requests being decoded")
@@ -139,6 +140,31 @@ def engine_collector(engine) -> Collector:
             *_session_gauges(engine),
         ]
     return collect
+
+
+def _draft_len_families(k_hist: dict, costs: dict) -> list[Family]:
+    """What the cost model chose (rounds at each k, plain steps) and what it expects."""
+    rounds = Family("vericache_draft_len_rounds_total", "counter",
+                    "vericache rounds of finished requests by drafts verified (k=0: plain "
+                    "full-KV decode steps chosen by the cost model)")
+    for k in sorted(k_hist):
+        rounds.add(k_hist[k], k=str(k))
+    total = sum(k_hist.values())
+    return [
+        rounds,
+        Family("vericache_plain_round_share", "gauge",
+               "share of vericache rounds that were plain decode steps (k=0)")
+        .add(k_hist.get(0, 0) / total if total else 0.0),
+        Family("vericache_cost_model_predicted_tokens_per_second", "gauge",
+               "goodput the cost model expected of its chosen draft lengths (running mean)")
+        .add(costs.get("predicted_tps", 0.0)),
+        Family("vericache_cost_model_measured_tokens_per_second", "gauge",
+               "goodput measured over the same rounds (running mean)")
+        .add(costs.get("measured_tps", 0.0)),
+        Family("vericache_cost_model_fitted", "gauge",
+               "1 once the cost model has seen enough rounds to choose k (0: exploring)")
+        .add(1.0 if costs.get("fitted") else 0.0),
+    ]
 
 
 def _by_policy(counters: dict) -> Family:

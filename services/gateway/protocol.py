@@ -155,8 +155,12 @@ class UsageInfo(BaseModel):
     acceptance_rate: float = Field(0.0, description="accepted drafts / drafted tokens")
     selection: str | None = Field(None, description="the selection policy that moved the "
                                                     "drafter's kept tokens (None in full mode)")
+    selection_moves: int = Field(0, description="moves of the drafter's set (deltas applied)")
     selection_moved_tokens: int = Field(0, description="tokens the verifier moved into the "
                                                        "drafter's set, over layers and KV heads")
+    plain_rounds: int = Field(0, description="rounds the cost model made plain full-KV decode "
+                                             "steps (k = 0), in vericache mode")
+    draft_len_mean: float = Field(0.0, description="drafts verified per round, on average")
 
 
 class AssistantMessage(BaseModel):

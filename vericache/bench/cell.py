@@ -68,6 +68,8 @@ def measure(cell, prompt: BenchPrompt, result, reference) -> dict:
         "prefill_s": _rnd(s.prefill_s), "compress_s": _rnd(s.compress_s),
         "draft_s": _rnd(s.draft_s), "verify_s": _rnd(s.verify_s),
         "draft_steps": s.draft_steps, "verify_tokens": s.verify_tokens,
+        "draft_len_hist": {str(k): n for k, n in sorted(s.k_hist.items())}
+        if cell.mode == "vericache" else None,
         "select_s": _rnd(s.select_s),
         # verifier time spent choosing the drafter's set, as a share of the decode rounds' time
         "select_share_of_rounds": _rnd(_ratio(s.select_s, s.draft_s + s.verify_s)),

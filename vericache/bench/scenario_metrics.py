@@ -18,7 +18,7 @@ emitted token; the summary has τ and the throughput ratios per policy (`by_sele
 
 from __future__ import annotations
 
-from vericache.bench.metrics import mean, tau_hist
+from vericache.bench.metrics import mean, ngram_rounds, tau_hist
 from vericache.engine.scheduler import DRAFT_LANE, VERIFY_LANE
 
 
@@ -57,10 +57,16 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
     rounds = [n for g in gens for n in g.stats.round_emitted]
     identical = [g.output_ids == ref for g, ref in zip(gens, reference)]
     sel_s = sum(g.stats.select_s for g in gens)
+    k_hist: dict[int, int] = {}
+    for g in gens:
+        for k, n in g.stats.k_hist.items():
+            k_hist[k] = k_hist.get(k, 0) + n
     round_s = sum(g.stats.draft_s + g.stats.verify_s for g in gens)
     row = {
         "variant": raw["variant"], "mode": raw["mode"], "tier": raw["tier"],
         "selection": gens[0].params.selection if raw["mode"] != "full" else None,
+        # rounds by drafts verified (0: plain decode steps the cost model chose)
+        "draft_len_hist": {str(k): k_hist[k] for k in sorted(k_hist)} if raw["mode"] == "vericache" else None,
         "select_s": _r(sel_s), "select_share_of_rounds": _r(_ratio(sel_s, round_s)),
         "select_delta_bytes_per_token": _r(_ratio(sum(g.stats.select_delta_bytes for g in gens),
                                                   tokens), 1),
@@ -68,6 +74,10 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "wall_s": _r(wall), "throughput_tps": _r(tokens / wall if wall > 0 else None, 3),
         "ttft_mean_s": _r(mean(ttft)), "tpot_mean_s": _r(mean(tpot)),
         "tau_mean": _r(mean(rounds)), "tau_hist": tau_hist(rounds),
+        # a model-free n-gram (prompt lookup) drafter's τ on the same outputs, same k
+        "ngram_tau": _r(mean([n for g, ref in zip(gens, reference)
+                              for n in ngram_rounds(g.prompt, ref, g.params.draft_len)]))
+        if raw["mode"] == "vericache" else None,
         "acceptance_rate": _r(mean([g.stats.acceptance_rate for g in gens]))
         if raw["mode"] == "vericache" else None,
         "max_active": tr.max_active,
@@ -121,7 +131,7 @@ def summarize(rows: list[dict], schedule: str, resident: str | None = "full_resi
     headline = f"vericache_{schedule}"
     by_selection = {
         r["selection"]: {"variant": r["variant"], "tau_mean": r["tau_mean"],
-                         "throughput_tps": r["throughput_tps"],
+                         "throughput_tps": r["throughput_tps"], "ngram_tau": r["ngram_tau"],
                          "throughput_ratio_vs_full_resident": _r(_ratio(r["throughput_tps"], tps[resident])),
                          "throughput_ratio_vs_full_offloaded": _r(_ratio(r["throughput_tps"], tps[offloaded])),
                          "select_share_of_rounds": r["select_share_of_rounds"],

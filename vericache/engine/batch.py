@@ -37,6 +37,7 @@ from vericache.engine.rounds import (LocalBackends, commit_outcomes, draft_phase
                                      verify_phase)
 from vericache.errors import ResourceExhausted, VeriCacheError
 from vericache.model.loader import LoadedModel
+from vericache.spec.costmodel import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class BatchEngine(Engine):
                             if schedule == "staggered" else None)
         self.lm = lm
         self.backends = backends or LocalBackends(lm)
+        self.costs = CostModel()  # learns this engine's round costs; chooses each round's k
         self.model_name, self.tokenizer, self.max_context = lm.name, lm.tokenizer, lm.max_context
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self._waiting: queue.Queue[RequestStream] = queue.Queue()
@@ -125,6 +127,7 @@ class BatchEngine(Engine):
                          "cached_tokens": 0, "overlapped_rounds": 0, "select_s": 0.0,
                          "select_moved_tokens": 0, "select_delta_bytes": 0}
         self.tau_hist: dict[int, int] = {}
+        self.k_hist: dict[int, int] = {}  # vericache rounds by drafts verified (0: plain steps)
         self._thread = threading.Thread(target=self._loop, name="vericache-engine", daemon=True)
         self._thread.start()
 
@@ -153,7 +156,8 @@ class BatchEngine(Engine):
         return len(self._active)
 
     def metrics(self) -> dict:
-        return {"counters": dict(self.counters), "tau_hist": dict(self.tau_hist)}
+        return {"counters": dict(self.counters), "tau_hist": dict(self.tau_hist),
+                "k_hist": dict(self.k_hist), "costs": self.costs.snapshot()}
 
     def close(self) -> None:
         self._stop.set()
@@ -182,6 +186,9 @@ class BatchEngine(Engine):
             self.counters[key] = self.counters.get(key, 0) + 1
         for n in g.stats.round_emitted:
             self.tau_hist[n] = self.tau_hist.get(n, 0) + 1
+        if g.params.mode == "vericache":
+            for k, n in g.stats.k_hist.items():
+                self.k_hist[k] = self.k_hist.get(k, 0) + n
 
     def _emit(self, rs: RequestStream, toks: list[int]) -> None:
         g = rs.gen
@@ -225,12 +232,13 @@ class BatchEngine(Engine):
 
         def drafting():
             commit_outcomes(self.backends, draft, self._outcomes)
-            return draft_phase(self.backends, draft)
+            return draft_phase(self.backends, draft, self.costs)
 
         job = self._draft_pool.submit(drafting) if draft else None
         try:
             drafts = {g.rid: self._drafted.pop(g.rid) for g in verify}
-            out = verify_phase(self.backends, verify, drafts, self._outcomes) if verify else {}
+            out = (verify_phase(self.backends, verify, drafts, self._outcomes, self.costs)
+                   if verify else {})
         finally:
             new = job.result() if job is not None else {}  # never leave the drafter running
         self._drafted.update(new)
@@ -247,7 +255,7 @@ class BatchEngine(Engine):
         elif self.schedule == "staggered":
             out = self._staggered_round(gens)
         else:
-            out = run_round(self.backends, gens)
+            out = run_round(self.backends, gens, self.costs)
         self.counters["round_s"] += time.perf_counter() - t0
         for rs in batch:
             if rs.gen.rid in out:

@@ -65,6 +65,7 @@ class GenStats:
     drafted: int = 0
     accepted: int = 0
     round_emitted: list[int] = field(default_factory=list)  # tokens emitted per round (tau)
+    k_hist: dict[int, int] = field(default_factory=dict)  # rounds by drafts verified (0: plain step)
     draft_steps: int = 0
     verify_tokens: int = 0
     prefill_s: float = 0.0
@@ -126,6 +127,7 @@ class Generation:
         self.stop = StopChecker(params.max_tokens, lm.eos_token_ids, self.text, params.ignore_eos)
         self.draftlen = DraftLength(params.draft_len, adaptive=params.adaptive)
         self.stats = GenStats(prompt_tokens=len(prompt_ids))
+        self.round_draft_s = 0.0  # the last draft phase's seconds (for the cost model's round time)
 
     @property
     def finished(self) -> bool:
@@ -160,8 +162,18 @@ class Generation:
         """The first token, chosen from the prefill's full-KV logits."""
         return self._emit([token])
 
+    def k_cap(self) -> int:
+        """The most drafts this round can use: k_max, less near max_tokens."""
+        return max(0, min(self.draftlen.k_max, self.stop.remaining - 1))
+
+    @property
+    def context(self) -> int:
+        """Tokens of the sequence so far (prompt and output)."""
+        return len(self.prompt) + len(self.stop.tokens)
+
     def k_for_round(self) -> int:
-        """Drafts to ask for this round (0 in full mode: a plain decode step)."""
+        """Drafts to ask for this round (0 in full mode, or when the cost model chose a plain
+        decode step)."""
         if self.params.mode == "full":
             return 0
         if self.params.mode == "lossy":
@@ -183,6 +195,7 @@ class Generation:
         s.accepted += accepted
         s.verify_tokens += len(drafted) + 1
         s.round_emitted.append(accepted + 1)
+        s.k_hist[len(drafted)] = s.k_hist.get(len(drafted), 0) + 1
         self.draftlen.update(len(drafted), accepted)
         return self._emit(list(drafted[:accepted]) + [bonus])
 
@@ -199,4 +212,7 @@ class Generation:
                 "tokens_per_round": round(s.tokens_per_round, 3),
                 "acceptance_rate": round(s.acceptance_rate, 4),
                 "selection": self.selection.spec if self.selection is not None else None,
-                "selection_moved_tokens": s.select_moved_tokens}
+                "selection_moves": s.select_moves,
+                "selection_moved_tokens": s.select_moved_tokens,
+                "plain_rounds": s.k_hist.get(0, 0) if self.params.mode == "vericache" else 0,
+                "draft_len_mean": round(s.drafted / s.rounds, 3) if s.rounds else 0.0}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.rounds import commit_outcomes, draft_phase, start, verify_phase
+from vericache.spec.costmodel import CostModel
 from vericache.engine.scheduler import DRAFT_LANE, VERIFY_LANE, Job, Scheduler
 
 # (draft_bytes, resident_bytes, load_bytes) of a request, for the scheduler's budgets
@@ -49,9 +50,13 @@ class LaneTrace:
 class LaneRunner:
     """Runs jobs the scheduler hands out; see `run_requests`."""
 
-    def __init__(self, backends, scheduler: Scheduler, cost: CostFn | None = None):
+    def __init__(self, backends, scheduler: Scheduler, cost: CostFn | None = None,
+                 costs: CostModel | None = None):
+        """`cost`: each request's memory for the budgets; `costs`: the round cost model that
+        chooses k (a new one when None)."""
         self.backends, self.sched = backends, scheduler
         self.cost = cost or (lambda g: (0, 0, 0))
+        self.costs = costs or CostModel()
         self.trace = LaneTrace()
         self._gens: dict[str, Generation] = {}
         self._drafts: dict[str, DraftOut] = {}
@@ -73,7 +78,7 @@ class LaneRunner:
                 self._emit(g, start(self.backends, g), time.perf_counter())
         elif job.kind == "draft":
             commit_outcomes(self.backends, gens, self._outcomes)
-            out = draft_phase(self.backends, gens)
+            out = draft_phase(self.backends, gens, self.costs)
             self._drafted.update({rid: len(d.tokens) for rid, d in out.items()})
             self._drafts.update(out)
         elif job.kind == "ahead":
@@ -83,7 +88,7 @@ class LaneRunner:
                 self.trace.ahead_drafted += self.backends.draft_ahead(batch)
         else:
             drafts = {g.rid: self._drafts.pop(g.rid) for g in gens if g.rid in self._drafts}
-            out = verify_phase(self.backends, gens, drafts, self._outcomes)
+            out = verify_phase(self.backends, gens, drafts, self._outcomes, self.costs)
             now = time.perf_counter()
             for g in gens:
                 self._emit(g, out[g.rid], now)
@@ -130,9 +135,9 @@ class LaneRunner:
 def run_requests(backends, gens: list[Generation], schedule: str = "lockstep", groups: int = 2,
                  draft_budget: int | None = None, verify_budget: int | None = None,
                  cost: CostFn | None = None, max_active: int | None = None,
-                 draft_ahead: bool = False) -> LaneTrace:
+                 draft_ahead: bool = False, costs: CostModel | None = None) -> LaneTrace:
     """Run `gens` to the end under `schedule` ("lockstep" or "staggered"); budgets in bytes.
     `draft_ahead` (staggered only, backends that offer it) drafts past drafts in verification."""
     draft_ahead = draft_ahead and hasattr(backends, "draft_ahead")
     sched = Scheduler(schedule, groups, draft_budget, verify_budget, max_active, draft_ahead)
-    return LaneRunner(backends, sched, cost).run(gens)
+    return LaneRunner(backends, sched, cost, costs).run(gens)

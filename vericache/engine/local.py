@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from vericache.engine.generation import Generation, GenParams
 from vericache.engine.rounds import LocalBackends, run_round, start
 from vericache.model.loader import LoadedModel
+from vericache.spec.costmodel import CostModel
 
 
 @dataclass
@@ -41,8 +42,11 @@ class Stream:
     stats) during and after the run. Both sides' state is released when iteration ends."""
 
     def __init__(self, lm: LoadedModel, prompt_ids: list[int], params: GenParams,
-                 backends: LocalBackends | None = None):
+                 backends: LocalBackends | None = None, costs: CostModel | None = None):
+        """`costs`: the cost model choosing k (share one across calls to keep what it
+        learned; a new one per call otherwise)."""
         self.backends = backends or LocalBackends(lm)
+        self.costs = costs or CostModel()
         self.gen = Generation(lm, prompt_ids, params)
 
     def __iter__(self) -> Iterator[GenEvent]:
@@ -51,21 +55,21 @@ class Stream:
             toks = start(b, g)
             yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
             while not g.finished:
-                toks = run_round(b, [g])[g.rid]
+                toks = run_round(b, [g], self.costs)[g.rid]
                 yield GenEvent(toks, g.text.delta(g.finished), g.stop.finish_reason)
         finally:
             b.release(g)
 
 
 def stream(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
-           backends: LocalBackends | None = None) -> Stream:
-    return Stream(lm, prompt_ids, params, backends)
+           backends: LocalBackends | None = None, costs: CostModel | None = None) -> Stream:
+    return Stream(lm, prompt_ids, params, backends, costs)
 
 
 def generate(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
-             backends: LocalBackends | None = None) -> GenResult:
+             backends: LocalBackends | None = None, costs: CostModel | None = None) -> GenResult:
     t = time.perf_counter()
-    s = Stream(lm, prompt_ids, params, backends)
+    s = Stream(lm, prompt_ids, params, backends, costs)
     for _ in s:
         pass
     g = s.gen

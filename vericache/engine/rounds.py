@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verifier
+from vericache.spec.costmodel import CostModel
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.keys import select_key
 
@@ -153,44 +154,78 @@ def start(backends, g: Generation) -> list[int]:
     return g.on_first(backends.admit(g))
 
 
-def run_round(backends, gens: list[Generation]) -> dict[str, list[int]]:
+def run_round(backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, list[int]]:
     """One round for every request in `gens` (lockstep: all draft, then all verify).
     Returns the tokens each request emitted, by request id."""
-    return verify_phase(backends, gens, draft_phase(backends, gens))
+    return verify_phase(backends, gens, draft_phase(backends, gens, costs), costs=costs)
 
 
-def draft_phase(backends, gens: list[Generation]) -> dict[str, DraftOut]:
-    """The drafter's half of a round: draft for every request that drafts (not `full`)."""
+def plan_draft_lens(gens: list[Generation], costs: CostModel) -> None:
+    """Choose this round's k for every adaptive vericache request of the group (the cost
+    model's goodput-maximising plan; see `vericache.spec.costmodel`)."""
+    group = [g for g in gens if g.params.mode == "vericache" and g.draftlen.adaptive]
+    if not group:
+        return
+    plan = costs.plan([g.k_cap() for g in group], [g.context for g in group],
+                      [g.draftlen.profile for g in group], [g.draftlen.probe for g in group])
+    for g, k in zip(group, plan.ks):
+        g.draftlen.choose(k)
+
+
+def draft_phase(backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, DraftOut]:
+    """The drafter's half of a round: draft for every request that drafts (not `full`); with
+    `costs`, each adaptive request's k comes from the cost model, which learns from the time
+    the drafting took."""
+    if costs is not None:
+        plan_draft_lens(gens, costs)
     ks = {g.rid: g.k_for_round() for g in gens}
     drafting = [g for g in gens if g.params.mode != "full"]
     t0 = time.perf_counter()
     drafts = dict(zip([g.rid for g in drafting],
                       backends.draft([(g, ks[g.rid]) for g in drafting]) if drafting else []))
     t1 = time.perf_counter()
+    for g in gens:
+        g.round_draft_s = t1 - t0 if g in drafting else 0.0
     for g in drafting:
         g.stats.draft_s += t1 - t0
         g.stats.draft_steps += len(drafts[g.rid].tokens)
+    stepped = [g for g in drafting if drafts[g.rid].tokens]
+    if costs is not None and stepped:
+        costs.observe_draft(max(len(drafts[g.rid].tokens) for g in stepped), len(stepped),
+                            sum(g.context for g in stepped), t1 - t0)
     return drafts
 
 
 def verify_phase(backends, gens: list[Generation], drafts: dict[str, DraftOut],
-                 outcomes: dict[str, tuple[int, int | None]] | None = None) -> dict[str, list[int]]:
+                 outcomes: dict[str, tuple[int, int | None]] | None = None,
+                 costs: CostModel | None = None) -> dict[str, list[int]]:
     """The verifier's half: one verify pass for every request that verifies (not `lossy`),
     then commit the outcome to the drafter; with `outcomes` given, the (accepted, bonus) to
     commit are put there instead, for the caller to commit on the drafter's thread (see
-    `commit_outcomes`). Returns the tokens each request emitted."""
+    `commit_outcomes`). With `costs`, the pass's time and the round's tokens feed the cost
+    model. Returns the tokens each request emitted."""
     out: dict[str, list[int]] = {g.rid: [] for g in gens}
     verifying = [g for g in gens if g.params.mode != "lossy"]
     empty = DraftOut([], None)
+    shape = [(len(drafts.get(g.rid, empty).tokens) + 1, g.context) for g in verifying]
     t1 = time.perf_counter()
     results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying]) if verifying else []
     t2 = time.perf_counter()
+    if costs is not None and verifying:
+        costs.observe_verify(sum(n for n, _ in shape), sum(c for _, c in shape),
+                             sum(n * c for n, c in shape), t2 - t1)
+    emitted, profile = 0, []
     for g, (a, bonus) in zip(verifying, results):
         d = drafts.get(g.rid, empty)
         if g.params.mode == "vericache":
             _commit(backends, g, a, bonus, outcomes)
         out[g.rid] = g.on_round(d.tokens, a, bonus)
         g.stats.verify_s += t2 - t1
+        emitted += a + 1
+        profile.append((len(d.tokens), a))
+    if costs is not None and verifying:
+        draft_s = max((g.round_draft_s for g in verifying), default=0.0)
+        costs.observe_round(emitted, draft_s + t2 - t1, profile)
     for g in gens:
         if g.params.mode == "lossy":
             _commit(backends, g, 1, None, outcomes)

@@ -30,8 +30,9 @@ import numpy as np
 PRIOR_RATE = 0.6  # acceptance rate assumed before any round has been seen
 SHRINK = 4.0  # pseudo-rounds pulling a position's rate towards the request's overall rate
 EXPLORE = (1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.125, 0.75)  # k / k_max while the fits learn
-MIN_FIT = 6  # observations (with >= 3 distinct token counts) before a fit is trusted
-PROBE_EVERY = 16  # a request on plain steps drafts once this often, to refresh its profile
+MIN_FIT = 6  # observations before a fit is trusted (the verify fit: of >= 3 token counts)
+PROBE_EVERY = 32  # a request on plain steps drafts once this often, to refresh its profile
+PROBE_K = 2  # ... this many tokens
 
 
 class LinearFit:
@@ -43,6 +44,7 @@ class LinearFit:
         self.forget = forget
         self.n = 0
         self.shapes: set = set()
+        self.floor = float("inf")  # a tenth of the smallest y seen: predictions stay above it
 
     def observe(self, x: np.ndarray, y: float, shape=None) -> None:
         Px = self.P @ x
@@ -50,14 +52,16 @@ class LinearFit:
         self.theta = self.theta + gain * (y - x @ self.theta)
         self.P = (self.P - np.outer(gain, Px)) / self.forget
         self.n += 1
+        self.floor = min(self.floor, 0.1 * y)
         if shape is not None and len(self.shapes) < 64:
             self.shapes.add(shape)
 
-    def ready(self) -> bool:
-        return self.n >= MIN_FIT and len(self.shapes) >= 3
+    def ready(self, shapes: int = 1) -> bool:
+        """Whether the fit has seen MIN_FIT observations of at least `shapes` shapes."""
+        return self.n >= MIN_FIT and len(self.shapes) >= shapes
 
     def predict(self, x: np.ndarray) -> float:
-        return float(x @ self.theta)
+        return max(float(x @ self.theta), self.floor if self.n else 0.0, 1e-6)
 
 
 def _verify_x(tokens: int, ctx_sum: float, work: float) -> np.ndarray:
@@ -153,6 +157,9 @@ class CostModel:
         a, r = self.pooled
         return (a + SHRINK * PRIOR_RATE) / (r + SHRINK)
 
+    def _fitted(self) -> bool:
+        return self.verify.ready(shapes=3) and self.draft.ready()
+
     # ---- the choice ------------------------------------------------------------------
     def _round_s(self, k: int, caps: list[int], ctxs: list[int], dctx: float) -> tuple[float, list[int]]:
         ks = [min(k, c) for c in caps]
@@ -160,10 +167,10 @@ class CostModel:
         t = 0.0
         if drafting:
             steps = max(ks)
-            t += steps * max(1e-6, self.draft.predict(_draft_x(len(drafting), dctx)))
+            t += steps * self.draft.predict(_draft_x(len(drafting), dctx))
         tokens = sum(x + 1 for x in ks)
         work = sum((x + 1) * c for x, c in zip(ks, ctxs))
-        t += max(1e-6, self.verify.predict(_verify_x(tokens, sum(ctxs), work)))
+        t += self.verify.predict(_verify_x(tokens, sum(ctxs), work))
         return t, ks
 
     def plan(self, caps: list[int], ctxs: list[int], profiles: list[AcceptanceProfile],
@@ -172,7 +179,7 @@ class CostModel:
         less near max_tokens); ctxs: their contexts (tokens); probes: requests whose profile
         is stale (plain steps for a while) and draft this round whatever the costs say."""
         with self._lock:
-            if not (self.verify.ready() and self.draft.ready()):
+            if not (self._fitted()):
                 frac = EXPLORE[self._explore % len(EXPLORE)]
                 self._explore += 1
                 ks = [int(round(frac * c)) for c in caps]
@@ -199,7 +206,7 @@ class CostModel:
                     ks, tps = trial, g
             for i, p in enumerate(probes):
                 if p and ks[i] == 0 and caps[i] > 0:
-                    ks[i] = max(1, min(caps[i], max(ks) or caps[i] // 4 or 1))
+                    ks[i] = min(caps[i], max(PROBE_K, max(ks)))
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
@@ -215,6 +222,6 @@ class CostModel:
             return {"predicted_tps": self.predicted_tps, "measured_tps": self.measured_tps,
                     "rounds": self.rounds, "k_hist": dict(self.k_hist),
                     "plain_share": self.k_hist.get(0, 0) / total if total else 0.0,
-                    "fitted": self.verify.ready() and self.draft.ready(),
+                    "fitted": self._fitted(), "explore_rounds": self._explore,
                     "verify_theta": self.verify.theta.tolist(),
                     "draft_theta": self.draft.theta.tolist()}

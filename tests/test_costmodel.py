@@ -1,0 +1,130 @@
+"""The cost model: it learns round costs from observations and picks the k with the best
+expected goodput, including k = 0 (a plain decode step) when drafting does not pay."""
+
+import pytest
+
+from vericache.spec.costmodel import EXPLORE, AcceptanceProfile, CostModel, LinearFit
+
+
+def test_linear_fit_recovers_a_linear_cost():
+    import numpy as np
+
+    f = LinearFit(3, forget=1.0)
+    for b in range(1, 9):
+        for c in (1.0, 2.0, 4.0):
+            x = np.array([1.0, b, c])
+            f.observe(x, 0.01 + 0.002 * b + 0.003 * c, b)
+    assert f.ready()
+    assert f.predict(np.array([1.0, 16, 8.0])) == pytest.approx(0.01 + 0.032 + 0.024, rel=1e-3)
+
+
+def test_expected_tokens_follow_the_profile():
+    p = AcceptanceProfile(4)
+    assert p.expected_tokens(0.5) == pytest.approx([1, 1.5, 1.75, 1.875, 1.9375])
+    for _ in range(200):  # every draft accepted, always
+        p.update(4, 4)
+    e = p.expected_tokens(0.5)
+    assert e[4] > 4.8 and e == sorted(e)
+    q = AcceptanceProfile(4)
+    for _ in range(200):  # the first draft always rejected
+        q.update(4, 0)
+    assert q.expected_tokens(0.5)[4] < 1.05
+
+
+def _simulate(costs: CostModel, draft_step: float, verify_base: float, per_token: float,
+              profile: AcceptanceProfile, rounds: int = 60, ctx: int = 1000) -> list[int]:
+    """Feed the model a synthetic machine; returns the k it chose per round."""
+    chosen = []
+    for _ in range(rounds):
+        k = costs.plan([16], [ctx], [profile], [False]).ks[0]
+        chosen.append(k)
+        if k:
+            costs.observe_draft(k, 1, ctx, k * draft_step)
+        costs.observe_verify(k + 1, ctx, (k + 1) * ctx, verify_base + per_token * (k + 1))
+    return chosen
+
+
+def _profile(rate: float) -> AcceptanceProfile:
+    p = AcceptanceProfile(16)
+    accepted = 0
+    for i in range(400):  # a deterministic stream of rounds at about `rate` per draft
+        a = 0
+        while a < 16 and ((i * 7 + a * 13) % 100) < rate * 100:
+            a += 1
+        p.update(16, a)
+        accepted += a
+    return p
+
+
+def test_explores_first_then_drafts_where_drafting_pays():
+    costs = CostModel()
+    prof = _profile(0.9)
+    ks = _simulate(costs, draft_step=0.002, verify_base=0.02, per_token=0.0005, profile=prof)
+    assert ks[:len(EXPLORE)] == [int(round(f * 16)) for f in EXPLORE]
+    # once fitted, the k of the best true goodput (cheap drafts, high acceptance: long drafts)
+    e = prof.expected_tokens(costs.prior_rate)
+    true = [e[k] / (0.002 * k + 0.02 + 0.0005 * (k + 1)) for k in range(17)]
+    best = max(range(17), key=true.__getitem__)
+    assert best >= 4 and set(ks[len(EXPLORE) + 2:]) == {best}
+    snap = costs.snapshot()
+    assert snap["fitted"] and snap["plain_share"] < 0.1
+
+
+def test_plain_steps_where_drafting_does_not_pay():
+    costs = CostModel()
+    # a draft step costs as much as a full step and drafts are rarely accepted
+    ks = _simulate(costs, draft_step=0.02, verify_base=0.02, per_token=0.004, profile=_profile(0.2))
+    assert ks[-20:] == [0] * 20
+    assert costs.snapshot()["plain_share"] > 0.5
+
+
+def test_a_request_that_does_not_pay_drops_out_of_the_group():
+    costs = CostModel()
+    good, bad = _profile(0.95), _profile(0.02)
+    for _ in range(30):
+        plan = costs.plan([16, 16], [1000, 1000], [good, bad], [False, False])
+        ks = plan.ks
+        steps = max(ks)
+        if steps:
+            costs.observe_draft(steps, sum(1 for k in ks if k), 2000, steps * 0.002)
+        tokens = sum(k + 1 for k in ks)
+        costs.observe_verify(tokens, 2000, tokens * 1000, 0.02 + 0.003 * tokens)
+    assert plan.predicted_tps is not None
+    assert ks[0] >= 4 and ks[1] == 0
+
+
+def test_a_stale_request_probes():
+    costs = CostModel()
+    _simulate(costs, 0.02, 0.02, 0.004, _profile(0.2))
+    plan = costs.plan([16], [1000], [_profile(0.2)], [True])
+    assert plan.ks[0] >= 1
+
+
+def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
+    """The per-request switch is reversible: a request on plain steps (k = 0) resumes drafting
+    (its drafter feeds every token verified meanwhile in one pass) and stays identical to
+    full greedy whatever the sequence of k."""
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.local import generate
+    from vericache.engine.rounds import LocalBackends, run_round, start
+
+    ids = prompts["long"]
+    ref = generate(lm, ids, GenParams(mode="full", max_tokens=40, ignore_eos=True))
+    b = LocalBackends(lm)
+    g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,
+                                      max_tokens=40, ignore_eos=True))
+    plan = [0, 0, 0, 8, 0, 3, 8, 0, 0, 1]
+    try:
+        out = start(b, g)
+        i = 0
+        while not g.finished:
+            g.draftlen.choose(plan[i % len(plan)])
+            out += run_round(b, [g])[g.rid]
+            i += 1
+    finally:
+        b.release(g)
+    assert out == ref.token_ids
+    u = g.usage()
+    assert u["plain_rounds"] == g.stats.k_hist[0] >= 5
+    assert sum(n for k, n in g.stats.k_hist.items() if k) >= 3
+    assert u["tokens_per_round"] > 1
