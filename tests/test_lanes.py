@@ -21,8 +21,8 @@ def cases(lm, prompts):
 
 
 def _gens(lm, ids, **kw):
-    params = GenParams(max_tokens=N, ignore_eos=True, compressor="streamingllm", ratio=4,
-                       draft_len=8, chunk_size=64, **kw)
+    params = GenParams(**{"max_tokens": N, "ignore_eos": True, "compressor": "streamingllm",
+                          "ratio": 4, "draft_len": 8, "chunk_size": 64, **kw})
     return [Generation(lm, p, params, request_id=f"r{i}") for i, p in enumerate(ids)]
 
 
@@ -35,7 +35,9 @@ def _gens(lm, ids, **kw):
 def test_lanes_identical_to_full(lm, cases, schedule, ahead, tier, budget):
     ids, refs = cases
     t = make_tier(tier, 200.0)
-    gens = _gens(lm, ids)
+    # offloaded: snapkv with `verify` selection, whose moves read the pass's working copy
+    gens = _gens(lm, ids, **({"compressor": "snapkv", "selection": "verify:every=1,tokens=8"}
+                             if tier == "offloaded" else {}))
     per_tok = lm.runner.kv_bytes_per_token()
     cost = (lambda g: (0, 0, (len(g.prompt) + g.extra_capacity) * per_tok)) if budget else None
     limit = budget * (900 + N + 12) * per_tok if budget else None
@@ -47,6 +49,8 @@ def test_lanes_identical_to_full(lm, cases, schedule, ahead, tier, budget):
             t.close()
     assert [g.output_ids for g in gens] == refs
     assert all(g.finished for g in gens)
+    if tier == "offloaded":
+        assert sum(g.stats.select_moves for g in gens) > 2
     if ahead:
         assert trace.ahead_drafted > 0
     else:

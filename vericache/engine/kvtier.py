@@ -103,6 +103,12 @@ class StreamedKV:
         self.v = _Gate(self.v_buf, ready, stats, lock)
         self.length = host.length
 
+    def view(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens [start, end) as `KVCache.view` (after the pass: every
+        layer has landed)."""
+        end = self.length if end is None else end
+        return self.k_buf[:, :, start:end], self.v_buf[:, :, start:end]
+
     def reserve(self, extra: int) -> None:
         if self.length + extra > self.k_buf.shape[2]:
             raise ValueError(f"working copy holds {self.k_buf.shape[2]} tokens; "

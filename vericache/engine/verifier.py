@@ -184,7 +184,7 @@ class Verifier:
             if s.selection is not None and k:
                 rec, t = s.selection, time.perf_counter()
                 rec.add(rec.policy.after_verify(rec.state, it.attn_votes, len(it.tokens), a, k,
-                                                c.k, c.v))
+                                                *c.view()))
                 rec.seconds += time.perf_counter() - t
             c.crop(c.length - k + a)
             if c is not s.cache:
