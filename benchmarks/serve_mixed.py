@@ -1,7 +1,7 @@
 """`vericache` against `full` mode on one `vericache serve`, under concurrent mixed prompts.
 
 Starts `vericache serve` (embedded engine, default flags unless given after `--`), warms its
-prefix cache with every prompt once, then runs the same batch of concurrent requests twice per
+prefix cache with every prompt once per mode (full chunks, and the compressed ones), then runs the same batch of concurrent requests twice per
 mode, alternating full, vericache, full, vericache (the engine's cost model keeps what it
 learned from one batch to the next, as a server does). Prompts are chat prompts of mixed
 lengths (--lengths, tokens of standard-library code followed by a question), one request
@@ -100,8 +100,9 @@ def main() -> int:
     try:
         wait_http(port)
         texts = prompts([int(x) for x in a.lengths.split(",")])
-        for s in texts:  # warm the prefix cache (and the runner)
+        for s in texts:  # warm the prefix cache: full and compressed chunks (and the runner)
             ask(base, s, "full", 2)
+            ask(base, s, "vericache", 2)
         runs = []
         for i in range(a.repeats):
             for mode in ("full", "vericache"):

@@ -172,7 +172,7 @@ def test_verify_selection_moves_the_drafters_set_between_rounds(lm, client, stac
     ids = long_code_prompt(lm, 2100)
     r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=N,
                                   extra_body={"vericache": {"selection": "verify:every=1,tokens=8",
-                                                            "draft_len": 4}})
+                                                            "draft_len": 4, "adaptive": False}})
     assert r.choices[0].text == _ref(lm, ids)
     u = r.usage.model_extra or {}
     assert u["selection"].startswith("verify") and u["rounds"] >= 3

@@ -52,6 +52,10 @@ class VeriCacheOptions(OpenAIModel):
                                   description="largest draft length k per round (1..256)")
     selection: str | None = Field(None, description="how the drafter's kept tokens move: static, "
                                                     "question or verify (NAME:key=value,...)")
+    adaptive: bool | None = Field(None, description="false: draft draft_len tokens every round; "
+                                                    "true (default): the cost model chooses k, "
+                                                    "0 (a plain decode step) where drafting "
+                                                    "does not pay")
 
 
 class SamplingFields(OpenAIModel):

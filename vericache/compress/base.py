@@ -32,6 +32,8 @@ from typing import ClassVar
 
 import torch
 
+from vericache.spec_string import Named
+
 
 @dataclass
 class KVSpan:
@@ -60,22 +62,12 @@ class CompressedChunk:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-class Compressor(ABC):
-    """Makes the drafter's lossy KV from the full KV. See the module docstring."""
+class Compressor(Named, ABC):
+    """Makes the drafter's lossy KV from the full KV. See the module docstring. Equal specs
+    (`Named.spec`) make equal compressed chunks."""
 
-    name: ClassVar[str]
     observation_window: int = 0
     drops_tokens: ClassVar[bool] = False
-
-    def __init__(self, **params):
-        self.params = params
-
-    @property
-    def spec(self) -> str:
-        """Name plus parameters; equal specs make equal compressed chunks."""
-        if not self.params:
-            return self.name
-        return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
 
     @abstractmethod
     def compress(self, span: KVSpan) -> CompressedChunk:
@@ -108,6 +100,3 @@ class Compressor(ABC):
         k, _ = self.decompress(chunk)
         L, H, m, _ = k.shape
         return (torch.arange(m) + chunk.start).expand(L, H, m)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.spec}>"

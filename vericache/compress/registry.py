@@ -6,6 +6,7 @@ import importlib
 
 from vericache.compress.base import Compressor
 from vericache.errors import InvalidArgument, UnknownName
+from vericache.spec_string import parse_spec
 
 _REGISTRY: dict[str, tuple[str, str]] = {}
 
@@ -32,11 +33,7 @@ def compressor_class(name: str) -> type[Compressor]:
 def make_compressor(name: str, ratio: float | None = None, **params) -> Compressor:
     """Build a compressor by name. `ratio` applies to the dropping ones; `name` may carry
     parameters as in a spec: "kivi:bits=4" or "snapkv:ratio=8,window=32"."""
-    if ":" in name:
-        name, _, rest = name.partition(":")
-        for kv in filter(None, rest.split(",")):
-            key, _, val = kv.partition("=")
-            params.setdefault(key.strip(), float(val) if "." in val else int(val))
+    name, params = parse_spec(name, params)
     cls = compressor_class(name)
     if ratio is not None and "ratio" in cls.__init__.__code__.co_varnames:
         params["ratio"] = ratio

@@ -55,6 +55,7 @@ class RequestStream:
     def __init__(self, gen: Generation, request_id: str):
         self.gen, self.request_id = gen, request_id
         self.cancelled = False
+        self.counted = False  # its figures are in the engine's counters
         self._cond = threading.Condition()
         self._events: list[EngineEvent] = []
         self._aqueue: asyncio.Queue | None = None
@@ -173,9 +174,18 @@ class BatchEngine(Engine):
         self._drafted.pop(g.rid, None)
         self._outcomes.pop(g.rid, None)
         self.backends.release(g)
+        self._count(rs)
         if error:
             self.counters["cancelled" if error == "cancelled" else "errors"] += 1
             rs.put(EngineEvent([], "", None, usage, error))
+
+    def _count(self, rs: RequestStream) -> None:
+        """Add a request's figures to the counters, once (before its client gets its last
+        event, so /metrics read after an answer includes it)."""
+        if rs.counted:
+            return
+        rs.counted = True
+        g = rs.gen
         self.counters["finished"] += 1
         self.counters["rounds"] += g.stats.rounds
         for key in ("draft_s", "verify_s", "store_hits", "store_bytes_read", "store_bytes_written",
@@ -194,6 +204,8 @@ class BatchEngine(Engine):
         g = rs.gen
         self.counters["tokens"] += len(toks)
         done = g.finished
+        if done:
+            self._count(rs)
         rs.put(EngineEvent(toks, g.text.delta(done), g.stop.finish_reason,
                                   g.usage() if done else None))
 

@@ -101,7 +101,7 @@ class Verifier:
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
         if selection is not None and (compressor is None or not compressor.drops_tokens
-                                      or selection.name == "static" or ts == 0):
+                                      or not selection.moves or ts == 0):
             selection = None
         qwin = selection.window if selection is not None else 0
         stats = TransferStats()

@@ -32,6 +32,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from vericache.spec_string import Named
+
 SINKS = 4  # the first tokens always stay (attention sinks)
 
 
@@ -180,21 +182,12 @@ def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: i
     return SelectionDelta(slots, e_pos, k, v)
 
 
-class SelectionPolicy(ABC):
+class SelectionPolicy(Named, ABC):
     """How a request's drafter set moves. See the module docstring."""
 
-    name: ClassVar[str]
+    moves: ClassVar[bool] = True  # False: the base set stays (no record, no queries, no votes)
     needs_votes: ClassVar[bool] = False  # whether verify passes must return attention votes
     window: int = 0  # prompt queries after_prefill needs (the last `window` tokens)
-
-    def __init__(self, **params):
-        self.params = params
-
-    @property
-    def spec(self) -> str:
-        if not self.params:
-            return self.name
-        return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
 
     def after_prefill(self, state: SelectionState, window_q: list[torch.Tensor],
                       window_pos: torch.Tensor, k_full: torch.Tensor,
@@ -208,6 +201,3 @@ class SelectionPolicy(ABC):
         """votes: [L, Hkv, >= region_end] attention mass of the pass's `queries` rows per KV
         group (None unless `needs_votes`)."""
         return None
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.spec}>"

@@ -13,6 +13,7 @@ class Static(SelectionPolicy):
     """The base set stays: what each chunk's compressor kept, blind to the question."""
 
     name = "static"
+    moves = False
 
 
 class Question(SelectionPolicy):

@@ -6,6 +6,7 @@ import importlib
 
 from vericache.errors import InvalidArgument, UnknownName
 from vericache.select.base import SelectionPolicy
+from vericache.spec_string import parse_spec
 
 _REGISTRY: dict[str, tuple[str, str]] = {}
 
@@ -22,10 +23,7 @@ def selection_names() -> list[str]:
 
 def make_selection(spec: str, **params) -> SelectionPolicy:
     """Build a policy by name; `spec` may carry parameters: "verify:every=8,tokens=64"."""
-    name, _, rest = spec.partition(":")
-    for kv in filter(None, rest.split(",")):
-        key, _, val = kv.partition("=")
-        params.setdefault(key.strip(), float(val) if "." in val else int(val))
+    name, params = parse_spec(spec, params)
     try:
         module, cls = _REGISTRY[name]
     except KeyError:

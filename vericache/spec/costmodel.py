@@ -29,7 +29,10 @@ import numpy as np
 
 PRIOR_RATE = 0.6  # acceptance rate assumed before any round has been seen
 SHRINK = 4.0  # pseudo-rounds pulling a position's rate towards the request's overall rate
-EXPLORE = (1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.125, 0.75)  # k / k_max while the fits learn
+# k of the first rounds while the fits learn (capped by k_max): short drafts, since a draft
+# step's time is fitted per step; varied, since a verify pass's is fitted per token
+EXPLORE = (1, 0, 2, 4, 0, 8, 1, 3)
+OPTIMISTIC_RATE = 0.9  # a stale request probes only if drafting would pay at this rate
 MIN_FIT = 6  # observations before a fit is trusted (the verify fit: of >= 3 token counts)
 PROBE_EVERY = 32  # a request on plain steps drafts once this often, to refresh its profile
 PROBE_K = 2  # ... this many tokens
@@ -177,12 +180,13 @@ class CostModel:
              probes: list[bool]) -> Plan:
         """k for each request of a group. caps: each request's largest k this round (k_max,
         less near max_tokens); ctxs: their contexts (tokens); probes: requests whose profile
-        is stale (plain steps for a while) and draft this round whatever the costs say."""
+        is stale (plain steps for a while): they draft PROBE_K tokens this round if drafting
+        would pay at OPTIMISTIC_RATE acceptance."""
         with self._lock:
-            if not (self._fitted()):
-                frac = EXPLORE[self._explore % len(EXPLORE)]
+            if not self._fitted():
+                k = EXPLORE[self._explore % len(EXPLORE)]
                 self._explore += 1
-                ks = [int(round(frac * c)) for c in caps]
+                ks = [min(k, c) for c in caps]
                 self._count(ks)
                 return Plan(ks, None)
             prior = self.prior_rate
@@ -204,9 +208,21 @@ class CostModel:
                 g = sum(e[y] for e, y in zip(gains, trial)) / t
                 if g > tps:
                     ks, tps = trial, g
-            for i, p in enumerate(probes):
-                if p and ks[i] == 0 and caps[i] > 0:
-                    ks[i] = min(caps[i], max(PROBE_K, max(ks)))
+            # a stale request drafts a little to refresh its profile, unless drafting would
+            # not pay even at a high acceptance rate (then it stays on plain steps)
+            if any(p and ks[i] == 0 and caps[i] > 0 for i, p in enumerate(probes)):
+                hopeful = [1.0]
+                for j in range(1, max(caps) + 1):
+                    hopeful.append(hopeful[-1] + OPTIMISTIC_RATE ** j)
+                for i, p in enumerate(probes):
+                    if not (p and ks[i] == 0 and caps[i] > 0):
+                        continue
+                    trial = ks[:i] + [min(caps[i], max(PROBE_K, max(ks)))] + ks[i + 1:]
+                    t, _ = self._round_s(max(trial), trial, ctxs, dctx)
+                    g = (sum(e[y] for j, (e, y) in enumerate(zip(gains, trial)) if j != i)
+                         + hopeful[trial[i]]) / t
+                    if g > tps:
+                        ks = trial
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
