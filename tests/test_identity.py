@@ -7,7 +7,7 @@ from conftest import chat_ids
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
 
-N = 64
+N = 48
 SPECS = ["identity", "streamingllm", "snapkv", "kivi", "kivi:bits=4", "snapkv-kivi"]
 
 
