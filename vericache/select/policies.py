@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from vericache.errors import InvalidArgument
-from vericache.select.base import (SelectionDelta, SelectionPolicy, SelectionState, move_towards,
-                                   window_votes)
+from vericache.select.base import SelectionPolicy, SelectionState, move_towards, window_votes
 
 
 class Static(SelectionPolicy):
@@ -73,8 +72,3 @@ class Verify(Question):
             return None
         state.rounds = 0
         return move_towards(state, state.score, self.pool, self.tokens, k_full, v_full)
-
-
-def describe(delta: SelectionDelta | None) -> str:
-    """One line for logs: how many tokens a delta moves."""
-    return "no move" if delta is None else f"{delta.moved} tokens in, {delta.nbytes()} bytes"
