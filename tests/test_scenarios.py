@@ -98,10 +98,14 @@ def test_long_context_through_the_services(tmp_path, services, lm):
     s = doc["summary"]
     assert s["throughput_ratio_vs_full_resident"] is None  # the verifier runs one tier
     assert s["throughput_ratio_vs_full_offloaded"] > 0
+    # the staggered variant's idle drafter lane drafts ahead over gRPC too (DraftAhead)
+    by = {r["variant"]: r for r in doc["variants"]}
+    assert by["vericache_staggered"]["ahead_drafted"] > 0
+    assert by["vericache_lockstep"]["ahead_drafted"] == 0
 
     # the drafter gets the verifier's exact KV through the store, as in-process: the same
     # rounds, not only the same tokens (without the refresh the rounds differ)
-    from services.common.clients import RemoteBackends
+    from vericache.engine.remote import RemoteBackends
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends

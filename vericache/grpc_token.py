@@ -1,7 +1,7 @@
 """The client half of the internal token (see `services.common.auth` for the server half):
 `with_token(channel, token)` wraps a gRPC channel so every call carries
 `authorization: Bearer <token>`. Used by every client of VeriCache's own services (the
-kvstore's `GrpcStore`, the gateway's `RemoteBackends`)."""
+kvstore's `GrpcStore`, `vericache.engine.remote.RemoteBackends`)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.auth import add_token_arg
+from vericache.engine.remote import MODEL_MESSAGE_BYTES
 from vericache.engine.ttl import SessionClock
 from vericache.errors import VeriCacheError
 from vericache.model import load_model
@@ -18,8 +19,6 @@ from vericache.store import open_store
 
 log = logging.getLogger(__name__)
 
-# a Verify or Draft message with sampled distributions carries k x vocab float32s
-MODEL_MESSAGE_BYTES = 256 << 20
 
 
 def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:

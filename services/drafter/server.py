@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
-                                     chunk_size, probs_to_bytes, request_id, token_list)
+                                     chunk_size, request_id, token_list)
 from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.drafter import Drafter
-from vericache.store.codec import decode_deltas, decode_full
+from vericache.store.codec import decode_deltas, decode_full, probs_to_bytes
 from vericache.store.keys import refresh_key, select_key
 
 pb, pb_grpc = load("drafter")
@@ -40,18 +40,33 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         self.svc.clock.touch(rid, time.monotonic())
         return pb.AttachResponse(bytes_read=tr.bytes_read, store_hits=tr.hits, seconds=tr.seconds)
 
-    def Draft(self, req, context):
+    def _orders(self, req) -> list[tuple[str, int]]:
         items = batch_items(req.items)
         for it in items:
             bounded_int(it.k, "k", MAX_DRAFT_TOKENS)
+        return [(it.request_id, it.k) for it in items]
+
+    def _touch(self, orders: list[tuple[str, int]]) -> None:
+        now = time.monotonic()
+        for rid, _ in orders:
+            self.svc.clock.touch(rid, now)
+
+    def Draft(self, req, context):
+        orders = self._orders(req)
         t = time.perf_counter()
         with self.svc.lock:
-            outs = self.core.draft([(it.request_id, it.k) for it in items])
-        now = time.monotonic()
-        for it in req.items:
-            self.svc.clock.touch(it.request_id, now)
+            outs = self.core.draft(orders)
+        self._touch(orders)
         return pb.DraftResponse(results=[pb.DraftResult(tokens=o.tokens, probs=probs_to_bytes(o.q))
                                          for o in outs], seconds=time.perf_counter() - t)
+
+    def DraftAhead(self, req, context):
+        orders = self._orders(req)
+        t = time.perf_counter()
+        with self.svc.lock:
+            drafted = self.core.draft_ahead(orders)
+        self._touch(orders)
+        return pb.DraftAheadResponse(drafted=drafted, seconds=time.perf_counter() - t)
 
     def Release(self, req, context):
         out = super().Release(req, context)

@@ -51,15 +51,21 @@ def build_engine(args) -> Engine:
         return embedded_engine(args)
     if not (args.drafter and args.verifier):
         raise InvalidArgument("give both --drafter and --verifier (or neither)", "drafter")
-    from services.common.clients import RemoteBackends
+    from vericache.engine.remote import RemoteBackends
     from vericache.engine.batch import BatchEngine
     from vericache.model.loader import load_model_info
+
+    from vericache.engine.budget import MB, request_cost
 
     info = load_model_info(args.model, args.dtype)
     backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s,
                               token=args.internal_token)
+    mb = {name: None if v is None else int(v * MB)
+          for name, v in (("draft", args.draft_kv_budget_mb), ("verify", args.kv_budget_mb))}
     return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=backends, schedule=args.schedule)
+                       backends=backends, schedule=args.schedule,
+                       cost=request_cost(info.kv_bytes_per_token),
+                       draft_budget=mb["draft"], verify_budget=mb["verify"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,8 +109,7 @@ def create_app(engine: Engine, served_model_name: str | None = None,
     async def ready():
         """Readiness: 200 when every backend service answers its Health, else 503 naming the
         ones that do not (the embedded engine has none to ask)."""
-        check = getattr(getattr(engine, "backends", None), "health", None)
-        backends = await asyncio.to_thread(check) if check is not None else {}
+        backends = await asyncio.to_thread(engine.health)
         ok = all(backends.values())
         return JSONResponse({"status": "ready" if ok else "unavailable", "backends": backends},
                             status_code=200 if ok else 503)

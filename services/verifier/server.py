@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 
 from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
-                                     chunk_size, probs_from_bytes, request_id, token_list)
+                                     chunk_size, request_id, token_list)
 from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.verifier import Verifier
 from vericache.select import make_selection
-from vericache.store.codec import encode_deltas, encode_full
+from vericache.store.codec import encode_deltas, encode_full, probs_from_bytes
 from vericache.store.keys import refresh_key, select_key
 from vericache.errors import InvalidArgument
 

@@ -224,7 +224,7 @@ def parse_services(text: str) -> dict:
 def _remote(lm, cfg: ScenarioConfig):
     import os
 
-    from services.common.clients import RemoteBackends
+    from vericache.engine.remote import RemoteBackends
 
     return RemoteBackends(cfg.services["drafter"], cfg.services["verifier"], lm.runner.vocab_size,
                           token=os.environ.get("VERICACHE_INTERNAL_TOKEN") or None)
@@ -232,11 +232,9 @@ def _remote(lm, cfg: ScenarioConfig):
 
 def verifier_tier(lm, cfg: ScenarioConfig) -> str:
     """The verifier service's KV tier, from its Health."""
-    from services.common.clients import _call, vpb
-
     b = _remote(lm, cfg)
     try:
-        return _call(b.verifier.Health, vpb.ServiceHealthRequest(), 10, "verifier Health").kv_tier or "resident"
+        return b.verifier_health().kv_tier or "resident"
     finally:
         b.close()
 
@@ -256,21 +254,12 @@ def _services_warm(lm, cfg: ScenarioConfig, warm: list[tuple[str, list[int]]], n
                    step) -> None:
     """Prefill through the verifier service (full and compressed chunks into the kvstore),
     then release."""
-    from services.common.clients import _call, vpb
-
     b = _remote(lm, cfg)
     spec = make_compressor(cfg.compressor, cfg.ratio).spec
     try:
         for rid, ids in warm:
             step(f"services: prefill {rid} ({len(ids)} tokens) into the kvstore")
-            r = f"{namespace}-{rid}"
-            try:
-                _call(b.verifier.Prefill, vpb.PrefillRequest(
-                    request_id=r, token_ids=ids, compressor=spec, chunk_size=cfg.chunk_size,
-                    extra_capacity=1, namespace=namespace), b.timeout, "verifier Prefill")
-            finally:
-                _call(b.verifier.Release, vpb.ReleaseRequest(request_id=r), b.timeout,
-                      "verifier Release")
+            b.prefill_into_store(f"{namespace}-{rid}", ids, spec, cfg.chunk_size, namespace)
     finally:
         b.close()
 

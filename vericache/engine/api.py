@@ -6,6 +6,7 @@
   and usage.
 - `queue_depth`, `active`: cheap reads for health, metrics and admission control.
 - `metrics()`: counters and the tau histogram for /metrics.
+- `health()`, `sessions()`: the backends' answers (`vericache.engine.backends.Backends`).
 - `close()`: once, at shutdown; frees every session.
 The embedded engine (`BatchEngine`) runs everything in this process; the remote engine runs
 the same state machines against the drafter and verifier services.
@@ -38,6 +39,14 @@ class Engine(ABC):
     @abstractmethod
     def metrics(self) -> dict:
         """{"counters": {...}, "tau_hist": {tokens_per_round: rounds}}."""
+
+    @abstractmethod
+    def health(self) -> dict[str, bool]:
+        """Whether each backend service answers now; never raises."""
+
+    @abstractmethod
+    def sessions(self) -> dict[str, int]:
+        """Per-request KV sessions held in this process, per side ({} when remote)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,9 +1,5 @@
-"""Rounds over drafter and verifier backends: the same code in-process and over gRPC.
-
-A backend pair offers, per request: `admit` (prefill on the verifier, attach on the
-drafter; returns the first token), `draft` and `verify` (batched across requests),
-`commit` (tell the drafter the outcome) and `release`. `LocalBackends` runs them on this
-process's runner; the services' client backends run them over gRPC.
+"""Rounds over drafter and verifier backends (`vericache.engine.backends.Backends`): the
+same code in-process (`LocalBackends`, here) and over gRPC (`vericache.engine.remote`).
 """
 
 from __future__ import annotations
@@ -11,6 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from vericache.engine.backends import Backends
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verifier
@@ -19,7 +16,7 @@ from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.keys import select_key
 
 
-class LocalBackends:
+class LocalBackends(Backends):
     """Drafter and verifier in this process. With a store (embedded `vericache serve`: a
     memory:// store) prefixes are cached across requests and the drafter attaches from the
     store, exactly as the services do; without one, chunks pass in memory.
@@ -126,6 +123,12 @@ class LocalBackends:
         if self._loader is not None:
             self._loader.shutdown(wait=True, cancel_futures=True)
 
+    def health(self) -> dict[str, bool]:
+        return {"drafter": True, "verifier": True}
+
+    def sessions(self) -> dict[str, int]:
+        return {"drafter": len(self.drafter.sessions), "verifier": len(self.verifier.sessions)}
+
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch])
 
@@ -149,12 +152,12 @@ class LocalBackends:
         self.verifier.release(g.rid)
 
 
-def start(backends, g: Generation) -> list[int]:
+def start(backends: Backends, g: Generation) -> list[int]:
     """Prefill one request; returns its first emitted tokens."""
     return g.on_first(backends.admit(g))
 
 
-def run_round(backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, list[int]]:
+def run_round(backends: Backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, list[int]]:
     """One round for every request in `gens` (lockstep: all draft, then all verify).
     Returns the tokens each request emitted, by request id."""
     return verify_phase(backends, gens, draft_phase(backends, gens, costs), costs=costs)
@@ -172,7 +175,7 @@ def plan_draft_lens(gens: list[Generation], costs: CostModel) -> None:
         g.draftlen.choose(k)
 
 
-def draft_phase(backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, DraftOut]:
+def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, DraftOut]:
     """The drafter's half of a round: draft for every request that drafts (not `full`); with
     `costs`, each adaptive request's k comes from the cost model, which learns from the time
     the drafting took."""
@@ -196,7 +199,7 @@ def draft_phase(backends, gens: list[Generation], costs: CostModel | None = None
     return drafts
 
 
-def verify_phase(backends, gens: list[Generation], drafts: dict[str, DraftOut],
+def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, DraftOut],
                  outcomes: dict[str, tuple[int, int | None]] | None = None,
                  costs: CostModel | None = None) -> dict[str, list[int]]:
     """The verifier's half: one verify pass for every request that verifies (not `lossy`),

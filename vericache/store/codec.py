@@ -157,3 +157,19 @@ def _expect_kind(meta: dict[str, Any], kind: str) -> None:
     if meta.get("kind") != kind:
         raise InvalidArgument(f"expected a {kind} chunk, got kind {meta.get('kind')!r}",
                               param="value")
+
+
+def probs_to_bytes(q: torch.Tensor | None) -> bytes:
+    """Draft distributions [k, V] float32 -> raw bytes for a Draft or Verify message (empty
+    for greedy)."""
+    return b"" if q is None else q.float().contiguous().numpy().tobytes()
+
+
+def probs_from_bytes(data: bytes, k: int, vocab_size: int) -> torch.Tensor | None:
+    """The inverse of `probs_to_bytes`; a length that is not k x V float32s is InvalidArgument."""
+    if not data:
+        return None
+    if len(data) != 4 * k * vocab_size:
+        raise InvalidArgument(f"draft_probs holds {len(data)} bytes, expected {4 * k * vocab_size}",
+                              "draft_probs")
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(k, vocab_size)

@@ -1,29 +1,32 @@
-"""Backends over gRPC: the engine's rounds (`vericache.engine.rounds`) run against the drafter
-and verifier services exactly as against the in-process ones. Every call has a deadline;
-a failed call surfaces as the core's typed error."""
+"""`Backends` over gRPC: the engine's rounds (`vericache.engine.rounds`) run against the
+drafter and verifier services exactly as against the in-process ones. Every call has a
+deadline; a failed call surfaces as the core's typed error."""
 
 from __future__ import annotations
 
 import grpc
 
-from services.common.convert import probs_from_bytes, probs_to_bytes
-from services.common.modelsvc import MODEL_MESSAGE_BYTES
 from vericache._proto import load
+from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
-from vericache.grpc_token import with_token
 from vericache.engine.generation import Generation
 from vericache.errors import VeriCacheError
+from vericache.grpc_token import with_token
+from vericache.store.codec import probs_from_bytes, probs_to_bytes
 from vericache.store.grpc_store import RECONNECT_OPTIONS, STATUS_ERRORS
 
 vpb, vpb_grpc = load("verifier")
 dpb, dpb_grpc = load("drafter")
+# a Verify or Draft message with sampled distributions carries k x vocab float32s
+MODEL_MESSAGE_BYTES = 256 << 20
 # A restarted drafter or verifier is found again within 5 s (gRPC's default backoff grows
 # to 120 s, and calls fail fast as UNAVAILABLE until the next reconnect attempt).
 _OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MODEL_MESSAGE_BYTES), *RECONNECT_OPTIONS]
 
 
-def _call(fn, request, timeout: float, what: str):
+def call(fn, request, timeout: float, what: str):
+    """`fn(request)` under a deadline; a gRPC failure becomes the core's typed error."""
     try:
         return fn(request, timeout=timeout)
     except grpc.RpcError as e:
@@ -35,12 +38,16 @@ def _refresh(g: Generation) -> bool:
     return g.params.refresh_draft and g.params.mode == "vericache"
 
 
+def _orders(batch: list[tuple[Generation, int]]):
+    return dpb.DraftRequest(items=[dpb.DraftItem(request_id=g.rid, k=k) for g, k in batch])
+
+
 def _record_selection(g: Generation, st) -> None:
     """A service's selection totals (SelectionStats) into the request's stats."""
     g.stats.record_selection(st.seconds, st.moves, st.moved_tokens, st.delta_bytes)
 
 
-class RemoteBackends:
+class RemoteBackends(Backends):
     """The drafter and verifier services as the engine's backends. `token`: the services'
     internal token, sent with every call."""
 
@@ -55,7 +62,7 @@ class RemoteBackends:
     def admit(self, g: Generation) -> int:
         p = g.params
         spec = g.compressor.spec if g.compressor is not None else ""
-        out = _call(self.verifier.Prefill, vpb.PrefillRequest(
+        out = call(self.verifier.Prefill, vpb.PrefillRequest(
             request_id=g.rid, token_ids=g.prompt, compressor=spec, chunk_size=p.chunk_size,
             temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
             namespace=p.namespace, save_tail=bool(spec),
@@ -67,7 +74,7 @@ class RemoteBackends:
         s.store_hits, s.store_bytes_read = out.store_hits, out.bytes_read
         s.store_bytes_written, s.store_s = out.bytes_written, out.store_seconds
         if spec:
-            att = _call(self.drafter.Attach, dpb.AttachRequest(
+            att = call(self.drafter.Attach, dpb.AttachRequest(
                 request_id=g.rid, token_ids=g.prompt, first_token=out.first_token, compressor=spec,
                 chunk_size=p.chunk_size, tail_start=out.tail_start, temperature=p.temperature,
                 seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace,
@@ -77,18 +84,21 @@ class RemoteBackends:
             s.store_s += att.seconds
             s.draft_kv_bytes = att.bytes_read
             if p.mode == "lossy":
-                _call(self.verifier.Release, vpb.ReleaseRequest(request_id=g.rid), self.timeout,
+                call(self.verifier.Release, vpb.ReleaseRequest(request_id=g.rid), self.timeout,
                       "verifier Release")
         return out.first_token
 
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
-        res = _call(self.drafter.Draft, dpb.DraftRequest(
-            items=[dpb.DraftItem(request_id=g.rid, k=k) for g, k in batch]), self.timeout, "drafter Draft")
+        res = call(self.drafter.Draft, _orders(batch), self.timeout, "drafter Draft")
         return [DraftOut(list(r.tokens), probs_from_bytes(r.probs, len(r.tokens), self.vocab))
                 for r in res.results]
 
+    def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
+        return call(self.drafter.DraftAhead, _orders(batch), self.timeout,
+                    "drafter DraftAhead").drafted
+
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
-        res = _call(self.verifier.Verify, vpb.VerifyRequest(items=[
+        res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
             vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
                            refresh_draft=_refresh(g))
             for g, d in batch]), self.timeout, "verifier Verify")
@@ -103,7 +113,7 @@ class RemoteBackends:
                                 apply_selection=self._moved.pop(g.rid, False))
         if bonus is not None:
             req.bonus = bonus
-        _call(self.drafter.Commit, req, self.timeout, "drafter Commit")
+        call(self.drafter.Commit, req, self.timeout, "drafter Commit")
 
     def release(self, g: Generation) -> None:
         """Free both sides; never raises (a lost service frees its sessions by TTL)."""
@@ -123,6 +133,22 @@ class RemoteBackends:
             except grpc.RpcError:
                 out[name] = False
         return out
+
+    def verifier_health(self, timeout_s: float = 10.0):
+        """The verifier's ServiceHealthResponse (its KV tier, sessions); raises when it is down."""
+        return call(self.verifier.Health, vpb.ServiceHealthRequest(), timeout_s, "verifier Health")
+
+    def prefill_into_store(self, rid: str, ids: list[int], compressor: str, chunk_size: int,
+                           namespace: str) -> None:
+        """Prefill a prompt on the verifier (full and compressed chunks into the kvstore) and
+        release it: a warm prefix cache for later requests."""
+        try:
+            call(self.verifier.Prefill, vpb.PrefillRequest(
+                request_id=rid, token_ids=ids, compressor=compressor, chunk_size=chunk_size,
+                extra_capacity=1, namespace=namespace), self.timeout, "verifier Prefill")
+        finally:
+            call(self.verifier.Release, vpb.ReleaseRequest(request_id=rid), self.timeout,
+                 "verifier Release")
 
     def close(self) -> None:
         for ch in self._channels:
