@@ -106,6 +106,104 @@ def test_batch_engine_schedules_identical_to_full(lm, cases, schedule):
         BatchEngine(lm, schedule="eager")
 
 
+def test_serving_and_the_scenario_benchmark_run_one_executor(lm, cases, monkeypatch):
+    """`BatchEngine` (what `vericache serve` and the gateway run) and `run_requests` (what
+    `vericache bench --scenario` runs) execute their jobs in the same `LaneRunner`: every
+    job of both goes through it, outputs equal full greedy in both."""
+    from vericache.engine.batch import BatchEngine
+    from vericache.engine.lanes import LaneRunner
+
+    jobs: dict[bool, set[str]] = {True: set(), False: set()}  # detailed trace: closed run
+    execute = LaneRunner._execute
+
+    def spy(self, job):
+        jobs[self.trace.detailed].add(job.kind)
+        return execute(self, job)
+
+    monkeypatch.setattr(LaneRunner, "_execute", spy)
+    ids, refs = cases
+    engine = BatchEngine(lm, max_batch=8, schedule="staggered")
+    try:
+        streams = [engine.submit(p, GenParams(max_tokens=N, ignore_eos=True, compressor="snapkv",
+                                              ratio=4, draft_len=8)) for p in ids]
+        outs = [[t for ev in rs for t in ev.token_ids] for rs in streams]
+        counters = engine.metrics()["counters"]
+    finally:
+        engine.close()
+    assert outs == refs
+    assert jobs[False] == {"prefill", "draft", "verify", "ahead"}
+    assert counters["ahead_drafted"] > 0 and counters["overlapped_rounds"] > 0
+    assert engine.sessions() == {"drafter": 0, "verifier": 0}  # every request released
+    gens = _gens(lm, ids[:2])
+    run_requests(LocalBackends(lm), gens, "staggered", draft_ahead=True)
+    assert [g.output_ids for g in gens] == refs[:2]
+    assert jobs[True] >= {"prefill", "draft", "verify"}
+
+
+def test_the_serving_engine_admits_within_its_kv_budget(lm, cases):
+    """A verifier budget of two requests' full KV: full mode admits two at a time, the others
+    wait, nothing is lost; a request that could never fit is refused, naming the limit."""
+    from vericache.engine.batch import BatchEngine
+    from vericache.engine.budget import request_cost
+    from vericache.errors import InvalidArgument
+
+    ids, refs = cases
+    per_tok = lm.runner.kv_bytes_per_token()
+    cost = request_cost(per_tok)
+    params = GenParams(mode="full", max_tokens=N, ignore_eos=True)
+    need = [cost(Generation(lm, p, params))[1] for p in ids]
+    budget = sorted(need)[-1] + sorted(need)[-2]  # the two largest fit together, not all four
+    engine = BatchEngine(lm, max_batch=8, cost=cost, verify_budget=budget)
+    try:
+        streams = [engine.submit(p, params) for p in ids]
+        outs = [[t for ev in rs for t in ev.token_ids] for rs in streams]
+        with pytest.raises(InvalidArgument, match="verifier KV memory.*--kv-budget-mb"):
+            engine.submit(ids[3] * 2, params)  # more than the two largest together
+    finally:
+        engine.close()
+    kv = engine.metrics()["kv_bytes"]["verifier"]  # closed: every request has left
+    assert outs == refs
+    trace = engine.runner.trace
+    assert 2 <= trace.max_active < len(ids) and trace.peak_kv[1] <= budget
+    assert kv == {"in_use": 0, "budget": budget}
+
+
+def test_the_engine_fails_only_the_requests_of_a_failed_job(lm, cases):
+    """A verify pass that raises fails its own requests with an error event; requests in
+    other jobs, and later requests, go on and equal full greedy; nothing stays held."""
+    from vericache.engine.batch import BatchEngine
+    from vericache.errors import Unavailable
+
+    class Flaky(LocalBackends):
+        fail_next = True
+
+        def verify(self, batch):
+            if self.fail_next and any(g.params.namespace == "doomed" for g, _ in batch):
+                self.fail_next = False
+                raise Unavailable("verifier lost")
+            return super().verify(batch)
+
+    ids, refs = cases
+    b = Flaky(lm)
+    engine = BatchEngine(lm, max_batch=1, backends=b)  # one request at a time: one per job
+    try:
+        params = GenParams(max_tokens=N, ignore_eos=True, compressor="snapkv", ratio=4, draft_len=8)
+        doomed = engine.submit(ids[0], GenParams(**{**params.__dict__, "namespace": "doomed"}))
+        fine = engine.submit(ids[1], params)
+        d_events, f_events = list(doomed), list(fine)
+        after = [t for ev in engine.submit(ids[0], params) for t in ev.token_ids]
+        counters = engine.metrics()["counters"]
+    finally:
+        engine.close()
+    assert d_events[-1].error == "Unavailable: verifier lost"
+    assert [t for ev in d_events for t in ev.token_ids] == refs[0][:len(
+        [t for ev in d_events for t in ev.token_ids])]  # what it got before the failure is exact
+    assert [t for ev in f_events for t in ev.token_ids] == refs[1] and f_events[-1].error is None
+    assert after == refs[0]
+    assert counters["errors"] == 1 and counters["finished"] == 3
+    assert b.sessions() == {"drafter": 0, "verifier": 0}
+
+
 def test_a_request_id_in_use_is_refused(lm, prompts):
     """Two gateways sharing a verifier must never share a session: a second prefill or attach
     under a live id is an error, not an overwrite of the first request's cache."""

@@ -117,7 +117,13 @@ def engine_collector(engine) -> Collector:
             counter("vericache_verify_seconds_total", "verify_s", "time spent verifying"),
             counter("vericache_prefill_seconds_total", "prefill_s", "time spent in prefill"),
             counter("vericache_overlapped_rounds_total", "overlapped_rounds",
-                    "staggered rounds in which one half verified while the other drafted"),
+                    "verify jobs during which the drafter lane drafted (staggered schedule)"),
+            counter("vericache_ahead_drafted_tokens_total", "ahead_drafted",
+                    "tokens drafted ahead past drafts in verification (staggered schedule)"),
+            counter("vericache_draft_lane_busy_seconds_total", "draft_busy_s",
+                    "time the executor's drafter lane ran jobs"),
+            counter("vericache_verify_lane_busy_seconds_total", "verify_busy_s",
+                    "time the executor's verifier lane ran jobs (prefill and verify)"),
             counter("vericache_store_hits_total", "store_hits", "KV chunks read from the store"),
             counter("vericache_store_read_bytes_total", "store_bytes_read",
                     "KV bytes read from the store"),
@@ -138,8 +144,21 @@ def engine_collector(engine) -> Collector:
             Family("vericache_active_requests", "gauge", "requests being decoded")
             .add(engine.active),
             *_session_gauges(engine),
+            *_kv_families(m.get("kv_bytes", {})),
         ]
     return collect
+
+
+def _kv_families(kv: dict) -> list[Family]:
+    """KV bytes the admitted requests hold, and the budgets admission keeps them within."""
+    used = Family("vericache_kv_bytes", "gauge", "KV bytes charged to admitted requests, per side")
+    budget = Family("vericache_kv_budget_bytes", "gauge",
+                    "KV memory budget per side (absent: unbounded)")
+    for side, v in sorted(kv.items()):
+        used.add(v["in_use"], side=side)
+        if v["budget"] is not None:
+            budget.add(v["budget"], side=side)
+    return [used, budget]
 
 
 def _draft_len_families(k_hist: dict, costs: dict) -> list[Family]:
@@ -179,15 +198,12 @@ def _by_policy(counters: dict) -> Family:
 def _session_gauges(engine) -> list[Family]:
     """Sessions held by in-process drafter and verifier (embedded engine only; the services
     report theirs in their own Health)."""
-    backends = getattr(engine, "backends", None)
-    sides = [(side, getattr(getattr(backends, side, None), "sessions", None))
-             for side in ("drafter", "verifier")]
-    sides = [(side, s) for side, s in sides if isinstance(s, dict)]
+    sides = engine.sessions()
     if not sides:
         return []
     fam = Family("vericache_sessions", "gauge", "per-request KV sessions held in this process")
-    for side, sessions in sides:
-        fam.add(len(sessions), side=side)
+    for side, n in sides.items():
+        fam.add(n, side=side)
     return [fam]
 
 

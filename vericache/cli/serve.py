@@ -33,6 +33,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="lockstep: every request drafts, then every one verifies; staggered: "
                         "one half of the batch verifies while the other drafts "
                         "(default: lockstep; $VERICACHE_SCHEDULE)")
+    g.add_argument("--kv-budget-mb", type=float, default=_mb(env("KV_BUDGET_MB", None)),
+                   help="the verifier's full-KV memory: requests are admitted while their KV "
+                        "fits (the others wait; one that can never fit gets a 400) "
+                        "(default: half the memory free at start-up; with the services, "
+                        "unbounded; $VERICACHE_KV_BUDGET_MB)")
+    g.add_argument("--draft-kv-budget-mb", type=float, default=_mb(env("DRAFT_KV_BUDGET_MB", None)),
+                   help="the drafter's compressed-KV memory, the same way (default: a fifth "
+                        "of the memory free at start-up; with the services, unbounded; "
+                        "$VERICACHE_DRAFT_KV_BUDGET_MB)")
     g.add_argument("--store", default=env("STORE", "memory://?capacity_mb=2048"),
                    help="prefix-cache store of the embedded engine: memory://?capacity_mb=N, "
                         "redis://HOST:PORT/DB, lmcache://..., grpc://HOST:PORT, or none "
@@ -54,6 +63,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", 2 << 20)),
                    help="largest HTTP request body; larger ones get 413 "
                         "(default: 2097152; $VERICACHE_MAX_BODY_BYTES)")
+
+
+def _mb(text: str | None) -> float | None:
+    return None if text in (None, "") else float(text)
 
 
 def add_parser(sub) -> None:
@@ -99,10 +112,15 @@ def embedded_engine(args):
     from vericache.engine.rounds import LocalBackends
     from vericache.store import open_store
 
+    from vericache.engine.budget import budget_bytes, request_cost
+
     lm = load_model(args.model, args.dtype, args.device)
     store = None if args.store in ("", "none") else open_store(args.store)
     return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=LocalBackends(lm, store), schedule=args.schedule)
+                       backends=LocalBackends(lm, store), schedule=args.schedule,
+                       cost=request_cost(lm.runner.kv_bytes_per_token()),
+                       draft_budget=budget_bytes(args.draft_kv_budget_mb, "drafter", args.device),
+                       verify_budget=budget_bytes(args.kv_budget_mb, "verifier", args.device))
 
 
 def run(args) -> int:

@@ -53,6 +53,9 @@ class StreamingLLM(Compressor):
     def exact_tail(self, prompt_len: int) -> int:
         return max(0, math.ceil(prompt_len / self.ratio) - self.sinks)
 
+    def kept_tokens(self, prompt_len: int) -> int:
+        return min(prompt_len, self.sinks + self.exact_tail(prompt_len))
+
 
 class SnapKV(Compressor):
     """Observation-window scoring (Li et al., 2024), per chunk and per KV head.
@@ -74,6 +77,10 @@ class SnapKV(Compressor):
 
     def exact_tail(self, prompt_len: int) -> int:
         return self.recent
+
+    def kept_tokens(self, prompt_len: int) -> int:
+        tail = min(prompt_len, self.recent)
+        return tail + math.ceil((prompt_len - tail) / self.ratio)
 
     def select(self, span: KVSpan) -> torch.Tensor:
         """Indices (within the span) of the kept tokens: [layers, Hkv, m], sorted."""

@@ -8,6 +8,8 @@ as do the drafter's own new tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vericache.compress.base import CompressedChunk, Compressor, KVSpan
@@ -111,6 +113,10 @@ class SnapKVKIVI(Compressor):
 
     def exact_tail(self, prompt_len: int) -> int:
         return self.kivi.residual
+
+    def kept_tokens(self, prompt_len: int) -> int:
+        tail = min(prompt_len, self.kivi.residual)
+        return tail + math.ceil((prompt_len - tail) / self.snap.ratio)
 
     def compress(self, span: KVSpan) -> CompressedChunk:
         idx = self.snap.select(span)

@@ -95,6 +95,19 @@ class Scheduler:
             raise ValueError(f"request {rid!r} is in a running {r.state} job")
         r.state = DONE
 
+    def in_use(self) -> tuple[int, int]:
+        """(drafter bytes, verifier bytes) the admitted requests hold now (a verifier working
+        copy counts while its verification runs)."""
+        active = self._admitted()
+        return (sum(r.draft_bytes for r in active),
+                sum(r.resident_bytes + (r.load_bytes if r.state == VERIFYING else 0) for r in active))
+
+    def forget(self, rid: str) -> None:
+        """Drop a DONE request's record (a serving engine's scheduler lives for many requests)."""
+        if self._reqs[rid].state != DONE:
+            raise ValueError(f"request {rid!r} is not done")
+        del self._reqs[rid]
+
     def state(self, rid: str) -> str:
         return self._reqs[rid].state
 

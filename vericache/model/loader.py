@@ -131,6 +131,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     max_context: int
     vocab_size: int = 0
+    kv_bytes_per_token: int = 0  # K and V of one token over every layer, in the model dtype
 
 
 @dataclass
@@ -170,7 +171,15 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
         gen_eos = None
     return ModelInfo(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
                      eos_token_ids=_eos_ids(gen_eos, cfg.eos_token_id, tokenizer),
-                     max_context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+                     max_context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                     kv_bytes_per_token=_kv_bytes_per_token(cfg, dtype))
+
+
+def _kv_bytes_per_token(cfg, dtype: str) -> int:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
 
 
 def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
@@ -196,4 +205,5 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
     gen_eos = hf.generation_config.eos_token_id if hf.generation_config else None
     return LoadedModel(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
                        eos_token_ids=_eos_ids(gen_eos, hf.config.eos_token_id, tokenizer),
-                       max_context=runner.max_positions, vocab_size=runner.vocab_size, runner=runner)
+                       max_context=runner.max_positions, vocab_size=runner.vocab_size,
+                       kv_bytes_per_token=runner.kv_bytes_per_token(), runner=runner)

@@ -1,0 +1,72 @@
+"""KV memory budgets: what a request costs the drafter and the verifier, and the defaults.
+
+A request holds, while admitted:
+- on the drafter, the tokens its compressor keeps (`Compressor.kept_tokens`, decompressed in
+  the model dtype) plus room for its output and one draft;
+- on the verifier, its full KV (prompt + output + one draft): resident the whole time, or,
+  with the offloaded tier, a working copy only while one of its verifications runs.
+The scheduler (`vericache.engine.scheduler`) admits requests in arrival order while both
+budgets hold; a request that could never fit alone is refused at submission.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vericache.engine.generation import Generation
+from vericache.errors import InvalidArgument
+
+MB = 1 << 20
+# the share of the memory free at start-up that KV may take by default, per side
+DEFAULT_SHARE = {"verifier": 0.5, "drafter": 0.2}
+
+
+def request_cost(kv_per_token: int, tier: str = "resident"):
+    """The scheduler's cost function: (draft_bytes, resident_bytes, load_bytes) of a request."""
+    def cost(g: Generation) -> tuple[int, int, int]:
+        room = g.extra_capacity * kv_per_token
+        full = len(g.prompt) * kv_per_token + room
+        draft = 0 if g.compressor is None else g.compressor.kept_tokens(len(g.prompt)) * kv_per_token + room
+        if g.params.mode == "lossy":
+            return draft, 0, 0
+        return (draft, full, 0) if tier == "resident" else (draft, 0, full)
+    return cost
+
+
+def free_bytes(device: torch.device | str = "cpu") -> int:
+    """Memory free now on `device` (CUDA: the device's; CPU: the host's available memory)."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def budget_bytes(mb: float | None, side: str, device: torch.device | str = "cpu") -> int:
+    """A side's KV budget in bytes: `mb` when given (> 0), else its default share of the
+    memory free now."""
+    if mb is None:
+        return int(free_bytes(device) * DEFAULT_SHARE[side])
+    if not mb > 0:
+        raise InvalidArgument(f"the {side}'s KV budget must be > 0 MB (got {mb})", "kv_budget_mb")
+    return int(mb * MB)
+
+
+def check_fits(cost: tuple[int, int, int], draft_budget: int | None, verify_budget: int | None) -> None:
+    """Refuse a request that could never be admitted, naming the limit it exceeds."""
+    draft, resident, load = cost
+    if draft_budget is not None and draft > draft_budget:
+        raise InvalidArgument(f"this request needs {draft / MB:.1f} MB of drafter KV memory, more "
+                              f"than the whole budget of {draft_budget / MB:.1f} MB "
+                              "(--draft-kv-budget-mb); shorten the prompt or max_tokens", "max_tokens")
+    if verify_budget is not None and resident + load > verify_budget:
+        raise InvalidArgument(f"this request needs {(resident + load) / MB:.1f} MB of verifier KV "
+                              f"memory, more than the whole budget of {verify_budget / MB:.1f} MB "
+                              "(--kv-budget-mb); shorten the prompt or max_tokens", "max_tokens")
