@@ -67,6 +67,13 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     assert by["vericache_lockstep:static"]["select_delta_bytes_per_token"] == 0
     assert all(sel[p]["tau_mean"] >= 1 and sel[p]["ngram_tau"] >= 1 for p in sel)
     assert by["full_resident"]["max_active"] == 1  # the budget holds one full cache
+    # the budget is the total: VeriCache's drafter KV is charged to it (a second request's
+    # compressed KV plus one working copy does not fit in one cache)
+    budget = doc["settings"]["kv_budget_bytes"]
+    assert by["full_resident"]["kv_peak_verify_bytes"] <= budget
+    assert by["full_resident"]["kv_peak_draft_bytes"] == 0
+    assert 0 < by["vericache_lockstep"]["kv_peak_draft_bytes"] < budget
+    assert by["vericache_lockstep"]["max_active"] == 1
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
     roof = doc["roofline"]
     assert roof["inputs"]["read_gb_s"] > 0 and roof["inputs"]["matmul_gflop_s"] > 0

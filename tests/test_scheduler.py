@@ -81,6 +81,34 @@ def test_resident_budget_bounds_admission_and_frees_on_done():
     assert p2 == Job("prefill", ("c",))
 
 
+def test_total_budget_counts_the_drafter_and_the_verifier_together():
+    """One memory for both sides: the drafters' compressed KV leaves less room for working
+    copies, so admission and verify jobs shrink; a forgotten request frees its share."""
+    s = Scheduler("lockstep", total_budget=400)
+    for rid in "abcd":
+        s.add(rid, draft_bytes=50, load_bytes=100)
+    (p,) = s.schedule()
+    assert p.rids == ("a", "b", "c", "d")  # 4 x 50 held + one 100 load = 300 <= 400
+    assert s.in_use() == (200, 0)
+    s.done(p)
+    (d,) = s.schedule()
+    s.done(d)
+    (v1,) = s.schedule()
+    assert v1.rids == ("a", "b")  # room: 400 - 200 drafted = two loads
+    assert s.in_use() == (200, 200)
+    s.done(v1, {"a", "b"})
+    s.forget("a")
+    with pytest.raises(ValueError, match="not done"):
+        s.forget("c")
+    (v2,) = s.schedule()
+    assert v2.rids == ("c", "d")
+    s2 = Scheduler("lockstep", total_budget=240)
+    for rid in "abc":
+        s2.add(rid, draft_bytes=50, load_bytes=100)
+    (p,) = s2.schedule()
+    assert p.rids == ("a", "b")  # a third would leave no room for a load: 3 x 50 + 100 > 240
+
+
 def test_too_small_budget_still_admits_one():
     s = Scheduler("lockstep", draft_budget=10, verify_budget=10)
     s.add("a", draft_bytes=50, resident_bytes=50)

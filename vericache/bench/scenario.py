@@ -5,8 +5,9 @@ sharing one long code document and each asking its own question) through the two
 (`vericache.engine.lanes`) in this process. Each output is compared with single-request full
 greedy decoding of the same prompt, run first in the same process.
 
-long-context: the full KV is the expensive thing to keep; the verifier's KV memory budget and,
-where the full KV is offloaded, its link are the same for every variant:
+long-context: the full KV is the expensive thing to keep; the KV memory budget (drafter and
+verifier together: VeriCache's compressed KV is charged to the same memory as the baselines'
+full KV) and, where the full KV is offloaded, its link are the same for every variant:
 - full_resident: full-KV greedy decoding, KV resident; the budget bounds how many requests
   are admitted at once.
 - full_offloaded: full-KV greedy decoding with the KV in the offloaded tier: every step
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from vericache.bench.scenario_metrics import summarize, variant_measures
 from vericache.compress.registry import make_compressor
+from vericache.engine.budget import MB, request_cost
 from vericache.engine.generation import Generation, GenParams
 from vericache.engine.kvtier import make_tier
 from vericache.engine.lanes import run_requests
@@ -61,7 +63,6 @@ VARIANTS = {
 BASELINES = {"long-context": ("full_resident", "full_offloaded"),
              "remote-prefix": ("full_near", "full_far")}
 DEFAULT_LINKS = {"long-context": 4.0, "remote-prefix": 200.0}  # the verifier's link, Gbit/s
-MB = 1 << 20
 
 
 @dataclass
@@ -79,9 +80,11 @@ class ScenarioConfig:
     link_gbps: float | None = None  # verifier's link (tier or store); None: the scenario's
     # default; 0: unpaced (memory-copy speed: on a CPU the "host tier" is the same memory)
     drafter_link_gbps: float | None = 1.0  # remote-prefix: the far node's link to the store
-    verify_budget_mb: float | None = None  # verifier KV memory; None: unbounded
-    verify_budget_caches: float | None = None  # the same, in full caches of the longest request
-    draft_budget_mb: float | None = None
+    # KV memory of each variant, drafter and verifier together (one machine's memory: the
+    # drafter's compressed KV counts against the same budget as the full KV); None: unbounded
+    kv_budget_mb: float | None = None
+    kv_budget_caches: float | None = None  # the same, in full caches of the longest request
+    draft_budget_mb: float | None = None  # an extra bound on the drafter's share
     groups: int = 2
     schedule: str = "lockstep"  # VeriCache's headline schedule in the ratios
     draft_ahead: bool = True  # in the staggered variant
@@ -102,11 +105,10 @@ class ScenarioConfig:
             raise InvalidArgument("--max-tokens must be >= 2", "max_tokens")
         if self.link_gbps < 0:
             raise InvalidArgument("--link-gbps must be >= 0 (0: unpaced)", "link_gbps")
-        for name in ("drafter_link_gbps", "verify_budget_mb", "verify_budget_caches",
-                     "draft_budget_mb"):
+        for name in ("drafter_link_gbps", "kv_budget_mb", "kv_budget_caches", "draft_budget_mb"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be > 0", name)
-        if self.verify_budget_mb is not None and self.verify_budget_caches is not None:
+        if self.kv_budget_mb is not None and self.kv_budget_caches is not None:
             raise InvalidArgument("give --kv-budget-mb or --kv-budget-caches, not both", "kv_budget")
         make_compressor(self.compressor, self.ratio)
         if not self.selections:
@@ -127,27 +129,12 @@ class ScenarioConfig:
             out.append((f"vericache_{self.schedule}:{s}", replace(self, selections=[s])))
         return out
 
-    def verify_budget(self, longest_prompt: int, kv_per_token: int) -> int | None:
-        """The verifier's budget in bytes."""
-        if self.verify_budget_caches is not None:
+    def kv_budget(self, longest_prompt: int, kv_per_token: int) -> int | None:
+        """Each variant's KV budget in bytes, drafter and verifier together."""
+        if self.kv_budget_caches is not None:
             per_cache = (longest_prompt + self.params("full").max_tokens + self.draft_len + 2) * kv_per_token
-            return int(self.verify_budget_caches * per_cache)
-        return None if self.verify_budget_mb is None else int(self.verify_budget_mb * MB)
-
-
-def request_cost(cfg: ScenarioConfig, kv_per_token: int, mode: str, tier: str) -> Callable:
-    """(draft_bytes, resident_bytes, load_bytes) of a request, for the scheduler's budgets:
-    the full KV at its longest (prompt + output + one draft) on the verifier, resident or
-    loaded per verification; the compressed KV (prompt / ratio + output) on the drafter."""
-    ratio = cfg.ratio or 1.0
-
-    def cost(g: Generation) -> tuple[int, int, int]:
-        full = (len(g.prompt) + g.extra_capacity) * kv_per_token
-        draft = int((len(g.prompt) / ratio + g.extra_capacity) * kv_per_token) if mode != "full" else 0
-        if mode == "lossy":
-            return draft, 0, 0
-        return (draft, full, 0) if tier == "resident" else (draft, 0, full)
-    return cost
+            return int(self.kv_budget_caches * per_cache)
+        return None if self.kv_budget_mb is None else int(self.kv_budget_mb * MB)
 
 
 def _drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
@@ -166,11 +153,12 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
     prefix = f"{namespace}-" if namespace else ""
     gens = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-{i}")
             for i, p in enumerate(prompts)]
-    cost = request_cost(cfg, lm.runner.kv_bytes_per_token(), mode, tier_name)
+    cost = request_cost(lm.runner.kv_bytes_per_token(), tier_name)
     try:
         trace = run_requests(backends, gens, schedule, cfg.groups,
                              None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB),
-                             budget, cost, draft_ahead=cfg.draft_ahead and schedule == "staggered")
+                             None, cost, draft_ahead=cfg.draft_ahead and schedule == "staggered",
+                             total_budget=budget)
     finally:
         backends.close()
         if tier is not None:
@@ -183,7 +171,7 @@ def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, sto
     """One long-context variant over every prompt at once; returns its raw record."""
     tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
     tier = make_tier(tier_name, cfg.link_gbps or None, lm.runner.device)
-    budget = cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
+    budget = cfg.kv_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
     return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget)
 
 
@@ -243,7 +231,7 @@ def run_services_variant(lm, prompts, cfg: ScenarioConfig, variant: str, tier: s
                          namespace: str) -> dict:
     """One variant through the drafter and verifier services (RemoteBackends); the services'
     own flags set their links and the verifier's tier."""
-    budget = cfg.verify_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
+    budget = cfg.kv_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
     raw = _run(lm, prompts, cfg, variant, _remote(lm, cfg), None, tier, budget, namespace)
     if raw["mode"] == "full":
         raw["variant"] = f"full_{tier}"
@@ -324,7 +312,7 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
            "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],
                         "shared_prefix_tokens": shared,
                         "kv_bytes_per_token": lm.runner.kv_bytes_per_token(),
-                        "verify_budget_bytes": cfg.verify_budget(max(len(p.ids) for p in prompts),
+                        "kv_budget_bytes": cfg.kv_budget(max(len(p.ids) for p in prompts),
                                                                  lm.runner.kv_bytes_per_token())},
            "variants": rows,
            "summary": summarize(rows, cfg.schedule, *baselines)}

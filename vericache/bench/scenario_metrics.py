@@ -81,6 +81,8 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "acceptance_rate": _r(mean([g.stats.acceptance_rate for g in gens]))
         if raw["mode"] == "vericache" else None,
         "max_active": tr.max_active,
+        # the most KV bytes the scheduler charged at once, per side (the budget bounds the sum)
+        "kv_peak_draft_bytes": tr.peak_kv[0], "kv_peak_verify_bytes": tr.peak_kv[1],
         "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
         "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
         "lanes_overlap_s": _r(overlap_s(tr.busy[DRAFT_LANE], tr.busy[VERIFY_LANE])),

@@ -84,9 +84,9 @@ def add_parser(sub) -> None:
                    help="remote-prefix: the decoding node's (drafter's) slow link to the store, "
                         "Gbit/s (default: 1)")
     g.add_argument("--kv-budget-mb", type=float, default=None, metavar="MB",
-                   help="the verifier's KV memory budget: bounds the requests admitted with "
-                        "resident full KV and the requests verified per offloaded pass "
-                        "(default: unbounded)")
+                   help="each variant's KV memory, drafter and verifier together (the "
+                        "drafter's compressed KV counts too): bounds the requests admitted and "
+                        "the requests verified per offloaded pass (default: unbounded)")
     g.add_argument("--kv-budget-caches", type=float, default=None, metavar="N",
                    help="the same budget in full caches of the longest request (prompt + "
                         "output), e.g. 4")

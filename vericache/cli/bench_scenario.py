@@ -34,8 +34,8 @@ def config(args, grid: Grid) -> ScenarioConfig:
         scenario=args.scenario, concurrency=args.concurrency, max_tokens=grid.max_tokens, compressor=comp,
         ratio=grid.ratios[0] if takes_ratio(comp) else None, draft_len=grid.draft_lens[0],
         adaptive=grid.adaptive, chunk_size=grid.chunk_size, link_gbps=args.link_gbps,
-        drafter_link_gbps=args.drafter_link_gbps, verify_budget_mb=args.kv_budget_mb,
-        verify_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
+        drafter_link_gbps=args.drafter_link_gbps, kv_budget_mb=args.kv_budget_mb,
+        kv_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
         schedule=args.schedule, draft_ahead=args.draft_ahead, selections=grid.selections,
         services=parse_services(args.services) if args.services else None)
 
@@ -64,7 +64,7 @@ def add_roofline(doc: dict, runner, threads: int | None) -> None:
     model = {"params": wb // runner.embed.element_size(), "layers": runner.num_layers,
              "heads": runner.num_heads, "head_dim": runner.head_dim, "weight_bytes": wb,
              "kv_per_token": runner.kv_bytes_per_token()}
-    budget = st["verify_budget_bytes"]
+    budget = st["kv_budget_bytes"]
     per_cache = (max(st["context_tokens"]) + st["max_tokens"]) * runner.kv_bytes_per_token()
     run = {"ctx": sum(st["context_tokens"]) / len(st["context_tokens"]) + st["max_tokens"] / 2,
            "batch": st["concurrency"], "budget_caches": budget / per_cache if budget else None,

@@ -301,8 +301,11 @@ class LaneRunner:
 def run_requests(backends: Backends, gens: list[Generation], schedule: str = "lockstep",
                  groups: int = 2, draft_budget: int | None = None, verify_budget: int | None = None,
                  cost: CostFn | None = None, max_active: int | None = None,
-                 draft_ahead: bool = False, costs: CostModel | None = None) -> LaneTrace:
-    """Run `gens` to the end under `schedule` ("lockstep" or "staggered"); budgets in bytes.
-    `draft_ahead` (staggered only) drafts past drafts in verification."""
-    sched = Scheduler(schedule, groups, draft_budget, verify_budget, max_active, draft_ahead)
+                 draft_ahead: bool = False, costs: CostModel | None = None,
+                 total_budget: int | None = None) -> LaneTrace:
+    """Run `gens` to the end under `schedule` ("lockstep" or "staggered"); budgets in bytes
+    (`total_budget`: drafter and verifier together). `draft_ahead` (staggered only) drafts
+    past drafts in verification."""
+    sched = Scheduler(schedule, groups, draft_budget, verify_budget, max_active, draft_ahead,
+                      total_budget)
     return LaneRunner(backends, sched, cost, costs).run(gens)

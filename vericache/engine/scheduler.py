@@ -20,10 +20,11 @@ Modes:
 
 Memory: a request costs `draft_bytes` on the drafter and `resident_bytes` on the verifier
 while admitted, and `load_bytes` on the verifier while it is being verified (the working
-copy of an offloaded full KV; 0 for a resident one). Requests are admitted in arrival order
-while both budgets hold (the first always, so a too-small budget still makes progress), and
-a verify job takes the group's ready requests in order while their load fits the verifier's
-budget left after the resident requests.
+copy of an offloaded full KV; 0 for a resident one). Budgets: the drafter's, the verifier's,
+and a total over both sides (one machine's memory holding both). Requests are admitted in
+arrival order while every budget holds (the first always, so a too-small budget still makes
+progress), and a verify job takes the group's ready requests in order while their load fits
+what the verifier's and the total budget leave after the admitted requests' holdings.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Scheduler:
     verify_budget: int | None = None
     max_active: int | None = None
     draft_ahead: bool = False
+    total_budget: int | None = None  # bytes over both sides
     _reqs: dict[str, _Req] = field(default_factory=dict)
     _busy: dict[str, Job | None] = field(default_factory=lambda: {DRAFT_LANE: None, VERIFY_LANE: None})
     _next_group: int = 0  # round-robin start for lanes choosing a group
@@ -161,6 +163,8 @@ class Scheduler:
         for r in self._in(WAITING):
             fits = (_fits(d + r.draft_bytes, self.draft_budget)
                     and _fits(v + r.resident_bytes + r.load_bytes, self.verify_budget)
+                    and _fits(d + r.draft_bytes + v + r.resident_bytes + r.load_bytes,
+                              self.total_budget)
                     and (self.max_active is None or n < self.max_active))
             if not fits and (n or take):
                 break
@@ -178,8 +182,12 @@ class Scheduler:
             ready = [r for r in self._in(READY_VERIFY) if r.group == g]
             if not ready:
                 continue
-            room = None if self.verify_budget is None else \
-                self.verify_budget - sum(r.resident_bytes for r in self._admitted())
+            held = self._admitted()
+            resident = sum(r.resident_bytes for r in held)
+            rooms = [b - used for b, used in ((self.verify_budget, resident),
+                                              (self.total_budget, resident + sum(r.draft_bytes for r in held)))
+                     if b is not None]
+            room = min(rooms) if rooms else None
             take, used = [], 0
             for r in ready:
                 if take and not _fits(used + r.load_bytes, room):
