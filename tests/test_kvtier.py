@@ -45,3 +45,93 @@ def test_make_tier_rejects_bad_names_and_rates():
         make_tier("disk")
     with pytest.raises(ValueError):
         make_tier("offloaded", 0)
+
+
+# --- a failed layer load ---------------------------------------------------------------
+
+FAILING_LAYER = 3
+
+
+def _fail_one_layer(monkeypatch, tier, on_load: int):
+    """Make the copy of layer FAILING_LAYER raise in the tier's `on_load`-th verify load (0:
+    the first), as a transfer (DMA, network) that fails would; every other copy is real."""
+    real = tier._load_layer
+
+    def load_layer(s, li):
+        if li == FAILING_LAYER and tier.stats.loads == on_load:
+            raise RuntimeError("simulated transfer failure")
+        return real(s, li)
+
+    monkeypatch.setattr(tier, "_load_layer", load_layer)
+
+
+def test_failed_layer_load_fails_the_pass_and_emits_nothing(lm, ids, reference, monkeypatch):
+    """The second verify pass's load of one layer fails: that pass raises Unavailable (it never
+    computes on the unfilled working copy), the request gets no token from it, and the next
+    request on the same tier and backends is full greedy decoding again."""
+    from vericache.engine.local import stream
+    from vericache.errors import Unavailable
+
+    tier = make_tier("offloaded")
+    try:
+        backends = LocalBackends(lm, tier=tier)
+        _fail_one_layer(monkeypatch, tier, on_load=1)
+        params = GenParams(mode="vericache", max_tokens=N, ignore_eos=True, draft_len=6)
+        events = []
+        with pytest.raises(Unavailable, match=f"layer {FAILING_LAYER} failed: RuntimeError: "
+                                              "simulated transfer failure"):
+            for ev in stream(lm, ids, params, backends):
+                events.append(ev)
+        assert tier.stats.loads == 2  # the failure came in the second pass
+        # the prefill's token and the first round's: nothing from the failed pass
+        assert len(events) == 2
+        emitted = [t for ev in events for t in ev.token_ids]
+        assert emitted == reference.token_ids[:len(emitted)] and len(emitted) < N
+        assert not backends.verifier.sessions  # released
+
+        monkeypatch.undo()  # the link works again
+        res = generate(lm, ids, params, backends)
+        assert res.token_ids == reference.token_ids
+    finally:
+        tier.close()
+
+
+def test_failed_load_fails_the_engine_requests_with_an_error_event(lm, ids, reference, monkeypatch):
+    """Through the serving engine: the request whose first verify pass cannot load its KV ends
+    with an error event carrying no token (after the prefill's first token), and a request
+    after it on the same engine and tier completes identically to full decoding."""
+    from vericache.engine.batch import BatchEngine
+
+    tier = make_tier("offloaded")
+    engine = BatchEngine(lm, backends=LocalBackends(lm, tier=tier))
+    try:
+        _fail_one_layer(monkeypatch, tier, on_load=0)
+        params = GenParams(mode="vericache", max_tokens=N, ignore_eos=True, draft_len=6)
+        events = list(engine.submit(ids, params))
+        assert [ev.token_ids for ev in events] == [reference.token_ids[:1], []]
+        err = events[-1]
+        assert err.finish_reason is None
+        assert err.error.startswith(f"Unavailable: KV tier: loading layer {FAILING_LAYER} failed")
+        assert engine.metrics()["counters"]["errors"] == 1
+
+        monkeypatch.undo()
+        events = list(engine.submit(ids, params))
+        assert all(ev.error is None for ev in events) and events[-1].finish_reason == "length"
+        assert [t for ev in events for t in ev.token_ids] == reference.token_ids
+    finally:
+        engine.close()
+        tier.close()
+
+
+def test_a_closed_tier_refuses_to_open():
+    """A load that can never run raises at once instead of leaving the pass waiting."""
+    import torch
+
+    from vericache.errors import Unavailable
+    from vericache.model.kvcache import KVCache
+
+    tier = make_tier("offloaded")
+    host = tier.offload(KVCache(2, 1, 4, 8, torch.float32, "cpu"))
+    tier.close()
+    with pytest.raises(Unavailable, match="closed"):
+        tier.open([host], [1])

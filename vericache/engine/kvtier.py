@@ -12,6 +12,12 @@
 Every byte moved and every second the compute waited on the link is counted (`TierStats`),
 with the wait intervals kept so a benchmark can say how much of the transfer time another
 lane's work hid.
+
+A load that fails (a copy raises: the link or the device went away) does not leave the pass
+reading unfilled memory: the error is kept with the load, every layer's gate is opened, and
+the forward pass raises it (`Unavailable`) at the first layer it reads after the failure, so
+the pass's requests fail and emit nothing. A load that never runs (the tier was closed under
+it) opens the gates with an error too: nothing waits forever.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vericache.errors import Unavailable
 from vericache.model.kvcache import KVCache
 from vericache.store.link import TokenBucket
 
@@ -70,15 +77,35 @@ class Link:
         return n
 
 
-class _Gate:
-    """Stands in for `KVCache.k` / `.v` in the runner: indexing layer l waits for it to land."""
+class _Load:
+    """One verify pass's load: an event per layer (set when it landed, or when the load
+    ended without it) and the error that ended the load early, if one did."""
 
-    def __init__(self, buf: torch.Tensor, ready: list[threading.Event], stats: TierStats,
-                 lock: threading.Lock):
-        self.buf, self.ready, self.stats, self.lock = buf, ready, stats, lock
+    def __init__(self, layers: int):
+        self.ready = [threading.Event() for _ in range(layers)]
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """Keep the first error, then open every gate (error first: a gate that opens sees it)."""
+        if self.error is None:
+            self.error = error
+        for ev in self.ready:
+            ev.set()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Gate:
+    """Stands in for `KVCache.k` / `.v` in the runner: indexing layer l waits for it to land
+    (and raises the load's error when it ended without it)."""
+
+    def __init__(self, buf: torch.Tensor, load: _Load, stats: TierStats, lock: threading.Lock):
+        self.buf, self.load, self.stats, self.lock = buf, load, stats, lock
 
     def __getitem__(self, li):
-        ev = self.ready[li]
+        ev = self.load.ready[li]
         if not ev.is_set():
             t0 = time.perf_counter()
             ev.wait()
@@ -86,6 +113,7 @@ class _Gate:
             with self.lock:
                 self.stats.stall_s += t1 - t0
                 self.stats.stalls.append((t0, t1))
+        self.load.check()
         return self.buf[li]
 
 
@@ -93,19 +121,21 @@ class StreamedKV:
     """A working copy of an offloaded request's full KV for one forward pass: the runner sees
     a cache (`k`, `v`, `length`, `reserve`); its layers arrive while it computes."""
 
-    def __init__(self, host: KVCache, extra: int, ready: list[threading.Event], stats: TierStats,
+    def __init__(self, host: KVCache, extra: int, load: _Load, stats: TierStats,
                  lock: threading.Lock, device: torch.device):
         shape = (host.num_layers, host.k.shape[1], host.length + extra, host.k.shape[3])
         self.host = host
         self.k_buf = torch.empty(shape, dtype=host.k.dtype, device=device)
         self.v_buf = torch.empty_like(self.k_buf)
-        self.k = _Gate(self.k_buf, ready, stats, lock)
-        self.v = _Gate(self.v_buf, ready, stats, lock)
+        self.load = load
+        self.k = _Gate(self.k_buf, load, stats, lock)
+        self.v = _Gate(self.v_buf, load, stats, lock)
         self.length = host.length
 
     def view(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens [start, end) as `KVCache.view` (after the pass: every
-        layer has landed)."""
+        layer has landed; raises the load's error if one did not)."""
+        self.load.check()
         end = self.length if end is None else end
         return self.k_buf[:, :, start:end], self.v_buf[:, :, start:end]
 
@@ -149,27 +179,43 @@ class OffloadedTier:
 
     def open(self, hosts: list[KVCache], extras: list[int]) -> list[StreamedKV]:
         """Working copies with room for `extras` new tokens; a loader thread fills them layer
-        by layer (layer l of every request, then layer l+1)."""
-        layers = hosts[0].num_layers
-        ready = [threading.Event() for _ in range(layers)]
-        streams = [StreamedKV(h, e, ready, self.stats, self._lock, self.device)
+        by layer (layer l of every request, then layer l+1). A failed load makes the pass
+        that reads them raise `Unavailable` (see the module docstring)."""
+        load = _Load(hosts[0].num_layers)
+        streams = [StreamedKV(h, e, load, self.stats, self._lock, self.device)
                    for h, e in zip(hosts, extras)]
-        self._loader.submit(self._load, streams, ready)
+        try:
+            fut = self._loader.submit(self._load, streams, load)
+        except RuntimeError as e:  # the loader was shut down
+            raise Unavailable(f"KV tier is closed: {e}") from e
+
+        def cancelled(f) -> None:  # a load cancelled before it ran opens the gates too
+            if f.cancelled():
+                load.fail(Unavailable("KV tier load was cancelled (the tier was closed)"))
+
+        fut.add_done_callback(cancelled)
         return streams
 
-    def _load(self, streams: list[StreamedKV], ready: list[threading.Event]) -> None:
+    def _load_layer(self, s: StreamedKV, li: int) -> int:
+        """Copy layer `li` of one request's KV over the link; returns the bytes moved."""
+        m = s.host.length
+        return (self.link.copy(s.k_buf[li, :, :m], s.host.k[li, :, :m])
+                + self.link.copy(s.v_buf[li, :, :m], s.host.v[li, :, :m]))
+
+    def _load(self, streams: list[StreamedKV], load: _Load) -> None:
         t0 = time.perf_counter()
         n = 0
+        li = 0
         try:
-            for li, ev in enumerate(ready):
+            for li, ev in enumerate(load.ready):
                 for s in streams:
-                    m = s.host.length
-                    n += self.link.copy(s.k_buf[li, :, :m], s.host.k[li, :, :m])
-                    n += self.link.copy(s.v_buf[li, :, :m], s.host.v[li, :, :m])
+                    n += self._load_layer(s, li)
                 ev.set()
+        except BaseException as e:  # noqa: BLE001 -- handed to the pass that waits on it
+            err = Unavailable(f"KV tier: loading layer {li} failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            load.fail(err)  # every gate opens; the pass raises err, never reads unfilled layers
         finally:
-            for ev in ready:  # never leave the forward pass waiting
-                ev.set()
             with self._lock:
                 self.stats.bytes_loaded += n
                 self.stats.loads += 1
