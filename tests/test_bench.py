@@ -170,7 +170,8 @@ def test_run_exits_nonzero_when_vericache_differs(monkeypatch, tmp_path, capsys)
 
 
 def test_plot_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  -- a required test dependency: missing fails, never skips
+
     from vericache.bench.plot import plot
 
     cells = [_fake_cell("full"), _fake_cell("vericache"),

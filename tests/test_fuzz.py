@@ -14,11 +14,10 @@ import os
 
 import httpx
 import pytest
+import schemathesis  # a required test dependency: missing fails the module, never skips it
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.checks import not_a_server_error
 from service_process import start_serve
-
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402  (after the importorskip)
-from schemathesis.checks import not_a_server_error  # noqa: E402
 
 MAX_EXAMPLES = int(os.environ.get("VERICACHE_FUZZ_EXAMPLES", 60))
 KEY = "fuzz-key"

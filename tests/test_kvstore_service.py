@@ -47,7 +47,7 @@ def service(request):
         try:
             r.ping()
         except redis.ConnectionError:
-            pytest.skip("no Redis on 127.0.0.1:6379")
+            pytest.fail("no Redis on 127.0.0.1:6379 (redis-server --daemonize yes --save '')")
     svc = start("memory://" if request.param == "memory" else f"{REDIS}?prefix={tag}")
     yield svc
     assert svc.stop() == 0, svc.log()  # SIGTERM: a graceful exit

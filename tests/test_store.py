@@ -23,6 +23,7 @@ from vericache.store.memory import MemoryStore
 
 REDIS = "redis://127.0.0.1:6379/0"
 HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
+NO_LMCACHE = "lmcache is not installed (make install: pip install --no-deps lmcache==0.5.6)"
 MB = 1 << 20
 
 
@@ -31,7 +32,7 @@ def redis_client() -> redis.Redis:
     try:
         r.ping()
     except redis.ConnectionError:
-        pytest.skip("no Redis on 127.0.0.1:6379 (redis-server --daemonize yes --save '')")
+        pytest.fail("no Redis on 127.0.0.1:6379 (redis-server --daemonize yes --save '')")
     return r
 
 
@@ -158,7 +159,7 @@ def store(request):
         s.close()
         return
     if request.param.startswith("lmcache") and not HAS_LMCACHE:
-        pytest.skip("lmcache is not installed")
+        pytest.fail(NO_LMCACHE)
     r = redis_client()
     url = {"redis": f"{REDIS}?prefix={tag}:",
            "lmcache": f"lmcache://?capacity_mb=64&name={tag}",
@@ -215,8 +216,9 @@ def test_redis_ttl_and_capacity():
         drop_prefix(r, f"{tag}*")
 
 
-@pytest.mark.skipif(not HAS_LMCACHE, reason="lmcache is not installed")
 def test_lmcache_remote_outlives_the_cpu_pool():
+    if not HAS_LMCACHE:
+        pytest.fail(NO_LMCACHE)
     r = redis_client()
     tag = f"vctest-{uuid.uuid4().hex[:12]}"
     url = f"lmcache://?capacity_mb=8&name={tag}&remote_url={REDIS}"
