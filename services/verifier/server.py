@@ -72,9 +72,8 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         refresh = [it.request_id for it in req.items if it.refresh_draft]
         t = time.perf_counter()
         with self.svc.lock:
-            before = {rid: self.core.cache(rid).length for rid in refresh}
-            res = self.core.verify(batch)
-            spans = {rid: self.core.verified_span(rid, before[rid]) for rid in refresh}
+            res = self.core.verify(batch, refresh)
+            spans = {rid: self.core.take_exact(rid) for rid in refresh}
             deltas = {rid: self.core.take_deltas(rid) for rid, _, _ in batch}
         for rid, sp in spans.items():  # outside the lock: the store's link may be slow
             self.svc.store.put(refresh_key(rid), encode_full(sp.k, sp.v, start=sp.start))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.compress.base import Compressor
+from vericache.compress.base import Compressor, KVSpan
 from vericache.errors import InvalidArgument, NotFound
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
@@ -192,7 +192,7 @@ class Drafter:
         self._step_all([s for s, _ in todo], [k for _, k in todo], "ahead")
         return sum(len(s.ahead) for s, _ in todo)
 
-    def commit(self, rid: str, accepted: int, bonus: int | None, exact: KVCache | None = None) -> None:
+    def commit(self, rid: str, accepted: int, bonus: int | None, exact: KVSpan | None = None) -> None:
         """The verifier accepted `accepted` drafts and chose `bonus` (None: lossy, no verifier)."""
         s = self._get(rid)
         k = len(s.drafts)
@@ -227,12 +227,12 @@ class Drafter:
         s.drafts, s.q = [], []
 
     @staticmethod
-    def _refresh(s: DraftSession, exact, n: int) -> None:
-        """Overwrite the KV of the round's first `n` fed tokens with the exact KV. `exact` has
-        k, v [layers, Hkv, T, D] starting at sequence position `exact.start` (0 for a whole
-        cache); a span that does not cover them is ignored (refreshing only raises τ)."""
+    def _refresh(s: DraftSession, exact: KVSpan, n: int) -> None:
+        """Overwrite the KV of the round's first `n` fed tokens with the exact KV
+        (`Verifier.take_exact`: k, v [layers, Hkv, T, D] from sequence position `exact.start`);
+        a span that does not cover them is ignored (refreshing only raises τ)."""
         p0 = s.seq_len - len(s.pending)
-        lo = p0 - getattr(exact, "start", 0)
+        lo = p0 - exact.start
         if n <= 0 or lo < 0 or lo + n > exact.k.shape[2]:
             return
         s.cache.k[:, :, s.len_before:s.len_before + n] = exact.k[:, :, lo:lo + n]

@@ -138,6 +138,12 @@ class Generation:
         return self.stop.tokens
 
     @property
+    def refreshes_draft(self) -> bool:
+        """Whether each verification's exact KV overwrites the drafter's KV of the verified
+        tokens (`Verifier.take_exact` -> `Drafter.commit(exact=...)`)."""
+        return self.params.refresh_draft and self.params.mode == "vericache"
+
+    @property
     def seed(self) -> int:
         return self.params.seed if self.params.seed is not None else 0
 

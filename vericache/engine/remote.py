@@ -33,11 +33,6 @@ def call(fn, request, timeout: float, what: str):
         raise STATUS_ERRORS.get(e.code(), VeriCacheError)(f"{what}: {e.code().name}: {e.details()}") from None
 
 
-def _refresh(g: Generation) -> bool:
-    """Whether the drafter gets the exact KV of verified tokens through the store."""
-    return g.params.refresh_draft and g.params.mode == "vericache"
-
-
 def _orders(batch: list[tuple[Generation, int]]):
     return dpb.DraftRequest(items=[dpb.DraftItem(request_id=g.rid, k=k) for g, k in batch])
 
@@ -100,7 +95,7 @@ class RemoteBackends(Backends):
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
         res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
             vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
-                           refresh_draft=_refresh(g))
+                           refresh_draft=g.refreshes_draft)
             for g, d in batch]), self.timeout, "verifier Verify")
         for (g, _), r in zip(batch, res.results):
             self._moved[g.rid] = r.selection_deltas > 0
@@ -109,7 +104,7 @@ class RemoteBackends(Backends):
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         req = dpb.CommitRequest(request_id=g.rid, accepted=accepted,
-                                refresh_draft=_refresh(g) and bonus is not None,
+                                refresh_draft=g.refreshes_draft and bonus is not None,
                                 apply_selection=self._moved.pop(g.rid, False))
         if bonus is not None:
             req.bonus = bonus

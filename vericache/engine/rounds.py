@@ -130,15 +130,14 @@ class LocalBackends(Backends):
         return {"drafter": len(self.drafter.sessions), "verifier": len(self.verifier.sessions)}
 
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
-        return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch])
+        return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch],
+                                    refresh=[g.rid for g, _ in batch if g.refreshes_draft])
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         if g.rid in self._attaching:  # no drafter yet: a plain decode step; feed it later
             self._attaching[g.rid][1].append(bonus)
             return
-        exact = None
-        if g.params.refresh_draft and bonus is not None:
-            exact = self.verifier.cache(g.rid)
+        exact = self.verifier.take_exact(g.rid) if bonus is not None else None
         self.drafter.commit(g.rid, accepted, bonus, exact)
         if bonus is not None:
             self._apply_deltas(g)

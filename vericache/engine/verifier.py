@@ -21,6 +21,7 @@ loads it layer by layer while computing, then writes the accepted tokens' KV bac
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,7 @@ class Verifier:
         self.runner, self.store, self.model_id = runner, store, model_id
         self.tier = tier
         self.sessions: dict[str, VerifySession] = {}
+        self._exact: dict[str, KVSpan] = {}  # rid -> exact KV of its last verified tokens
 
     def _get(self, rid: str) -> VerifySession:
         try:
@@ -151,17 +153,19 @@ class Verifier:
     def cache(self, rid: str) -> KVCache:
         return self._get(rid).cache
 
-    def verified_span(self, rid: str, since: int) -> KVSpan:
+    def _verified_span(self, rid: str, since: int) -> KVSpan:
         """The exact KV of the tokens verified from cache position `since` on, and of the one
-        before them (a drafter may not have fed it yet): what a remote drafter copies over its
-        own KV of those tokens (`Drafter.commit(exact=...)`)."""
+        before them (a drafter may not have fed it yet)."""
         c = self._get(rid).cache
         lo = max(0, since - 1)
         return KVSpan(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), lo)
 
-    def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]]) -> list[tuple[int, int]]:
-        """For each (rid, drafts, q): one pass over the full KV, accept, crop."""
+    def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]],
+               refresh: Collection[str] = ()) -> list[tuple[int, int]]:
+        """For each (rid, drafts, q): one pass over the full KV, accept, crop. For the rids in
+        `refresh`, the exact KV of the tokens verified is kept for `take_exact`."""
         sess = [self._get(rid) for rid, _, _ in batch]
+        before = {rid: self._get(rid).cache.length for rid in refresh}
         caches = [s.cache for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
             caches = self.tier.open(caches, [len(s.pending) + len(d) for s, (_, d, _) in zip(sess, batch)])
@@ -191,7 +195,16 @@ class Verifier:
                 self.tier.write_back(c)
             s.pending = [bonus]
             out.append((a, bonus))
+        for rid, since in before.items():
+            self._exact[rid] = self._verified_span(rid, since)
         return out
+
+    def take_exact(self, rid: str) -> KVSpan | None:
+        """The exact KV `verify(..., refresh=)` kept for `rid` (once): what its drafter copies
+        over its own KV of those tokens (`Drafter.commit(exact=...)`), in process or through
+        the store."""
+        return self._exact.pop(rid, None)
 
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
+        self._exact.pop(rid, None)
