@@ -119,6 +119,12 @@ def test_completions_text_and_token_ids(lm, client, prompt_ref):
         assert r.object == "text_completion"
         assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+    # vLLM's ignore_eos: the answer runs to the limit, past an end of sequence; its start is
+    # the greedy answer
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=N + 8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == N + 8 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text.startswith(ref.text)
 
 
 def test_completions_stream(client, prompt_ref):
@@ -177,7 +183,9 @@ def test_metrics_exposition(base, client):
                  "vericache_selection_moved_tokens_total", "vericache_selection_delta_bytes_total",
                  "vericache_selection_requests_total", "vericache_draft_len_rounds_total",
                  "vericache_plain_round_share", "vericache_cost_model_predicted_tokens_per_second",
-                 "vericache_cost_model_measured_tokens_per_second", "vericache_cost_model_fitted"):
+                 "vericache_cost_model_measured_tokens_per_second", "vericache_cost_model_fitted",
+                 "vericache_kv_bytes", "vericache_kv_budget_bytes",
+                 "vericache_ahead_drafted_tokens_total", "vericache_verify_lane_busy_seconds_total"):
         assert f"\n{name}" in text, name
     assert "# TYPE vericache_tokens_per_round histogram" in text
 

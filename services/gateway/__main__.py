@@ -64,7 +64,7 @@ def build_engine(args) -> Engine:
           for name, v in (("draft", args.draft_kv_budget_mb), ("verify", args.kv_budget_mb))}
     return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
                        backends=backends, schedule=args.schedule,
-                       cost=request_cost(info.kv_bytes_per_token),
+                       cost=request_cost(info.kv_bytes_per_token, args.kv_tier),
                        draft_budget=mb["draft"], verify_budget=mb["verify"])
 
 

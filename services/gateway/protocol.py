@@ -59,7 +59,10 @@ class VeriCacheOptions(OpenAIModel):
 
 
 class SamplingFields(OpenAIModel):
-    """Checks shared by both request kinds."""
+    """Fields and checks shared by both request kinds."""
+
+    ignore_eos: bool | None = Field(None, description="vLLM's extension: decode past the end "
+                                                      "of sequence up to the token limit")
 
     @field_validator("n", check_fields=False)
     @classmethod

@@ -129,6 +129,8 @@ class OpenAIServing:
             over["temperature"] = req.temperature
         if req.seed is not None:
             over["seed"] = req.seed
+        if req.ignore_eos is not None:
+            over["ignore_eos"] = req.ignore_eos
         if req.vericache is not None:
             over.update(req.vericache.model_dump(exclude_none=True))
         return dataclasses.replace(self.defaults, **over)

@@ -42,6 +42,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the drafter's compressed-KV memory, the same way (default: a fifth "
                         "of the memory free at start-up; with the services, unbounded; "
                         "$VERICACHE_DRAFT_KV_BUDGET_MB)")
+    g.add_argument("--kv-tier", choices=("resident", "offloaded"), default=env("KV_TIER", "resident"),
+                   help="where full KV stays between rounds (embedded engine; in front of the "
+                        "services: what the verifier runs, for the budgets): resident, or "
+                        "offloaded to host memory behind --tier-link-gbps and loaded layer by "
+                        "layer for each verification (default: resident; $VERICACHE_KV_TIER)")
+    g.add_argument("--tier-link-gbps", type=float, default=float(env("TIER_LINK_GBPS", 0)),
+                   help="the offloaded tier's link in Gbit/s, 0 = memory-copy speed "
+                        "($VERICACHE_TIER_LINK_GBPS)")
     g.add_argument("--store", default=env("STORE", "memory://?capacity_mb=2048"),
                    help="prefix-cache store of the embedded engine: memory://?capacity_mb=N, "
                         "redis://HOST:PORT/DB, lmcache://..., grpc://HOST:PORT, or none "
@@ -113,12 +121,14 @@ def embedded_engine(args):
     from vericache.store import open_store
 
     from vericache.engine.budget import budget_bytes, request_cost
+    from vericache.engine.kvtier import make_tier
 
     lm = load_model(args.model, args.dtype, args.device)
     store = None if args.store in ("", "none") else open_store(args.store)
+    tier = make_tier(args.kv_tier, args.tier_link_gbps or None, lm.runner.device)
     return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=LocalBackends(lm, store), schedule=args.schedule,
-                       cost=request_cost(lm.runner.kv_bytes_per_token()),
+                       backends=LocalBackends(lm, store, tier), schedule=args.schedule,
+                       cost=request_cost(lm.runner.kv_bytes_per_token(), args.kv_tier),
                        draft_budget=budget_bytes(args.draft_kv_budget_mb, "drafter", args.device),
                        verify_budget=budget_bytes(args.kv_budget_mb, "verifier", args.device))
 
