@@ -24,37 +24,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from services_compare import start, wait_http  # noqa: E402
+from services_compare import start, stream, wait_http  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 from service_process import free_port  # noqa: E402
 
 
 def stream_ids(port: int, ids: list[int], body: dict) -> dict:
-    """One streamed completion of a token-id prompt: token count, TTFT, seconds, usage."""
-    t0 = time.perf_counter()
-    ttft, text, usage = None, "", None
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=7200,
-                      json={"prompt": ids, **body, "stream": True,
-                            "stream_options": {"include_usage": True}}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                raise RuntimeError(chunk["error"])
-            if chunk.get("choices"):
-                if ttft is None and chunk["choices"][0].get("text"):
-                    ttft = time.perf_counter() - t0
-                text += chunk["choices"][0].get("text") or ""
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    return {"text": text, "ttft_s": ttft, "seconds": time.perf_counter() - t0, "usage": usage}
+    """One streamed completion of a token-id prompt (`services_compare.stream`)."""
+    out = stream(port, {"prompt": ids, **body})
+    if out["usage"] is None:
+        raise RuntimeError(f"the stream of a {len(ids)}-token prompt ended without usage")
+    return out
 
 
 def bench_side(lm, prompts, cfg) -> tuple[dict, list[list[int]]]:
