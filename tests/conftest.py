@@ -24,7 +24,7 @@ def lm():
 
 
 def chat_ids(lm, text: str) -> list[int]:
-    from vericache.cli.common import apply_chat
+    from vericache.model.tokenize import apply_chat
 
     return apply_chat(lm.tokenizer, [{"role": "user", "content": text}])
 

@@ -16,7 +16,7 @@ import torch
 from service_process import ServiceProcess, start_serve
 
 from services.gateway.serving import ModelNotFound, error_response
-from vericache.cli.common import apply_chat, encode_text
+from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
 from vericache.errors import (ContextTooLong, InvalidArgument, ResourceExhausted, Unavailable,

@@ -26,7 +26,7 @@ from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionResponse, CompletionChoice,
                                        CompletionRequest, CompletionResponse, Delta, ErrorInfo,
                                        ModelCard, ModelList, UsageInfo)
-from vericache.cli.common import apply_chat, encode_text
+from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
 from vericache.errors import (ContextTooLong, InvalidArgument, NotFound, ResourceExhausted,

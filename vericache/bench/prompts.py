@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vericache.cli.common import apply_chat, encode_text
+from vericache.model.tokenize import apply_chat, encode_text
 from vericache.errors import InvalidArgument
 
 # modules whose source makes the context; missing ones are skipped

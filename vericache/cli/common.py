@@ -10,6 +10,7 @@ from pathlib import Path
 from vericache.compress import compressor_names
 from vericache.engine.generation import MODES, GenParams
 from vericache.errors import InvalidArgument
+from vericache.model.tokenize import apply_chat, encode_text
 from vericache.select import make_selection, selection_names
 
 BUILTIN_PROMPT = ("Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number "
@@ -79,22 +80,6 @@ def gen_params(args, mode: str | None = None) -> GenParams:
                      ratio=None if args.ratio is None else float(args.ratio),
                      draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
                      chunk_size=args.chunk_size)
-
-
-def apply_chat(tokenizer, messages: list[dict]) -> list[int]:
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages) or not messages:
-        raise InvalidArgument("messages must be a non-empty list of {role, content} strings", "messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidArgument("this model has no chat template; send a plain prompt", "messages")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
-    return list(ids)
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
 def prompt_ids(args, tokenizer) -> list[int]:
