@@ -51,6 +51,9 @@ def test_remote_prefix_scenario(tmp_path):
     assert 0 < by["vericache_staggered"]["slow_link_bytes"] < far
     assert by["full_near"]["slow_link_bytes"] == 0
     assert doc["summary"]["ttft_ratio_vs_full"] > 0
+    s = doc["summary"]  # VeriCache against decoding next to the store, named as such
+    assert set(s["throughput_ratio_vs"]) == {"full_near", "full_far"}
+    assert s["throughput_ratio_vs"]["full_near"] == s["throughput_ratio_vs_full_resident"]
 
 
 @pytest.mark.slow

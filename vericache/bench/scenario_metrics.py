@@ -146,6 +146,9 @@ def summarize(rows: list[dict], schedule: str, resident: str | None = "full_resi
         "throughput_ratio_vs_full_resident": _r(_ratio(vc["throughput_tps"], tps[resident])),
         "throughput_ratio_vs_full_offloaded": _r(_ratio(vc["throughput_tps"], tps[offloaded])),
         "throughput_ratio_vs_lossy": _r(_ratio(vc["throughput_tps"], tps["lossy"])),
+        # the same ratios under the baselines' own names (remote-prefix: full_near, full_far)
+        "throughput_ratio_vs": {name: _r(_ratio(vc["throughput_tps"], tps[name]))
+                                for name in (resident, offloaded) if name is not None},
         "staggered_vs_lockstep": _r(_ratio(tps["vericache_staggered"], tps["vericache_lockstep"])),
         # TTFT of loading the full KV over the slow link, over VeriCache's (higher is better)
         "ttft_ratio_vs_full": _r(_ratio(by[offloaded]["ttft_mean_s"], vc["ttft_mean_s"])),
