@@ -9,6 +9,19 @@ from vericache.engine.local import generate
 
 N = 48
 SPECS = ["identity", "streamingllm", "snapkv", "kivi", "kivi:bits=4", "snapkv-kivi"]
+# Drafting must work, not only the identity of the output. At a fixed k the identity drafter's
+# drafts are all accepted (exact, below); the others keep a floor: (acceptance rate, {k: tokens
+# per round}) about half the lowest value measured over the three prompts (fp32 CPU, the
+# compressors' default ratios): streamingllm 0.74 (tau 4.7 at k=4, 11.75 at k=16), snapkv 1.0
+# (4.7, 15.67), kivi 0.55 (4.27, 9.4), kivi:bits=4 1.0 (4.7, 15.67), snapkv-kivi 1.0 (4.7,
+# 15.67). A drafter whose drafts stop being accepted fails.
+MIN_DRAFTING = {
+    "streamingllm": (0.35, {4: 2.3, 16: 5.5}),
+    "snapkv": (0.5, {4: 2.3, 16: 7.5}),
+    "kivi": (0.25, {4: 2.1, 16: 4.5}),
+    "kivi:bits=4": (0.5, {4: 2.3, 16: 7.5}),
+    "snapkv-kivi": (0.5, {4: 2.3, 16: 7.5}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +54,31 @@ def test_full_equals_transformers_generate(lm, prompts, reference):
 @pytest.mark.parametrize("k", [4, 16])
 @pytest.mark.parametrize("spec", SPECS)
 def test_vericache_identical_to_full(lm, prompts, reference, spec, k):
+    """The output is full-KV greedy decoding's, and drafting works. k is fixed (adaptive off:
+    every round drafts k, fewer only where fewer tokens are left), so tokens per round are the
+    drafter's own: the identity drafter's k drafts are all accepted, k + 1 tokens a round;
+    the others stay above their floors (MIN_DRAFTING)."""
+    full_rounds, rest = divmod(N - 1, k + 1)  # the prefill chose the first token
     for name, ids in prompts.items():
         res = generate(lm, ids, GenParams(mode="vericache", compressor=spec, draft_len=k,
-                                          max_tokens=N, ignore_eos=True))
+                                          adaptive=False, max_tokens=N, ignore_eos=True))
         assert res.token_ids == reference[name].token_ids, (spec, k, name)
         assert res.text == reference[name].text
-        u = res.usage
+        u, s = res.usage, res.stats
         assert u["completion_tokens"] == N and u["rounds"] >= 1
         assert 1 <= u["tokens_per_round"] <= k + 1
-        assert res.stats.verify_tokens <= res.stats.drafted + u["rounds"]
+        assert s.verify_tokens <= s.drafted + u["rounds"]
+        print(f"\n{spec} k={k} {name}: tau {s.tokens_per_round:.3f}, "
+              f"acceptance {s.acceptance_rate:.3f} ({s.accepted}/{s.drafted}), {s.rounds} rounds")
+        if spec == "identity":
+            # k + 1 a round; the last round drafts only what is left (rest - 1 drafts)
+            assert s.round_emitted == [k + 1] * full_rounds + ([rest] if rest else []), name
+            assert s.accepted == s.drafted == N - 1 - s.rounds
+            assert s.tokens_per_round == (N - 1) / (full_rounds + (rest > 0))
+        else:
+            min_rate, min_tau = MIN_DRAFTING[spec]
+            assert s.acceptance_rate >= min_rate, (spec, k, name, s.acceptance_rate)
+            assert s.tokens_per_round >= min_tau[k], (spec, k, name, s.tokens_per_round)
 
 
 def test_lossy_mode_runs_on_compressed_cache_only(lm, prompts, reference):
