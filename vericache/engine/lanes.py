@@ -199,16 +199,13 @@ class LaneRunner:
 
     def _launch(self, pool: ThreadPoolExecutor, job: Job) -> None:
         if job.kind == "verify":
-            self._overlapped[job] = self._lane_busy_with("draft")
+            self._overlapped[job] = any(j.kind == "draft" for j in self._running.values())
         elif job.kind == "draft":
             for j in self._overlapped:
                 self._overlapped[j] = True
         f = pool.submit(self._execute, job)
         self._running[f] = job
         f.add_done_callback(lambda _: self._wake.set())
-
-    def _lane_busy_with(self, kind: str) -> bool:
-        return any(j.kind == kind for j in self._running.values())
 
     def _settle(self, f: Future, job: Job, strict: bool) -> None:
         """A job ended: tell the scheduler, end its finished or failed requests."""
