@@ -193,3 +193,54 @@ def test_draft_ahead_runs_only_when_the_drafter_lane_is_free_and_once_per_round(
     (d2,) = s.schedule()
     assert d2.kind == "draft"
     assert not Scheduler("lockstep", draft_ahead=True).schedule()
+
+
+def test_a_services_ledger_refuses_a_session_past_its_budget_and_holds_nothing(lm):
+    """The drafter's and verifier's own budgets (what the services run): a session that
+    would pass it raises ResourceExhausted naming the flag; release gives the bytes back."""
+    import torch
+
+    from vericache.engine.budget import Ledger
+    from vericache.engine.drafter import Drafter
+    from vericache.engine.verifier import Verifier
+    from vericache.errors import ResourceExhausted
+
+    per_token = lm.runner.kv_bytes_per_token()
+    ver = Verifier(lm.runner, ledger=Ledger(100 * per_token, "--kv-budget-mb"))
+    ver.prefill("a", list(range(1, 41)), 20, 256)
+    assert ver.ledger.in_use == 60 * per_token
+    with pytest.raises(ResourceExhausted, match="--kv-budget-mb"):
+        ver.prefill("b", list(range(1, 31)), 20, 256)  # 60 + 50 > 100
+    assert "b" not in ver.sessions and ver.ledger.in_use == 60 * per_token
+    ver.release("a")
+    ver.prefill("b", list(range(1, 31)), 20, 256)
+    assert ver.ledger.in_use == 50 * per_token
+
+    dra = Drafter(lm.runner, lm.eos_token_ids, ledger=Ledger(30 * per_token, "--draft-kv-budget-mb"))
+    shape = (lm.runner.num_layers, lm.runner.num_kv_heads, 10, lm.runner.head_dim)
+    dra.attach("a", torch.zeros(shape), torch.zeros(shape), [1], 11, 10)
+    assert dra.ledger.in_use == 20 * per_token
+    with pytest.raises(ResourceExhausted, match="--draft-kv-budget-mb"):
+        dra.attach("b", torch.zeros(shape), torch.zeros(shape), [1], 11, 10)
+    assert set(dra.sessions) == {"a"}
+    dra.release("a")
+    assert dra.ledger.in_use == 0
+
+
+def test_the_default_budget_sees_a_containers_memory_limit(tmp_path):
+    """A Kubernetes or compose memory limit shows in the cgroup files, not in /proc/meminfo:
+    the default budgets take it into account (v2, then v1; no limit: None)."""
+    from vericache.engine.budget import cgroup_room
+
+    assert cgroup_room(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("123\n")
+    assert cgroup_room(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text(f"{4 << 30}\n")
+    (tmp_path / "memory.current").write_text(f"{1 << 30}\n")
+    assert cgroup_room(str(tmp_path)) == 3 << 30
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{(2 << 30) + 5}\n")
+    assert cgroup_room(str(v1)) == 0

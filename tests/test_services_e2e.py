@@ -24,6 +24,9 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "LMCACHE_TRACK_USAGE": "false"}
 
 
 VPB, _ = load("verifier")  # the health messages live in verifier.proto
+# each service's own KV budget (SmolLM2: 45 KiB of KV a token): room for this module's
+# requests, and the gateway admits by them
+BUDGET_MB = {"verifier": 300, "drafter": 100}
 
 
 def _health(module: str, address: str):
@@ -53,8 +56,10 @@ def stack(services):
     kv = services("services.kvstore", ["--backend", f"redis://127.0.0.1:6379/0?prefix={prefix}"],
                   _kvstore_ready, env=ONE_THREAD)
     common = ["--kvstore", kv.address, "--session-ttl-s", "120"]
-    ver = services("services.verifier", common, _grpc_ready("verifier"), timeout_s=120, env=ONE_THREAD)
-    dra = services("services.drafter", common, _grpc_ready("drafter"), timeout_s=120, env=ONE_THREAD)
+    ver = services("services.verifier", [*common, "--kv-budget-mb", str(BUDGET_MB["verifier"])],
+                   _grpc_ready("verifier"), timeout_s=120, env=ONE_THREAD)
+    dra = services("services.drafter", [*common, "--draft-kv-budget-mb", str(BUDGET_MB["drafter"])],
+                   _grpc_ready("drafter"), timeout_s=120, env=ONE_THREAD)
     gw = services("services.gateway", ["--drafter", dra.address, "--verifier", ver.address,
                                        "--kvstore", kv.address, "--max-tokens", str(N),
                                        "--schedule", "staggered"],
@@ -184,7 +189,31 @@ def test_verify_selection_moves_the_drafters_set_between_rounds(lm, client, stac
 
 def test_services_release_sessions(stack):
     for name in ("verifier", "drafter"):
-        assert _health(name, stack[name].address).sessions == 0, name
+        h = _health(name, stack[name].address)
+        assert h.sessions == 0 and h.kv_in_use_bytes == 0, name
+
+
+def test_services_hold_their_own_kv_budgets_and_the_gateway_admits_by_them(stack):
+    """--kv-budget-mb / --draft-kv-budget-mb bound each service's sessions; the gateway read
+    them from the services' Health (it was given no budget flag); a session that would pass
+    the verifier's budget is refused with RESOURCE_EXHAUSTED naming the flag, holding nothing."""
+    text = httpx.get(f"http://127.0.0.1:{stack['gateway'].port}/metrics").text
+    for side in ("verifier", "drafter"):
+        h = _health(side, stack[side].address)
+        assert h.kv_budget_bytes == BUDGET_MB[side] << 20, side
+        assert _metric(text, f'vericache_kv_budget_bytes{{side="{side}"}}') == BUDGET_MB[side] << 20
+    _, stub_mod = load("verifier")
+    per_token = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
+    extra = (BUDGET_MB["verifier"] << 20) // per_token  # 200 prompt tokens + this: over budget
+    with grpc.insecure_channel(stack["verifier"].address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            stub_mod.VerifierStub(ch).Prefill(VPB.PrefillRequest(
+                request_id="over-budget", token_ids=list(range(1, 201)), extra_capacity=extra,
+                chunk_size=256), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--kv-budget-mb" in e.value.details()
+    h = _health("verifier", stack["verifier"].address)
+    assert h.sessions == 0 and h.kv_in_use_bytes == 0
 
 
 def test_bad_request_is_400_and_service_keeps_serving(client, stack):

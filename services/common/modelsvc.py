@@ -8,9 +8,11 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.auth import add_token_arg
+from vericache.cli.common import BUDGET_FLAGS, add_memory_args, add_model_args, add_tier_args
+from vericache.engine.budget import Ledger, budget_bytes
 from vericache.engine.remote import MODEL_MESSAGE_BYTES
 from vericache.engine.ttl import SessionClock
 from vericache.errors import VeriCacheError
@@ -34,28 +36,16 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
     p.add_argument("--link-gbps", type=float, default=float(env.get(f"VERICACHE_{up}_LINK_GBPS", 0)),
                    help=f"bandwidth of the link to the kvstore in Gbit/s, 0 = unlimited "
                         f"(env VERICACHE_{up}_LINK_GBPS)")
+    g = p.add_argument_group("KV memory")
     if name == "verifier":
-        p.add_argument("--kv-tier", choices=("resident", "offloaded"),
-                       default=env.get("VERICACHE_KV_TIER", "resident"),
-                       help="where full KV stays between rounds: resident in the verifier's "
-                            "memory, or offloaded to host memory behind --tier-link-gbps and "
-                            "loaded layer by layer for each verification "
-                            "(env VERICACHE_KV_TIER, default resident)")
-        p.add_argument("--tier-link-gbps", type=float,
-                       default=float(env.get("VERICACHE_TIER_LINK_GBPS", 0)),
-                       help="bandwidth of the offloaded tier's link in Gbit/s, 0 = memory-copy "
-                            "speed (env VERICACHE_TIER_LINK_GBPS)")
-    p.add_argument("--model", default=env.get("VERICACHE_MODEL"),
-                   help="Hugging Face folder or GGUF file (env VERICACHE_MODEL; default SmolLM2-135M)")
-    p.add_argument("--dtype", default=env.get("VERICACHE_DTYPE", "float32"),
-                   help="model dtype (env VERICACHE_DTYPE, default float32)")
-    p.add_argument("--device", default=env.get("VERICACHE_DEVICE", "cpu"), choices=["cpu", "cuda"],
-                   help="where the model runs (env VERICACHE_DEVICE, default cpu)")
+        add_tier_args(g)
+    add_memory_args(g, (name,), admission=False)
     p.add_argument("--session-ttl-s", type=float,
                    default=float(env.get("VERICACHE_SESSION_TTL_S", 600)),
                    help="free a session idle this long (env VERICACHE_SESSION_TTL_S, default 600)")
     p.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
     add_token_arg(p)
+    add_model_args(p)
     p.add_argument("--log-level", default=env.get("VERICACHE_LOG_LEVEL", "INFO"),
                    help="logging level (env VERICACHE_LOG_LEVEL, default INFO)")
 
@@ -87,6 +77,7 @@ class ModelService:
     lock: threading.Lock
     tier: object = None  # the verifier's OffloadedTier, or None (resident)
     tier_name: str = ""
+    ledger: Ledger = field(default_factory=lambda: Ledger(None, ""))  # this side's KV budget
 
     @classmethod
     def from_args(cls, a) -> "ModelService":
@@ -102,8 +93,12 @@ class ModelService:
                 raise VeriCacheError("--tier-link-gbps needs --kv-tier offloaded")
         lm = load_model(a.model, a.dtype, a.device)
         tier = make_tier(tier_name, a.tier_link_gbps or None, lm.runner.device) if tier_name else None
+        mb = a.kv_budget_mb if tier_name else a.draft_kv_budget_mb
+        side = "verifier" if tier_name else "drafter"
+        ledger = Ledger(budget_bytes(mb, side, lm.runner.device), BUDGET_FLAGS[side][0])
         store = open_service_store(store_url(a.kvstore, a.link_gbps), a.internal_token)
-        return cls(lm, store, SessionClock(a.session_ttl_s), threading.Lock(), tier, tier_name)
+        return cls(lm, store, SessionClock(a.session_ttl_s), threading.Lock(), tier, tier_name,
+                   ledger)
 
     def start_reaper(self, release, period_s: float = 5.0) -> threading.Thread:
         """Release sessions idle past the TTL, every `period_s`."""
@@ -167,5 +162,8 @@ class SessionServicer:
         from vericache._proto import load
 
         vpb, _ = load("verifier")
+        ledger = self.svc.ledger
         return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
-                                         model_id=self.svc.lm.model_id, kv_tier=self.svc.tier_name)
+                                         model_id=self.svc.lm.model_id, kv_tier=self.svc.tier_name,
+                                         kv_budget_bytes=ledger.budget or 0,
+                                         kv_in_use_bytes=ledger.in_use)

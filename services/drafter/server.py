@@ -20,7 +20,8 @@ pb, pb_grpc = load("drafter")
 class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
-        self.core = Drafter(svc.lm.runner, svc.lm.eos_token_ids, svc.store, svc.lm.model_id)
+        self.core = Drafter(svc.lm.runner, svc.lm.eos_token_ids, svc.store, svc.lm.model_id,
+                            svc.ledger)
         self.vocab = svc.lm.runner.vocab_size
 
     def Attach(self, req, context):

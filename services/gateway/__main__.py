@@ -17,6 +17,10 @@ from vericache.cli.serve import access_policy, add_server_args, default_params, 
 from vericache.engine.api import Engine
 from vericache.errors import InvalidArgument, VeriCacheError
 
+log = logging.getLogger("vericache.gateway")
+# how long the gateway waits at start-up for the services' Health (their tier and budgets)
+SERVICE_WAIT_S = 60.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -60,12 +64,18 @@ def build_engine(args) -> Engine:
     info = load_model_info(args.model, args.dtype)
     backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s,
                               token=args.internal_token)
-    mb = {name: None if v is None else int(v * MB)
-          for name, v in (("draft", args.draft_kv_budget_mb), ("verify", args.kv_budget_mb))}
+    # the verifier's tier and each service's own budget, unless a flag narrows the budget
+    try:
+        tier, draft, verify = backends.budgets(wait_s=SERVICE_WAIT_S)
+    except VeriCacheError as e:  # the services guard their own budgets meanwhile
+        log.warning("services not answering (%s): admitting without KV budgets", e)
+        tier, draft, verify = args.kv_tier, None, None
+    draft = int(args.draft_kv_budget_mb * MB) if args.draft_kv_budget_mb else draft
+    verify = int(args.kv_budget_mb * MB) if args.kv_budget_mb else verify
     return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
                        backends=backends, schedule=args.schedule,
-                       cost=request_cost(info.kv_bytes_per_token, args.kv_tier),
-                       draft_budget=mb["draft"], verify_budget=mb["verify"])
+                       cost=request_cost(info.kv_bytes_per_token, tier),
+                       draft_budget=draft, verify_budget=verify)
 
 
 def main(argv: list[str] | None = None) -> int:

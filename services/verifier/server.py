@@ -22,7 +22,7 @@ pb, pb_grpc = load("verifier")
 class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
-        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id, svc.tier)
+        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id, svc.tier, svc.ledger)
         self.vocab = svc.lm.runner.vocab_size
 
     def Prefill(self, req, context):

@@ -222,7 +222,7 @@ def verifier_tier(lm, cfg: ScenarioConfig) -> str:
     """The verifier service's KV tier, from its Health."""
     b = _remote(lm, cfg)
     try:
-        return b.verifier_health().kv_tier or "resident"
+        return b.service_health()["verifier"].kv_tier or "resident"
     finally:
         b.close()
 

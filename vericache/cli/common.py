@@ -33,6 +33,42 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where the model runs (default: cpu)")
 
 
+def _mb(text: str | None) -> float | None:
+    return None if text in (None, "") else float(text)
+
+
+# the KV budget flag of each side, and what its default is where the side runs
+BUDGET_FLAGS = {"verifier": ("--kv-budget-mb", "KV_BUDGET_MB", "full-KV", "half"),
+                "drafter": ("--draft-kv-budget-mb", "DRAFT_KV_BUDGET_MB", "compressed-KV", "a fifth")}
+
+
+def add_memory_args(g, sides: tuple[str, ...], admission: bool) -> None:
+    """The KV budget flags of `sides` ("verifier", "drafter"); `admission`: this process
+    admits requests (the server), else it holds one side's sessions (a service)."""
+    for side in sides:
+        flag, var, what, share = BUDGET_FLAGS[side]
+        effect = ("requests are admitted while their KV fits (the others wait; one that can "
+                  "never fit gets a 400); in front of the services the default is the "
+                  "service's own budget, read from its Health" if admission else
+                  "a session that would pass it is refused (RESOURCE_EXHAUSTED)")
+        g.add_argument(flag, type=float, default=_mb(env(var, None)), metavar="MB",
+                       help=f"the {side}'s {what} memory: {effect} (default: {share} of the "
+                            f"memory free at start-up; ${'VERICACHE_' + var})")
+
+
+def add_tier_args(g, services: bool = False) -> None:
+    """Where the verifier keeps full KV between rounds (--kv-tier, --tier-link-gbps)."""
+    where = ("embedded engine; in front of the services the verifier's own tier is used"
+             if services else "the verifier")
+    g.add_argument("--kv-tier", choices=("resident", "offloaded"), default=env("KV_TIER", "resident"),
+                   help=f"where full KV stays between rounds ({where}): resident, or "
+                        "offloaded to host memory behind --tier-link-gbps and loaded layer by "
+                        "layer for each verification (default: resident; $VERICACHE_KV_TIER)")
+    g.add_argument("--tier-link-gbps", type=float, default=float(env("TIER_LINK_GBPS", 0)),
+                   help="the offloaded tier's link in Gbit/s, 0 = memory-copy speed "
+                        "($VERICACHE_TIER_LINK_GBPS)")
+
+
 def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g = p.add_argument_group("decoding")
     if with_mode:

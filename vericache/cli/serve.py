@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vericache.cli.common import add_gen_args, add_model_args, env, gen_params
+from vericache.cli.common import (add_gen_args, add_memory_args, add_model_args, add_tier_args,
+                                  env, gen_params)
 from vericache.compress import make_compressor
 from vericache.engine.generation import GenParams
 
@@ -33,23 +34,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="lockstep: every request drafts, then every one verifies; staggered: "
                         "one half of the batch verifies while the other drafts "
                         "(default: lockstep; $VERICACHE_SCHEDULE)")
-    g.add_argument("--kv-budget-mb", type=float, default=_mb(env("KV_BUDGET_MB", None)),
-                   help="the verifier's full-KV memory: requests are admitted while their KV "
-                        "fits (the others wait; one that can never fit gets a 400) "
-                        "(default: half the memory free at start-up; with the services, "
-                        "unbounded; $VERICACHE_KV_BUDGET_MB)")
-    g.add_argument("--draft-kv-budget-mb", type=float, default=_mb(env("DRAFT_KV_BUDGET_MB", None)),
-                   help="the drafter's compressed-KV memory, the same way (default: a fifth "
-                        "of the memory free at start-up; with the services, unbounded; "
-                        "$VERICACHE_DRAFT_KV_BUDGET_MB)")
-    g.add_argument("--kv-tier", choices=("resident", "offloaded"), default=env("KV_TIER", "resident"),
-                   help="where full KV stays between rounds (embedded engine; in front of the "
-                        "services: what the verifier runs, for the budgets): resident, or "
-                        "offloaded to host memory behind --tier-link-gbps and loaded layer by "
-                        "layer for each verification (default: resident; $VERICACHE_KV_TIER)")
-    g.add_argument("--tier-link-gbps", type=float, default=float(env("TIER_LINK_GBPS", 0)),
-                   help="the offloaded tier's link in Gbit/s, 0 = memory-copy speed "
-                        "($VERICACHE_TIER_LINK_GBPS)")
+    add_memory_args(g, ("verifier", "drafter"), admission=True)
+    add_tier_args(g, services=True)
     g.add_argument("--store", default=env("STORE", "memory://?capacity_mb=2048"),
                    help="prefix-cache store of the embedded engine: memory://?capacity_mb=N, "
                         "redis://HOST:PORT/DB, lmcache://..., grpc://HOST:PORT, or none "
@@ -71,10 +57,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", 2 << 20)),
                    help="largest HTTP request body; larger ones get 413 "
                         "(default: 2097152; $VERICACHE_MAX_BODY_BYTES)")
-
-
-def _mb(text: str | None) -> float | None:
-    return None if text in (None, "") else float(text)
 
 
 def add_parser(sub) -> None:

@@ -12,11 +12,12 @@ budgets hold; a request that could never fit alone is refused at submission.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
 from vericache.engine.generation import Generation
-from vericache.errors import InvalidArgument
+from vericache.errors import InvalidArgument, ResourceExhausted
 
 MB = 1 << 20
 # the share of the memory free at start-up that KV may take by default, per side
@@ -36,17 +37,42 @@ def request_cost(kv_per_token: int, tier: str = "resident"):
 
 
 def free_bytes(device: torch.device | str = "cpu") -> int:
-    """Memory free now on `device` (CUDA: the device's; CPU: the host's available memory)."""
+    """Memory free now on `device` (CUDA: the device's; CPU: the host's available memory, or
+    what the container's cgroup limit leaves, whichever is less)."""
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = cgroup_room()
+    return free if left is None else min(free, left)
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's cgroup may still take (its memory limit minus its use; v2, then
+    v1), or None where no limit is set (a Kubernetes or compose limit shows here, not in
+    /proc/meminfo)."""
+    for limit_file, use_file in ((f"{root}/memory.max", f"{root}/memory.current"),
+                                 (f"{root}/memory/memory.limit_in_bytes",
+                                  f"{root}/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(use_file) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(0, int(limit) - used)
+    return None
 
 
 def budget_bytes(mb: float | None, side: str, device: torch.device | str = "cpu") -> int:
@@ -70,3 +96,32 @@ def check_fits(cost: tuple[int, int, int], draft_budget: int | None, verify_budg
         raise InvalidArgument(f"this request needs {(resident + load) / MB:.1f} MB of verifier KV "
                               f"memory, more than the whole budget of {verify_budget / MB:.1f} MB "
                               "(--kv-budget-mb); shorten the prompt or max_tokens", "max_tokens")
+
+
+class Ledger:
+    """A service's own KV budget: what each session holds, and refusal when a new one would
+    not fit. The gateway admits by the same budget (it reads it from the service's Health), so
+    a refusal means another gateway shares the service, or a budget changed under it."""
+
+    def __init__(self, budget: int | None, flag: str):
+        self.budget, self.flag = budget, flag
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> int:
+        return sum(self._held.values())
+
+    def charge(self, rid: str, nbytes: int) -> None:
+        """Hold `nbytes` for `rid` or raise ResourceExhausted (nothing held then)."""
+        with self._lock:
+            used = sum(self._held.values())
+            if self.budget is not None and used + nbytes > self.budget:
+                raise ResourceExhausted(
+                    f"KV budget full: {rid!r} needs {nbytes / MB:.1f} MB, {used / MB:.1f} of "
+                    f"{self.budget / MB:.1f} MB are held ({self.flag})")
+            self._held[rid] = self._held.get(rid, 0) + nbytes
+
+    def refund(self, rid: str) -> None:
+        with self._lock:
+            self._held.pop(rid, None)

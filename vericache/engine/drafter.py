@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.compress.base import Compressor, KVSpan
+from vericache.engine.budget import Ledger
 from vericache.errors import InvalidArgument, NotFound
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
@@ -73,10 +74,12 @@ class DraftOut:
 
 class Drafter:
     def __init__(self, runner: Runner, eos_token_ids: tuple[int, ...], store: ChunkStore | None = None,
-                 model_id: str = ""):
-        """With a store, `attach_from_store` loads compressed chunks and the exact tail."""
+                 model_id: str = "", ledger: Ledger | None = None):
+        """With a store, `attach_from_store` loads compressed chunks and the exact tail. With
+        a ledger, each session's cache (kept tokens + room) is charged to it on attach."""
         self.runner, self.eos = runner, eos_token_ids
         self.store, self.model_id = store, model_id
+        self.ledger = ledger
         self.sessions: dict[str, DraftSession] = {}
 
     def _get(self, rid: str) -> DraftSession:
@@ -91,8 +94,15 @@ class Drafter:
         compressed chunks' tokens, which a selection policy may move)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
+        if self.ledger is not None:
+            self.ledger.charge(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token())
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
-        cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
+        try:
+            cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
+        except BaseException:
+            if self.ledger is not None:
+                self.ledger.refund(rid)
+            raise
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
                                           torch.Generator().manual_seed(seed), region=region)
 
@@ -240,3 +250,5 @@ class Drafter:
 
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
+        if self.ledger is not None:
+            self.ledger.refund(rid)

@@ -4,13 +4,15 @@ deadline; a failed call surfaces as the core's typed error."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from vericache._proto import load
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
-from vericache.errors import VeriCacheError
+from vericache.errors import Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
 from vericache.store.codec import probs_from_bytes, probs_to_bytes
 from vericache.store.grpc_store import RECONNECT_OPTIONS, STATUS_ERRORS
@@ -129,9 +131,26 @@ class RemoteBackends(Backends):
                 out[name] = False
         return out
 
-    def verifier_health(self, timeout_s: float = 10.0):
-        """The verifier's ServiceHealthResponse (its KV tier, sessions); raises when it is down."""
-        return call(self.verifier.Health, vpb.ServiceHealthRequest(), timeout_s, "verifier Health")
+    def service_health(self, timeout_s: float = 10.0) -> dict:
+        """Each service's ServiceHealthResponse ({"drafter": ..., "verifier": ...}: sessions,
+        KV tier, KV budget and use); raises Unavailable when one is down."""
+        return {name: call(stub.Health, vpb.ServiceHealthRequest(), timeout_s, f"{name} Health")
+                for name, stub in (("drafter", self.drafter), ("verifier", self.verifier))}
+
+    def budgets(self, wait_s: float) -> tuple[str, int | None, int | None]:
+        """(the verifier's KV tier, the drafter's and the verifier's KV budgets in bytes, None
+        where unbounded), from their Health, waiting up to `wait_s` for them to answer."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                h = self.service_health(timeout_s=max(1.0, min(10.0, deadline - time.monotonic())))
+                break
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
+        return (h["verifier"].kv_tier or "resident", h["drafter"].kv_budget_bytes or None,
+                h["verifier"].kv_budget_bytes or None)
 
     def prefill_into_store(self, rid: str, ids: list[int], compressor: str, chunk_size: int,
                            namespace: str) -> None:

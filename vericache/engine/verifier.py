@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.compress.base import CompressedChunk, Compressor, KVSpan
+from vericache.engine.budget import Ledger
 from vericache.engine.drafter import choose, tempered_softmax
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
@@ -79,11 +80,14 @@ class PrefillOut:
 
 class Verifier:
     def __init__(self, runner: Runner, store: ChunkStore | None = None, model_id: str = "",
-                 tier: OffloadedTier | None = None):
+                 tier: OffloadedTier | None = None, ledger: Ledger | None = None):
         """With a store, prefill reuses cached prefixes and writes new chunks back. With a
-        tier, the full KV is offloaded between rounds (None: resident)."""
+        tier, the full KV is offloaded between rounds (None: resident). With a ledger, a
+        resident session's full KV is charged to it before prefill allocates (an offloaded
+        one's copies live in host memory; its working copy is the scheduler's to bound)."""
         self.runner, self.store, self.model_id = runner, store, model_id
         self.tier = tier
+        self.ledger = ledger
         self.sessions: dict[str, VerifySession] = {}
         self._exact: dict[str, KVSpan] = {}  # rid -> exact KV of its last verified tokens
 
@@ -101,6 +105,18 @@ class Verifier:
         anything, as with a compressor that keeps every token: the base set stays)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
+        if self.ledger is not None and self.tier is None:
+            self.ledger.charge(rid, (len(prompt_ids) + extra_capacity) * self.runner.kv_bytes_per_token())
+        try:
+            return self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
+                                 temperature, seed, namespace, save_tail, selection)
+        except BaseException:
+            if self.ledger is not None:
+                self.ledger.refund(rid)
+            raise
+
+    def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, temperature,
+                 seed, namespace, save_tail, selection) -> PrefillOut:
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
         if selection is not None and (compressor is None or not compressor.drops_tokens
                                       or not selection.moves or ts == 0):
@@ -208,3 +224,5 @@ class Verifier:
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
+        if self.ledger is not None:
+            self.ledger.refund(rid)
