@@ -13,6 +13,14 @@ ratio serve / bench, and whether every output equals full greedy decoding.
 
     .venv/bin/python benchmarks/serve_vs_bench.py --concurrency 8 --context-tokens 2000 \\
         --max-tokens 32 --json out.json
+
+`--targets serve,services` runs the server side twice: `vericache serve`, then the four
+services (kvstore on Redis, verifier with the same tier and budget, drafter with the drafter
+budget, gateway reading both budgets from their Health). While each runs, the resident set of
+its processes and its /metrics (KV bytes per side, requests waiting) are sampled.
+`--resident-check` then runs `full` mode on resident full KV under the same total budget
+(too small for every request's cache at once): as many are admitted as fit, the others wait,
+every output is full greedy, and the verifier's KV bytes stay inside the budget.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from services_compare import start, stream, wait_http  # noqa: E402
+from services_compare import start, stream, wait_grpc, wait_http  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 from service_process import free_port  # noqa: E402
@@ -67,6 +75,144 @@ def bench_side(lm, prompts, cfg) -> tuple[dict, list[list[int]]]:
     return row, reference
 
 
+class Sampler:
+    """Samples, every `period_s`, the RSS of `procs` and of their children, and the server's
+    /metrics gauges (KV bytes per side, requests waiting and active)."""
+
+    def __init__(self, procs, port: int, period_s: float = 0.5):
+        import threading
+
+        import psutil
+
+        self.procs = [psutil.Process(p.pid) for p in procs]
+        self.port, self.period_s = port, period_s
+        self.peak_rss, self.peak_kv, self.peak_waiting, self.peak_active = 0, {}, 0, 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _rss(self) -> int:
+        total = 0
+        for p in self.procs:
+            for q in [p, *p.children(recursive=True)]:
+                try:
+                    total += q.memory_info().rss
+                except Exception:  # noqa: BLE001 -- a child that ended
+                    pass
+        return total
+
+    def _loop(self) -> None:
+        import httpx
+
+        while not self._stop.wait(self.period_s):
+            self.peak_rss = max(self.peak_rss, self._rss())
+            try:
+                text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("vericache_kv_bytes{"):
+                    side = line.split('side="')[1].split('"')[0]
+                    self.peak_kv[side] = max(self.peak_kv.get(side, 0), float(line.rsplit(" ", 1)[1]))
+                elif line.startswith("vericache_queue_depth "):
+                    self.peak_waiting = max(self.peak_waiting, float(line.rsplit(" ", 1)[1]))
+                elif line.startswith("vericache_active_requests "):
+                    self.peak_active = max(self.peak_active, float(line.rsplit(" ", 1)[1]))
+            self.samples += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict:
+        return {"peak_rss_mb": round(self.peak_rss / MB, 1), "samples": self.samples,
+                "peak_kv_mb": {k: round(v / MB, 1) for k, v in self.peak_kv.items()},
+                "peak_waiting": self.peak_waiting, "peak_active": self.peak_active}
+
+
+MB = 1 << 20
+
+
+def start_services(a, ports: dict, budgets: dict, tier_flags: list[str], prefix: str) -> list:
+    """kvstore (Redis), verifier (the tier, its budget), drafter (its budget): processes."""
+    procs = [start(["services.kvstore", "--backend", f"redis://127.0.0.1:6379/0?prefix={prefix}"],
+                   ports["kv"], a.threads)]
+    wait_grpc(ports["kv"])
+    kv = f"127.0.0.1:{ports['kv']}"
+    ver = ["services.verifier", "--kvstore", kv, *tier_flags]
+    if budgets["verifier"] is not None:
+        ver += ["--kv-budget-mb", f"{budgets['verifier']:.3f}"]
+    procs.append(start(ver, ports["ver"], a.threads))
+    procs.append(start(["services.drafter", "--kvstore", kv, "--draft-kv-budget-mb",
+                        f"{budgets['drafter']:.3f}"], ports["dra"], a.threads))
+    wait_grpc(ports["ver"], timeout=600)
+    wait_grpc(ports["dra"], timeout=600)
+    return procs
+
+
+def run_server(a, target: str, prompts, gen_flags: list[str], tier_flags: list[str],
+               budgets: dict, body: dict) -> tuple[list[dict], float, dict]:
+    """Start `target` ("serve" or "services"), warm its prefix cache, stream every prompt
+    at once; returns (outputs, wall seconds, sampled memory)."""
+    import uuid
+
+    port = free_port()
+    procs, prefix = [], f"vericache-svb-{uuid.uuid4().hex[:8]}:"
+    try:
+        if target == "serve":
+            flags = ["vericache", "serve", *gen_flags, *tier_flags,
+                     "--draft-kv-budget-mb", f"{budgets['drafter']:.3f}"]
+            if budgets["verifier"] is not None:
+                flags += ["--kv-budget-mb", f"{budgets['verifier']:.3f}"]
+        else:
+            ports = {k: free_port() for k in ("kv", "ver", "dra")}
+            procs = start_services(a, ports, budgets, tier_flags, prefix)
+            flags = ["services.gateway", *gen_flags, "--kvstore", f"127.0.0.1:{ports['kv']}",
+                     "--drafter", f"127.0.0.1:{ports['dra']}",
+                     "--verifier", f"127.0.0.1:{ports['ver']}"]
+        procs.append(start(flags, port, a.threads))
+        wait_http(port, timeout=600)
+        warm = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        for p in prompts:  # warm the prefix cache (full and compressed chunks)
+            stream_ids(port, p.ids, warm)
+        print(f"{target}: {len(prompts)} concurrent streams ...", file=sys.stderr, flush=True)
+        with Sampler(procs, port) as sampler:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda p: stream_ids(port, p.ids, body), prompts))
+            wall = time.perf_counter() - t0
+        return outs, wall, sampler.report()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+        if target == "services":
+            import redis
+
+            r = redis.Redis(host="127.0.0.1", port=6379, db=0)
+            keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
+            if keys:
+                r.delete(*keys)
+
+
+def summarise(outs: list[dict], wall: float, reference, memory: dict) -> dict:
+    from vericache.model.loader import load_model_info
+
+    tok = load_model_info().tokenizer
+    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    rounds = sum(o["usage"]["rounds"] for o in outs)
+    return {"throughput_tps": round(tokens / wall, 4), "wall_s": round(wall, 3),
+            "tau_mean": round((tokens - len(outs)) / rounds, 3) if rounds else None,
+            "ttft_mean_s": round(sum(o["ttft_s"] for o in outs) / len(outs), 3),
+            "identical": all(o["text"] == tok.decode(ref) for o, ref in zip(outs, reference)),
+            "memory": memory}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -79,6 +225,9 @@ def main() -> int:
     ap.add_argument("--schedule", choices=("lockstep", "staggered"), default="lockstep")
     ap.add_argument("--link-gbps", type=float, default=4.0)
     ap.add_argument("--kv-budget-caches", type=float, default=4.0)
+    ap.add_argument("--targets", default="serve", help="serve, services, or both comma-separated")
+    ap.add_argument("--resident-check", action="store_true",
+                    help="also run full mode on resident KV under the same total budget")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -87,7 +236,6 @@ def main() -> int:
 
     from vericache.bench.prompts import shared_document_prompts
     from vericache.bench.scenario import ScenarioConfig
-    from vericache.engine.budget import MB
     from vericache.model import load_model
 
     torch.set_num_threads(a.threads)
@@ -101,53 +249,45 @@ def main() -> int:
           file=sys.stderr, flush=True)
     row, reference = bench_side(lm, prompts, cfg)
     total = cfg.kv_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
-    draft_mb = max(row["kv_peak_draft_bytes"], 1) / MB
-    verify_mb = (total / MB - draft_mb) if total else None
     del lm
-
-    port = free_port()
-    flags = ["vericache", "serve", "--schedule", a.schedule, "--kv-tier", "offloaded",
-             "--tier-link-gbps", str(a.link_gbps), "--compressor", a.compressor,
-             "--ratio", str(a.ratio), "--draft-len", str(a.draft_len),
-             "--selection", a.selection, "--max-batch", str(a.concurrency),
-             "--draft-kv-budget-mb", f"{draft_mb:.3f}"]
-    if verify_mb is not None:
-        flags += ["--kv-budget-mb", f"{verify_mb:.3f}"]
-    proc = start(flags, port, a.threads)
-    try:
-        wait_http(port)
-        body = {"max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True}
-        for p in prompts:  # warm the server's prefix cache (full and compressed chunks)
-            stream_ids(port, p.ids, {**body, "max_tokens": 1})
-        print(f"serve: {a.concurrency} concurrent streams ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(a.concurrency) as pool:
-            outs = list(pool.map(lambda p: stream_ids(
-                port, p.ids, {**body, "vericache": {"adaptive": False}}), prompts))
-        wall = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-    from vericache.model.loader import load_model_info
-
-    tok = load_model_info().tokenizer
-    identical = [o["text"] == tok.decode(ref) for o, ref in zip(outs, reference)]
-    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
-    rounds = sum(o["usage"]["rounds"] for o in outs)
-    serve = {"throughput_tps": round(tokens / wall, 4), "wall_s": round(wall, 3),
-             "tau_mean": round((tokens - len(outs)) / rounds, 3) if rounds else None,
-             "ttft_mean_s": round(sum(o["ttft_s"] for o in outs) / len(outs), 3),
-             "identical": all(identical), "draft_budget_mb": round(draft_mb, 3),
-             "verify_budget_mb": None if verify_mb is None else round(verify_mb, 3)}
+    # the server gets the memory the scenario's variant used: the drafter's peak, the rest
+    # of the total for the verifier
+    draft_mb = max(row["kv_peak_draft_bytes"], 1) / MB
+    budgets = {"drafter": draft_mb, "verifier": (total / MB - draft_mb) if total else None}
+    gen_flags = ["--schedule", a.schedule, "--compressor", a.compressor, "--ratio", str(a.ratio),
+                 "--draft-len", str(a.draft_len), "--selection", a.selection,
+                 "--max-batch", str(a.concurrency), "--max-tokens", str(a.max_tokens)]
+    tier_flags = ["--kv-tier", "offloaded", "--tier-link-gbps", str(a.link_gbps)]
+    body = {"max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True,
+            "vericache": {"adaptive": False}}
     bench = {k: row[k] for k in ("throughput_tps", "tau_mean", "ttft_mean_s", "identical",
                                  "kv_peak_draft_bytes", "kv_peak_verify_bytes", "max_active")}
-    doc = {"settings": vars(a), "kv_budget_bytes": total, "bench": bench, "serve": serve,
-           "serve_over_bench": round(serve["throughput_tps"] / bench["throughput_tps"], 4)}
+    doc = {"settings": vars(a), "kv_budget_bytes": total,
+           "budgets_mb": {k: None if v is None else round(v, 3) for k, v in budgets.items()},
+           "bench": bench}
+    ok = bench["identical"]
+    for target in [t for t in a.targets.split(",") if t]:
+        outs, wall, mem = run_server(a, target, prompts, gen_flags, tier_flags, budgets, body)
+        doc[target] = summarise(outs, wall, reference, mem)
+        doc[f"{target}_over_bench"] = round(doc[target]["throughput_tps"] / bench["throughput_tps"], 4)
+        ok = ok and doc[target]["identical"]
+    if a.resident_check:
+        # full mode, resident full KV, the whole total for the verifier: fewer fit than asked
+        full_body = {"max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True,
+                     "vericache": {"mode": "full"}}
+        res_budgets = {"drafter": draft_mb, "verifier": total / MB if total else None}
+        outs, wall, mem = run_server(a, "serve", prompts, gen_flags, ["--kv-tier", "resident"],
+                                     res_budgets, full_body)
+        check = summarise(outs, wall, reference, mem)
+        check["verify_budget_mb"] = res_budgets["verifier"]
+        check["within_budget"] = mem["peak_kv_mb"].get("verifier", 0) <= res_budgets["verifier"]
+        check["some_waited"] = mem["peak_waiting"] > 0
+        doc["full_resident_under_budget"] = check
+        ok = ok and check["identical"] and check["within_budget"]
     print(json.dumps(doc, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1))
-    return 0 if serve["identical"] and bench["identical"] else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
