@@ -120,3 +120,17 @@ def test_draft_cache_is_chunks_then_exact_tail(prefilled, lm):
     assert d.length == kept + tail and tail >= comp.recent
     assert torch.equal(d.k[:, :, kept:d.length], pre.cache.k[:, :, len(ids) - tail:len(ids)])
     assert d.capacity >= d.length + 10
+
+
+@pytest.mark.parametrize("spec", compressor_names())
+def test_the_drafter_budget_charges_what_the_drafter_holds(prefilled, lm, spec):
+    """`drafter_tokens` (what the drafter's KV budget is charged) is the length of the draft
+    cache that prefill builds: kept tokens of every compressed chunk plus the exact tail."""
+    from vericache.engine.prefill import drafter_tokens
+
+    ids, pre = prefilled
+    comp = make_compressor(spec)
+    for n in (len(ids), 700, 300):
+        chunks = compress_prompt(comp, pre, n, C)
+        d = build_draft_cache(comp, chunks, pre.cache, n, C, 0)
+        assert drafter_tokens(comp, n, C) == d.length, (spec, n)

@@ -80,10 +80,11 @@ class Compressor(Named, ABC):
     def exact_tail(self, prompt_len: int) -> int:
         return 0
 
-    def kept_tokens(self, prompt_len: int) -> int:
-        """About how many of a `prompt_len`-token prompt's tokens the drafter holds (it holds
-        them decompressed, in the model dtype): what its memory budget is charged."""
-        return prompt_len
+    def kept_in_chunk(self, start: int, length: int) -> int:
+        """How many tokens `compress` keeps of the chunk [start, start + length) (the drafter
+        holds them decompressed, in the model dtype): with the exact tail, what its memory
+        budget is charged (`vericache.engine.prefill.drafter_tokens`)."""
+        return length
 
     def requantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entering tokens' (k, v) [layers, Hkv, r, D] as the drafter would hold them."""

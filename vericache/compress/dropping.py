@@ -53,8 +53,8 @@ class StreamingLLM(Compressor):
     def exact_tail(self, prompt_len: int) -> int:
         return max(0, math.ceil(prompt_len / self.ratio) - self.sinks)
 
-    def kept_tokens(self, prompt_len: int) -> int:
-        return min(prompt_len, self.sinks + self.exact_tail(prompt_len))
+    def kept_in_chunk(self, start: int, length: int) -> int:
+        return max(0, min(length, self.sinks - start))
 
 
 class SnapKV(Compressor):
@@ -78,9 +78,8 @@ class SnapKV(Compressor):
     def exact_tail(self, prompt_len: int) -> int:
         return self.recent
 
-    def kept_tokens(self, prompt_len: int) -> int:
-        tail = min(prompt_len, self.recent)
-        return tail + math.ceil((prompt_len - tail) / self.ratio)
+    def kept_in_chunk(self, start: int, length: int) -> int:
+        return min(length, max(1, math.ceil(length / self.ratio)))
 
     def select(self, span: KVSpan) -> torch.Tensor:
         """Indices (within the span) of the kept tokens: [layers, Hkv, m], sorted."""

@@ -8,7 +8,6 @@ as do the drafter's own new tokens.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -114,9 +113,8 @@ class SnapKVKIVI(Compressor):
     def exact_tail(self, prompt_len: int) -> int:
         return self.kivi.residual
 
-    def kept_tokens(self, prompt_len: int) -> int:
-        tail = min(prompt_len, self.kivi.residual)
-        return tail + math.ceil((prompt_len - tail) / self.snap.ratio)
+    def kept_in_chunk(self, start: int, length: int) -> int:
+        return self.snap.kept_in_chunk(start, length)
 
     def compress(self, span: KVSpan) -> CompressedChunk:
         idx = self.snap.select(span)

@@ -1,7 +1,8 @@
 """KV memory budgets: what a request costs the drafter and the verifier, and the defaults.
 
 A request holds, while admitted:
-- on the drafter, the tokens its compressor keeps (`Compressor.kept_tokens`, decompressed in
+- on the drafter, the tokens its compressor keeps and the exact tail
+  (`vericache.engine.prefill.drafter_tokens`, decompressed in
   the model dtype) plus room for its output and one draft;
 - on the verifier, its full KV (prompt + output + one draft): resident the whole time, or,
   with the offloaded tier, a working copy only while one of its verifications runs.
@@ -17,6 +18,7 @@ import threading
 import torch
 
 from vericache.engine.generation import Generation
+from vericache.engine.prefill import drafter_tokens
 from vericache.errors import InvalidArgument, ResourceExhausted
 
 MB = 1 << 20
@@ -29,7 +31,8 @@ def request_cost(kv_per_token: int, tier: str = "resident"):
     def cost(g: Generation) -> tuple[int, int, int]:
         room = g.extra_capacity * kv_per_token
         full = len(g.prompt) * kv_per_token + room
-        draft = 0 if g.compressor is None else g.compressor.kept_tokens(len(g.prompt)) * kv_per_token + room
+        draft = 0 if g.compressor is None else \
+            drafter_tokens(g.compressor, len(g.prompt), g.params.chunk_size) * kv_per_token + room
         if g.params.mode == "lossy":
             return draft, 0, 0
         return (draft, full, 0) if tier == "resident" else (draft, 0, full)

@@ -68,6 +68,13 @@ def tail_start(compressor: Compressor, prompt_len: int, chunk_size: int) -> int:
     return (prompt_len - keep) // chunk_size * chunk_size
 
 
+def drafter_tokens(compressor: Compressor, prompt_len: int, chunk_size: int) -> int:
+    """How many prompt tokens the drafter holds: each compressed chunk's kept tokens, then
+    the exact tail (a selection policy moves tokens, never adds any)."""
+    ts = tail_start(compressor, prompt_len, chunk_size)
+    return sum(compressor.kept_in_chunk(i, chunk_size) for i in range(0, ts, chunk_size)) + prompt_len - ts
+
+
 def compress_prompt(compressor: Compressor, pre: Prefilled, prompt_len: int,
                     chunk_size: int = 256, first_chunk: int = 0) -> list[CompressedChunk]:
     """Compress every chunk before the exact tail, from `first_chunk` on (the earlier ones
