@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         add_roofline(doc, load_model(None, "float32", "cpu").runner, a.threads)
         s = doc["summary"]
         out["roofline"] = doc["roofline"]
-        print(f"roofline here: cap x{s['resident_ratio_cap']:.3g} vs full resident (measured "
-              f"{s['resident_ratio_of_cap']} of it), x{s['offloaded_ratio_cap']:.3g} vs full "
-              f"offloaded (measured {s['offloaded_ratio_of_cap']} of it)")
+        print(f"roofline projection here: x{s['resident_ratio_roofline']:.3g} vs full resident (measured "
+              f"{s['resident_ratio_of_roofline']} of it), x{s['offloaded_ratio_roofline']:.3g} vs full "
+              f"offloaded (measured {s['offloaded_ratio_of_roofline']} of it)")
     if a.out is not None:
         a.out.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -80,7 +80,7 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
     roof = doc["roofline"]
     assert roof["inputs"]["read_gb_s"] > 0 and roof["inputs"]["matmul_gflop_s"] > 0
-    assert doc["summary"]["resident_ratio_cap"] > 0 and doc["summary"]["resident_ratio_of_cap"] > 0
+    assert doc["summary"]["resident_ratio_roofline"] > 0 and doc["summary"]["resident_ratio_of_roofline"] > 0
 
 
 def test_bad_scenario_flags_fail_before_the_model_loads(capsys):

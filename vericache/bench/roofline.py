@@ -1,13 +1,14 @@
-"""This machine's roofline, and the ratio to full-resident decoding that it allows.
+"""This machine's roofline, and the ratios to the full-KV baselines it projects.
 
 On a CPU a forward pass is bound by memory reads (weights + KV over the read bandwidth) or
 by arithmetic (multiply-adds over the matrix-multiply rate), whichever is slower; unlike on a
 GPU, verifying k+1 tokens over a long cache costs about k+1 decode steps of arithmetic. So
-the ratio VeriCache can reach against the full-resident baseline here is capped well below
-the GPU's. `measure()` reads the machine's read bandwidth and fp32 matmul rates (fat
+the ratio VeriCache projects against the full-resident baseline here is well below the
+GPU's. It is a projection with every variant at its peak rates, not a cap: a measured ratio
+exceeds it where the baseline runs further below its peak than VeriCache does. `measure()` reads the machine's read bandwidth and fp32 matmul rates (fat
 products and skinny ≤16-row ones), and, as a profile figure, the rate at which a decode
 step's attention (one group's query rows against an 8k cache, per layer and KV head) reads
-the KV; `cap()` puts the peaks in the same cost model as
+the KV; `project_ratios()` puts the peaks in the same cost model as
 `vericache.bench.project`, with arithmetic added, and the run's τ, k, compression, batch,
 budget and link:
 
@@ -67,7 +68,7 @@ def flops_per_token(params: int, layers: int, heads: int, head_dim: int, ctx: fl
     return 2.0 * params + 4.0 * layers * heads * head_dim * ctx
 
 
-def cap(m: dict, model: dict, run: dict) -> dict:
+def project_ratios(m: dict, model: dict, run: dict) -> dict:
     """Projected tokens/s of each variant on this machine and VeriCache's ratios.
 
     m: `measure()`; model: params, layers, heads, head_dim, weight_bytes, kv_per_token;
