@@ -113,13 +113,17 @@ def project_remote_prefix(m: Machine, tau: float, k: float, r: float, weight_byt
     decodes T steps. VeriCache's verifier (next to the store) reads P over the fast link and
     answers at once; its rounds carry no drafts until the compressed prefix (P/r) has crossed
     the slow link, then emit τ tokens per request per round of k draft steps and one verify
-    pass (about one decode step's bytes on a GPU)."""
+    pass (about one decode step's bytes on a GPU). Full decoding next to the store (near)
+    reads P over the fast link and decodes T steps: the baseline to beat where a node can
+    sit next to the store."""
     W, P, B, T = weight_bytes, prefix_kv_bytes, batch, max_tokens
     slow, fast = slow_gbps * 1e9 / 8, fast_gbps * 1e9 / 8
     t_full = (W + B * P) / m.bw_hbm
     t_draft = (W + B * P / r) / m.bw_hbm
     far_ttft = P / slow + t_full
     far_total = P / slow + T * t_full
+    near_ttft = P / fast + t_full
+    near_total = P / fast + T * t_full
     vc_ttft = P / fast + t_full
     t, done, ready = vc_ttft, 1, P / fast + P / (r * slow)
     while done < T and t < ready:  # plain decode steps on the verifier until drafts can start
@@ -132,6 +136,9 @@ def project_remote_prefix(m: Machine, tau: float, k: float, r: float, weight_byt
         "ttft_ratio_vs_full": far_ttft / vc_ttft,
         "full_far_tps": B * T / far_total, "vericache_tps": B * T / vc_total,
         "throughput_ratio_vs_full_far": far_total / vc_total,
+        "full_near_ttft_s": near_ttft, "full_near_tps": B * T / near_total,
+        "ttft_ratio_vs_full_near": near_ttft / vc_ttft,
+        "throughput_ratio_vs_full_near": near_total / vc_total,
         "inputs": {"tau": tau, "k": k, "compression": r, "weight_bytes": W,
                    "prefix_kv_bytes": P, "slow_link_bytes_s": slow, "fast_link_bytes_s": fast,
                    "bw_hbm": m.bw_hbm},

@@ -87,7 +87,8 @@ def describe_projection(p: dict) -> str:
     """One line for a projection (`vericache.bench.project.project_run`)."""
     if p.get("scenario") == "remote-prefix":
         return (f"projected on {p['machine']}: TTFT x{p['ttft_ratio_vs_full']:.3g} and throughput "
-                f"x{p['throughput_ratio_vs_full_far']:.3g} vs full KV over the slow link")
+                f"x{p['throughput_ratio_vs_full_far']:.3g} vs full KV over the slow link, "
+                f"x{p['throughput_ratio_vs_full_near']:.3g} vs full KV next to the store")
     return (f"projected on {p['machine']}: vericache {p['vericache_staggered_tps']:.4g} tok/s, "
             f"x{p['throughput_ratio_vs_full_resident']:.3g} vs full resident, "
             f"x{p['throughput_ratio_vs_full_offloaded']:.3g} vs full offloaded; "
