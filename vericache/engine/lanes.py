@@ -32,6 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import torch
+
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
@@ -140,7 +142,11 @@ class LaneRunner:
         return not self._running and self._inbox.empty()
 
     def _loop(self, should_stop: Callable[[], bool], strict: bool) -> None:
-        pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"vericache-{lane}")
+        # the lanes compute with this thread's intra-op thread count (a new thread would
+        # start from OpenMP's default, ignoring e.g. `vericache bench --threads`)
+        threads = torch.get_num_threads()
+        pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"vericache-{lane}",
+                                          initializer=torch.set_num_threads, initargs=(threads,))
                  for lane in (DRAFT_LANE, VERIFY_LANE)}
         self.trace.start = time.perf_counter()
         try:
