@@ -4,12 +4,15 @@ Fields follow the order of the OpenAI API reference; VeriCache's own additions c
 carry descriptions (the `vericache` request object, usage's rounds / tokens_per_round /
 acceptance_rate). Unknown request fields are ignored, as OpenAI-compatible servers do. Only
 the sampling OpenAI clients send by default is accepted: top_p must be 1 and n must be 1.
+The OpenAI (and vLLM) fields this gateway does not implement yet (`NOT_YET`: logprobs,
+response_format, tools, penalties, ...) are accepted only at their neutral values; any other
+value gets a 400 naming the field, never a 200 that silently ignored it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -58,11 +61,63 @@ class VeriCacheOptions(OpenAIModel):
                                                     "does not pay")
 
 
+# field -> the values that ask for nothing (what clients send when the feature is off)
+NOT_YET: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "functions": ([],), "function_call": ("none",), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
+    "top_k": (-1, 0), "min_p": (0.0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+}
+
+
+def _neutral(v, neutral: tuple) -> bool:
+    if v is None:
+        return True
+    for n in neutral:
+        if isinstance(n, bool) or isinstance(v, bool):  # True == 1 and False == 0: not here
+            if type(v) is type(n) and v == n:
+                return True
+        elif isinstance(n, (int, float)) and isinstance(v, (int, float)):
+            if float(v) == float(n):
+                return True
+        elif v == n:
+            return True
+    return False
+
+
 class SamplingFields(OpenAIModel):
     """Fields and checks shared by both request kinds."""
 
     ignore_eos: bool | None = Field(None, description="vLLM's extension: decode past the end "
                                                       "of sequence up to the token limit")
+    # not implemented yet (see NOT_YET): only their neutral values are accepted
+    logprobs: Any = Field(None, description="not supported yet: absent or false")
+    top_logprobs: Any = Field(None, description="not supported yet: absent or 0")
+    response_format: Any = Field(None, description='not supported yet: absent or {"type": "text"}')
+    tools: Any = Field(None, description="not supported yet: absent or []")
+    tool_choice: Any = Field(None, description='not supported yet: absent or "none"')
+    parallel_tool_calls: Any = Field(None, description="accepted (no tools are supported yet)")
+    functions: Any = Field(None, description="not supported yet: absent or []")
+    function_call: Any = Field(None, description='not supported yet: absent or "none"')
+    presence_penalty: Any = Field(None, description="not supported yet: absent or 0")
+    frequency_penalty: Any = Field(None, description="not supported yet: absent or 0")
+    repetition_penalty: Any = Field(None, description="not supported yet: absent or 1")
+    logit_bias: Any = Field(None, description="not supported yet: absent or {}")
+    top_k: Any = Field(None, description="not supported yet: absent, -1 or 0")
+    min_p: Any = Field(None, description="not supported yet: absent or 0")
+    best_of: Any = Field(None, description="not supported yet: absent or 1")
+    echo: Any = Field(None, description="not supported yet: absent or false")
+    suffix: Any = Field(None, description='not supported yet: absent or ""')
+
+    @field_validator(*NOT_YET)
+    @classmethod
+    def _not_yet(cls, v, info: ValidationInfo):
+        if not _neutral(v, NOT_YET[info.field_name]):
+            raise ValueError(f"{info.field_name} is not supported yet (only "
+                             f"{' or '.join(repr(n) for n in NOT_YET[info.field_name])} is "
+                             "accepted); VeriCache will not ignore it silently")
+        return v
 
     @field_validator("n", check_fields=False)
     @classmethod
