@@ -33,7 +33,7 @@ proto: setup
 	$(PY) -m vericache._proto
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

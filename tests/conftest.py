@@ -65,3 +65,11 @@ def services() -> Iterator[Callable[..., ServiceProcess]]:
     for service in started:
         service.stop()
         service.log_path.unlink(missing_ok=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with slow (real-model, minutes) tests first, in their own order, then the rest:
+    with `-n 2 --dist loadfile` (the suite's command) the two workers then end together
+    instead of one running a long module alone at the end."""
+    slow = {it.module.__name__ for it in items if it.get_closest_marker("slow")}
+    items.sort(key=lambda it: it.module.__name__ not in slow)

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from conftest import chat_ids
-from vericache.engine.generation import GenParams
+from vericache.engine.generation import Generation, GenParams
+from vericache.engine.lanes import run_requests
 from vericache.engine.local import generate
+from vericache.engine.rounds import LocalBackends
 
-N = 48
+N = 32
 SPECS = ["identity", "streamingllm", "snapkv", "kivi", "kivi:bits=4", "snapkv-kivi"]
 # Drafting must work, not only the identity of the output. At a fixed k the identity drafter's
 # drafts are all accepted (exact, below); the others keep a floor: (acceptance rate, {k: tokens
@@ -22,6 +24,17 @@ MIN_DRAFTING = {
     "kivi:bits=4": (0.5, {4: 2.3, 16: 7.5}),
     "snapkv-kivi": (0.5, {4: 2.3, 16: 7.5}),
 }
+
+
+@pytest.fixture(scope="module")
+def store():
+    """One prefix cache for the grid: the second k of a compressor reuses the first one's
+    prefill (full and compressed chunks), as a server's later requests do."""
+    from vericache.store.memory import MemoryStore
+
+    s = MemoryStore()
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +56,7 @@ def test_full_equals_transformers_generate(lm, prompts, reference):
 
     folder, _ = hf_folder_for(resolve_model_path(None))
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    for name in ("code", "json"):
+    for name in ("code", "json", "long"):  # the long one: ~2.1k tokens of code
         ids = prompts[name]
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -53,18 +66,22 @@ def test_full_equals_transformers_generate(lm, prompts, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [4, 16])
 @pytest.mark.parametrize("spec", SPECS)
-def test_vericache_identical_to_full(lm, prompts, reference, spec, k):
+def test_vericache_identical_to_full(lm, prompts, reference, store, spec, k):
     """The output is full-KV greedy decoding's, and drafting works. k is fixed (adaptive off:
     every round drafts k, fewer only where fewer tokens are left), so tokens per round are the
     drafter's own: the identity drafter's k drafts are all accepted, k + 1 tokens a round;
-    the others stay above their floors (MIN_DRAFTING)."""
+    the others stay above their floors (MIN_DRAFTING). The three prompts run as one batch in
+    the serving engine's executor (`run_requests`, lockstep), against references decoded
+    one at a time."""
     full_rounds, rest = divmod(N - 1, k + 1)  # the prefill chose the first token
-    for name, ids in prompts.items():
-        res = generate(lm, ids, GenParams(mode="vericache", compressor=spec, draft_len=k,
-                                          adaptive=False, max_tokens=N, ignore_eos=True))
-        assert res.token_ids == reference[name].token_ids, (spec, k, name)
-        assert res.text == reference[name].text
-        u, s = res.usage, res.stats
+    params = GenParams(mode="vericache", compressor=spec, draft_len=k, adaptive=False,
+                       max_tokens=N, ignore_eos=True)
+    gens = {name: Generation(lm, ids, params, request_id=name) for name, ids in prompts.items()}
+    run_requests(LocalBackends(lm, store), list(gens.values()), "lockstep")
+    for name, g in gens.items():
+        assert g.output_ids == reference[name].token_ids, (spec, k, name)
+        assert g.text.text == reference[name].text
+        u, s = g.usage(), g.stats
         assert u["completion_tokens"] == N and u["rounds"] >= 1
         assert 1 <= u["tokens_per_round"] <= k + 1
         assert s.verify_tokens <= s.drafted + u["rounds"]

@@ -9,7 +9,9 @@ from vericache.engine.lanes import run_requests
 from vericache.engine.local import generate
 from vericache.engine.rounds import LocalBackends
 
-N = 40
+pytestmark = pytest.mark.slow  # real-model work of minutes: scheduled first
+
+N = 28
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from service_process import REPO
 from services.gateway.auth import AccessPolicy, tenant_namespace
 from vericache._proto import load
 
+pytestmark = pytest.mark.slow  # real-model work of minutes: scheduled first
+
 TOKEN = "internal-secret-for-tests"
 KEYS = ("key-alpha", "key-beta")
 ENV = {"OMP_NUM_THREADS": "1", "LMCACHE_TRACK_USAGE": "false", "VERICACHE_INTERNAL_TOKEN": TOKEN}

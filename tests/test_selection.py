@@ -8,6 +8,7 @@ from vericache.compress import make_compressor
 from vericache.engine.drafter import Drafter
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
+from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument, UnknownName
 from vericache.select import SelectionDelta, SelectionState, make_selection, selection_names
@@ -168,6 +169,14 @@ N = 32
 
 
 @pytest.fixture(scope="module")
+def store():
+    """One prefix cache for the grid: a compressor's later runs reuse its first prefill."""
+    s = MemoryStore()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
 def long_reference(lm, prompts):
     return generate(lm, prompts["long"], GenParams(mode="full", max_tokens=N, ignore_eos=True))
 
@@ -179,13 +188,13 @@ VERIFY = "verify:every=2,tokens=16"
 @pytest.mark.parametrize("selection,spec,k", [
     ("static", "snapkv", 4), ("static", "snapkv", 16), (VERIFY, "snapkv", 4), (VERIFY, "snapkv", 16),
     (VERIFY, "snapkv-kivi:bits=2", 16), (VERIFY, "streamingllm", 4)])
-def test_every_policy_identical_to_full_on_the_long_prompt(lm, prompts, long_reference, spec, k,
-                                                           selection):
+def test_every_policy_identical_to_full_on_the_long_prompt(lm, prompts, long_reference, store,
+                                                           spec, k, selection):
     """(`question`, the default, runs in test_identity for every compressor, k and prompt.)
     k is fixed here, so τ says whether drafting works, not what the cost model chose."""
     res = generate(lm, prompts["long"], GenParams(mode="vericache", compressor=spec, draft_len=k,
                                                   selection=selection, max_tokens=N, ignore_eos=True,
-                                                  adaptive=False))
+                                                  adaptive=False), LocalBackends(lm, store))
     assert res.token_ids == long_reference.token_ids, (spec, k, selection)
     assert res.usage["tokens_per_round"] >= 1.5  # drafting works, not only identity
     moved = res.stats.select_moves

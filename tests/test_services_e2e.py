@@ -19,6 +19,8 @@ from vericache._proto import load
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
 
+pytestmark = pytest.mark.slow  # real-model work of minutes: scheduled first
+
 N = 24
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "LMCACHE_TRACK_USAGE": "false"}
 
