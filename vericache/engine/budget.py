@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -124,6 +126,16 @@ class Ledger:
                     f"KV budget full: {rid!r} needs {nbytes / MB:.1f} MB, {used / MB:.1f} of "
                     f"{self.budget / MB:.1f} MB are held ({self.flag})")
             self._held[rid] = self._held.get(rid, 0) + nbytes
+
+    @contextmanager
+    def hold(self, rid: str, nbytes: int) -> Iterator[None]:
+        """Charge `nbytes` for what the block allocates; refunded if the block raises."""
+        self.charge(rid, nbytes)
+        try:
+            yield
+        except BaseException:
+            self.refund(rid)
+            raise
 
     def refund(self, rid: str) -> None:
         with self._lock:

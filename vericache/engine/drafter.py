@@ -79,7 +79,7 @@ class Drafter:
         a ledger, each session's cache (kept tokens + room) is charged to it on attach."""
         self.runner, self.eos = runner, eos_token_ids
         self.store, self.model_id = store, model_id
-        self.ledger = ledger
+        self.ledger = ledger or Ledger(None, "")
         self.sessions: dict[str, DraftSession] = {}
 
     def _get(self, rid: str) -> DraftSession:
@@ -94,15 +94,9 @@ class Drafter:
         compressed chunks' tokens, which a selection policy may move)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
-        if self.ledger is not None:
-            self.ledger.charge(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token())
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
-        try:
+        with self.ledger.hold(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token()):
             cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
-        except BaseException:
-            if self.ledger is not None:
-                self.ledger.refund(rid)
-            raise
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
                                           torch.Generator().manual_seed(seed), region=region)
 
@@ -250,5 +244,4 @@ class Drafter:
 
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
-        if self.ledger is not None:
-            self.ledger.refund(rid)
+        self.ledger.refund(rid)

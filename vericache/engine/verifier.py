@@ -87,7 +87,7 @@ class Verifier:
         one's copies live in host memory; its working copy is the scheduler's to bound)."""
         self.runner, self.store, self.model_id = runner, store, model_id
         self.tier = tier
-        self.ledger = ledger
+        self.ledger = ledger or Ledger(None, "")
         self.sessions: dict[str, VerifySession] = {}
         self._exact: dict[str, KVSpan] = {}  # rid -> exact KV of its last verified tokens
 
@@ -105,15 +105,11 @@ class Verifier:
         anything, as with a compressor that keeps every token: the base set stays)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
-        if self.ledger is not None and self.tier is None:
-            self.ledger.charge(rid, (len(prompt_ids) + extra_capacity) * self.runner.kv_bytes_per_token())
-        try:
+        per_token = self.runner.kv_bytes_per_token()
+        resident = 0 if self.tier else (len(prompt_ids) + extra_capacity) * per_token
+        with self.ledger.hold(rid, resident):
             return self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
                                  temperature, seed, namespace, save_tail, selection)
-        except BaseException:
-            if self.ledger is not None:
-                self.ledger.refund(rid)
-            raise
 
     def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, temperature,
                  seed, namespace, save_tail, selection) -> PrefillOut:
@@ -224,5 +220,4 @@ class Verifier:
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
-        if self.ledger is not None:
-            self.ledger.refund(rid)
+        self.ledger.refund(rid)
