@@ -69,7 +69,7 @@ def test_draft_ahead_tokens_are_used_when_the_guess_holds(lm, prompts):
     b = LocalBackends(lm)
     g = Generation(lm, ids, GenParams(max_tokens=12, ignore_eos=True, compressor="identity",
                                       draft_len=4, adaptive=False), request_id="a")
-    assert b.admit(g) == full[0]
+    assert b.admit(g).bonus == full[0]
     d: Drafter = b.drafter
     first = d.draft([("a", 4)])[0].tokens
     assert first == full[1:5]  # the identity "compressor" drafts exactly

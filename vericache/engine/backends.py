@@ -2,7 +2,7 @@
 
 A backend pair serves requests (`Generation`s) by id:
 - `admit`: prefill on the verifier (full KV, compressed chunks) and attach on the drafter;
-  returns the first token;
+  returns the first token as a `Verdict` with no drafts (and its logprob when asked for);
 - `draft` and `verify`: batched across requests, one call per phase of a round;
 - `draft_ahead`: while a request's drafts are in verification, draft past them on the guess
   that all are accepted (the staggered schedule's idle drafter lane); returns tokens drafted;
@@ -23,12 +23,13 @@ from abc import ABC, abstractmethod
 
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
+from vericache.engine.verifier import Verdict
 
 
 class Backends(ABC):
     @abstractmethod
-    def admit(self, g: Generation) -> int:
-        """Prefill `g` and attach its drafter; returns the first generated token."""
+    def admit(self, g: Generation) -> Verdict:
+        """Prefill `g` and attach its drafter; returns Verdict(0, first token, its logprobs)."""
 
     @abstractmethod
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
@@ -39,8 +40,9 @@ class Backends(ABC):
         """Draft up to k more past each request's drafts in verification; tokens drafted."""
 
     @abstractmethod
-    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
-        """(accepted drafts, bonus token) per request, from one pass over the full KV."""
+    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
+        """(accepted drafts, bonus token, logprobs when asked) per request, from one pass over
+        the full KV."""
 
     @abstractmethod
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 class EngineEvent(GenEvent):
     usage: dict | None = None  # on the last event
     error: str | None = None  # set when the request failed; no more events follow
+    logprobs: list | None = None  # TokenLogprob per token in token_ids, when the request asked
 
 
 class RequestStream:
@@ -228,8 +229,9 @@ class BatchEngine(Engine):
         done = g.finished
         if done:
             self._count(rs)
+        lps = None if g.logprobs is None else g.logprobs[len(g.logprobs) - len(toks):]
         rs.put(EngineEvent(toks, g.text.delta(done), g.stop.finish_reason,
-                           g.usage() if done else None))
+                           g.usage() if done else None, logprobs=lps))
 
     def _finish(self, g: Generation, error: str | None) -> None:
         with self._lock:

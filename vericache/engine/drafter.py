@@ -4,7 +4,9 @@ Methods and when they are called:
 - `attach(rid, k, v, ...)`: once per request, after prefill: the lossy KV (compressed chunks +
   exact tail) becomes the request's cache; `pending` holds the verified tokens not fed yet.
 - `draft(batch)`: once per round for every drafting request together: k steps, one forward
-  pass per step over all requests still drafting. A request stops early at EOS.
+  pass per step over all requests still drafting. A request stops early at EOS. Each step's
+  logits are processed as the verifier will process that row (`vericache.spec.processors`:
+  the context holds the verified tokens and the drafts before it).
 - `draft_ahead(batch)`: optional, while the round's drafts are being verified (staggered
   lanes): go on drafting after them as if every draft will be accepted, the drafter's own
   next token standing in for the verifier's bonus token. `commit` keeps these tokens as the
@@ -28,25 +30,11 @@ import torch
 from vericache.compress.base import Compressor, KVSpan
 from vericache.engine.budget import Ledger
 from vericache.errors import InvalidArgument, NotFound
+from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
-
-
-def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / temperature) over the last dim, finite for any temperature > 0: the
-    max is subtracted first, so a tiny temperature gives a one-hot, not inf - inf = nan."""
-    x = logits.float()
-    return torch.softmax((x - x.max(dim=-1, keepdim=True).values) / temperature, dim=-1)
-
-
-def choose(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
-    """Greedy argmax, or a sample at the temperature (and the distribution it came from)."""
-    if temperature == 0:
-        return int(torch.argmax(logits)), None
-    probs = tempered_softmax(logits, temperature)
-    return int(torch.multinomial(probs, 1, generator=gen)), probs
 
 
 @dataclass
@@ -54,7 +42,8 @@ class DraftSession:
     cache: KVCache
     pending: list[int]  # verified tokens not fed to the cache yet (the last is x_0)
     seq_len: int  # verified tokens of the sequence, pending included
-    temperature: float = 0.0
+    sampling: Processing = GREEDY
+    history: TokenHistory | None = None  # verified tokens the penalties read (None: none)
     gen: torch.Generator = field(default_factory=torch.Generator)
     drafts: list[int] = field(default_factory=list)
     q: list[torch.Tensor | None] = field(default_factory=list)
@@ -89,15 +78,22 @@ class Drafter:
             raise NotFound(f"no drafter session {rid!r}") from None
 
     def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
-               extra_capacity: int, temperature: float = 0.0, seed: int = 0, region: int = 0) -> None:
+               extra_capacity: int, sampling: Processing = GREEDY, seed: int = 0, region: int = 0,
+               prompt: list[int] | None = None) -> None:
         """`region`: how many leading slots of k, v hold the prompt region's kept set (the
-        compressed chunks' tokens, which a selection policy may move)."""
+        compressed chunks' tokens, which a selection policy may move). `pending` holds every
+        token generated so far (none is fed yet); `prompt` is needed when `sampling` has
+        penalties (the repetition penalty reads it)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
         with self.ledger.hold(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token()):
             cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
-        self.sessions[rid] = DraftSession(cache, list(pending), seq_len, temperature,
+        history = None
+        if sampling.penalized:
+            history = TokenHistory(prompt or [], self.runner.vocab_size, sampling)
+            history.extend(pending)
+        self.sessions[rid] = DraftSession(cache, list(pending), seq_len, sampling, history,
                                           torch.Generator().manual_seed(seed), region=region)
 
     def apply_delta(self, rid: str, delta) -> None:
@@ -130,10 +126,10 @@ class Drafter:
 
     def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
                           tail_start: int, first_token: int, extra_capacity: int,
-                          temperature: float = 0.0, seed: int = 0, namespace: str = "") -> TransferStats:
+                          sampling: Processing = GREEDY, seed: int = 0, namespace: str = "") -> TransferStats:
         k, v, stats = self.load_from_store(rid, prompt, compressor, chunk_size, tail_start, namespace)
-        self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, temperature, seed,
-                    region=k.shape[2] - (len(prompt) - tail_start))
+        self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, sampling, seed,
+                    region=k.shape[2] - (len(prompt) - tail_start), prompt=prompt)
         return stats
 
     def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:
@@ -159,7 +155,8 @@ class Drafter:
                 break
             logits = self.runner.forward([it for _, it in items if it is not None])
             for i, lg in zip(live, logits):
-                tok, q = choose(lg[-1], sess[i].temperature, sess[i].gen)
+                s = sess[i]
+                tok, q = choose(lg[-1], s.sampling, s.history, s.drafts + s.ahead, s.gen)
                 getattr(sess[i], into).append(tok)
                 if into == "drafts":
                     sess[i].q.append(q)
@@ -189,7 +186,7 @@ class Drafter:
         are skipped."""
         sess = [self._get(rid) for rid, _ in batch]
         todo = [(s, len(s.drafts) + k) for s, (_, k) in zip(sess, batch)
-                if k > 0 and s.temperature == 0 and s.drafts and not s.ahead
+                if k > 0 and s.sampling.greedy and s.drafts and not s.ahead
                 and s.drafts[-1] not in self.eos]
         if not todo:
             return 0
@@ -201,6 +198,8 @@ class Drafter:
         s = self._get(rid)
         k = len(s.drafts)
         new = s.drafts[:accepted] + ([] if bonus is None else [bonus])
+        if s.history is not None:
+            s.history.extend(new)
         if s.ahead and accepted == k and s.ahead[0] == bonus:
             # the guess held: drafts and bonus are fed already; the rest drafts the next round
             n = len(s.pending) + k  # verified tokens fed this round, the bonus aside

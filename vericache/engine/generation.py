@@ -22,6 +22,8 @@ from vericache.select import make_selection
 from vericache.engine.stop import IncrementalText, StopChecker
 from vericache.errors import ContextTooLong, InvalidArgument
 from vericache.spec.draftlen import DraftLength
+from vericache.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from vericache.spec.processors import Processing
 
 MODES = ("full", "lossy", "vericache")
 
@@ -30,6 +32,14 @@ MODES = ("full", "lossy", "vericache")
 class GenParams:
     max_tokens: int = 256
     temperature: float = 0.0
+    top_k: int = 0  # logits processing (vericache.spec.processors): 0 / 1 / 0 / 0 / 0 / 1 / {} are off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n top alternatives
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -51,11 +61,27 @@ class GenParams:
         if not 0 <= self.temperature < float("inf"):
             raise InvalidArgument(f"temperature must be finite and >= 0 (got {self.temperature})",
                                   "temperature")
+        self.sampling  # a parameter out of range fails here, naming itself
+        if self.logprobs is not None:
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidArgument(f"logprobs asks for 0..{MAX_TOP_LOGPROBS} alternatives "
+                                      f"(got {self.logprobs})", "logprobs")
+            if self.mode == "lossy":
+                raise InvalidArgument("logprobs come from full-KV logits; lossy mode has none",
+                                      "logprobs")
         if self.draft_len < 1:
             raise InvalidArgument(f"draft_len must be >= 1 (got {self.draft_len})", "draft_len")
         if self.chunk_size < 1:
             raise InvalidArgument("chunk_size must be >= 1", "chunk_size")
         make_selection(self.selection)  # unknown names and bad parameters fail here
+
+
+    @property
+    def sampling(self) -> Processing:
+        """The logits processing these parameters ask for."""
+        return Processing(self.temperature, self.top_k, self.top_p, self.min_p,
+                          self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                          {int(t): float(b) for t, b in self.logit_bias.items()})
 
 
 @dataclass
@@ -120,6 +146,8 @@ class Generation:
                                  f"exceeds the model's {lm.max_context}-token context", "max_tokens")
         self.rid = request_id or f"gen-{next(_ids)}"
         self.params = params
+        self.sampling = params.sampling
+        self.sampling.check_vocab(lm.vocab_size)
         self.prompt = list(prompt_ids)
         self.compressor = None if params.mode == "full" else make_compressor(params.compressor, params.ratio)
         self.selection = None if params.mode == "full" else make_selection(params.selection)
@@ -128,6 +156,8 @@ class Generation:
         self.draftlen = DraftLength(params.draft_len, adaptive=params.adaptive)
         self.stats = GenStats(prompt_tokens=len(prompt_ids))
         self.round_draft_s = 0.0  # the last draft phase's seconds (for the cost model's round time)
+        # one per output token (params.logprobs set), from full-KV logits
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
 
     @property
     def finished(self) -> bool:
@@ -152,21 +182,26 @@ class Generation:
         """Cache slots to reserve past the prompt."""
         return self.params.max_tokens + self.params.draft_len + 2
 
-    def _emit(self, tokens: list[int]) -> list[int]:
-        """Hand verified tokens to the stop checker; returns those that are part of the output."""
+    def _emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Hand verified tokens (and their logprobs, when asked for) to the stop checker;
+        returns those that are part of the output."""
         out = []
-        for t in tokens:
+        for i, t in enumerate(tokens):
             if self.finished:
                 break
             n = len(self.stop.tokens)
             self.stop.add(t)
             if len(self.stop.tokens) > n:
                 out.append(t)
+                if self.logprobs is not None:
+                    if logprobs is None:
+                        raise RuntimeError(f"{self.rid}: logprobs were asked for but not returned")
+                    self.logprobs.append(logprobs[i])
         return out
 
-    def on_first(self, token: int) -> list[int]:
+    def on_first(self, token: int, logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """The first token, chosen from the prefill's full-KV logits."""
-        return self._emit([token])
+        return self._emit([token], logprobs)
 
     def k_cap(self) -> int:
         """The most drafts this round can use: k_max, less near max_tokens."""
@@ -193,7 +228,8 @@ class Generation:
             return 0
         return max(0, min(self.draftlen.k, self.stop.remaining - drafted - 2))
 
-    def on_round(self, drafted: list[int], accepted: int, bonus: int) -> list[int]:
+    def on_round(self, drafted: list[int], accepted: int, bonus: int,
+                 logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """A verified round: drafts[:accepted] + [bonus] extend the output."""
         s = self.stats
         s.rounds += 1
@@ -203,7 +239,7 @@ class Generation:
         s.round_emitted.append(accepted + 1)
         s.k_hist[len(drafted)] = s.k_hist.get(len(drafted), 0) + 1
         self.draftlen.update(len(drafted), accepted)
-        return self._emit(list(drafted[:accepted]) + [bonus])
+        return self._emit(list(drafted[:accepted]) + [bonus], logprobs)
 
     def on_lossy(self, token: int) -> list[int]:
         """The lossy baseline's token, taken unverified."""

@@ -31,6 +31,7 @@ class GenResult:
     usage: dict
     stats: object = field(repr=False, default=None)
     seconds: float = 0.0
+    logprobs: list | None = field(repr=False, default=None)  # TokenLogprob per token, when asked
 
     def to_json(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -74,4 +75,4 @@ def generate(lm: LoadedModel, prompt_ids: list[int], params: GenParams,
         pass
     g = s.gen
     return GenResult(g.text.text, list(g.output_ids), g.stop.finish_reason, g.usage(), g.stats,
-                     time.perf_counter() - t)
+                     time.perf_counter() - t, g.logprobs)

@@ -12,8 +12,11 @@ from vericache._proto import load
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
+from vericache.engine.verifier import Verdict
 from vericache.errors import Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
+from vericache.spec.logprobs import TokenLogprob
+from vericache.spec.processors import Processing
 from vericache.store.codec import probs_from_bytes, probs_to_bytes
 from vericache.store.grpc_store import RECONNECT_OPTIONS, STATUS_ERRORS
 
@@ -39,6 +42,17 @@ def _orders(batch: list[tuple[Generation, int]]):
     return dpb.DraftRequest(items=[dpb.DraftItem(request_id=g.rid, k=k) for g, k in batch])
 
 
+def _sampling(p: Processing):
+    """The `Sampling` message of a request's processing (the temperature travels apart)."""
+    return vpb.Sampling(top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias))
+
+
+def _logprob(m) -> TokenLogprob:
+    return TokenLogprob(m.token, m.logprob, list(zip(m.top_tokens, m.top_logprobs)))
+
+
 def _record_selection(g: Generation, st) -> None:
     """A service's selection totals (SelectionStats) into the request's stats."""
     g.stats.record_selection(st.seconds, st.moves, st.moved_tokens, st.delta_bytes)
@@ -56,14 +70,15 @@ class RemoteBackends(Backends):
         self.verifier = vpb_grpc.VerifierStub(with_token(self._channels[1], token))
         self._moved: dict[str, bool] = {}  # rid -> the last Verify left a selection delta
 
-    def admit(self, g: Generation) -> int:
+    def admit(self, g: Generation) -> Verdict:
         p = g.params
         spec = g.compressor.spec if g.compressor is not None else ""
         out = call(self.verifier.Prefill, vpb.PrefillRequest(
             request_id=g.rid, token_ids=g.prompt, compressor=spec, chunk_size=p.chunk_size,
             temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
             namespace=p.namespace, save_tail=bool(spec),
-            selection=g.selection.spec if g.selection is not None else ""),
+            selection=g.selection.spec if g.selection is not None else "",
+            sampling=_sampling(g.sampling), top_logprobs=p.logprobs),
             self.timeout, "verifier Prefill")
         s = g.stats
         _record_selection(g, out.selection)
@@ -75,7 +90,8 @@ class RemoteBackends(Backends):
                 request_id=g.rid, token_ids=g.prompt, first_token=out.first_token, compressor=spec,
                 chunk_size=p.chunk_size, tail_start=out.tail_start, temperature=p.temperature,
                 seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace,
-                apply_selection=out.selection_deltas > 0), self.timeout, "drafter Attach")
+                apply_selection=out.selection_deltas > 0, sampling=_sampling(g.sampling)),
+                self.timeout, "drafter Attach")
             s.store_hits += att.store_hits
             s.store_bytes_read += att.bytes_read
             s.store_s += att.seconds
@@ -83,7 +99,8 @@ class RemoteBackends(Backends):
             if p.mode == "lossy":
                 call(self.verifier.Release, vpb.ReleaseRequest(request_id=g.rid), self.timeout,
                       "verifier Release")
-        return out.first_token
+        return Verdict(0, out.first_token,
+                       [_logprob(out.first_logprob)] if out.HasField("first_logprob") else None)
 
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
         res = call(self.drafter.Draft, _orders(batch), self.timeout, "drafter Draft")
@@ -94,7 +111,7 @@ class RemoteBackends(Backends):
         return call(self.drafter.DraftAhead, _orders(batch), self.timeout,
                     "drafter DraftAhead").drafted
 
-    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
+    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
         res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
             vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
                            refresh_draft=g.refreshes_draft)
@@ -102,7 +119,9 @@ class RemoteBackends(Backends):
         for (g, _), r in zip(batch, res.results):
             self._moved[g.rid] = r.selection_deltas > 0
             _record_selection(g, r.selection)
-        return [(r.accepted, r.bonus) for r in res.results]
+        return [Verdict(r.accepted, r.bonus, [_logprob(m) for m in r.logprobs]
+                        if g.params.logprobs is not None else None)
+                for (g, _), r in zip(batch, res.results)]
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         req = dpb.CommitRequest(request_id=g.rid, accepted=accepted,

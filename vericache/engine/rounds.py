@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.verifier import Verifier
+from vericache.engine.verifier import Verdict, Verifier
 from vericache.spec.costmodel import CostModel
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.keys import select_key
@@ -38,13 +38,13 @@ class LocalBackends(Backends):
         self._attaching: dict[str, tuple[Future, list[int]]] = {}  # rid -> (load, tokens verified)
         self._tail_start: dict[str, int] = {}
 
-    def admit(self, g: Generation) -> int:
+    def admit(self, g: Generation) -> Verdict:
         p = g.params
         t0 = time.perf_counter()
         via_store = self.store is not None and g.compressor is not None
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
-                                    p.temperature, g.seed, p.namespace, save_tail=via_store,
-                                    selection=g.selection)
+                                    g.sampling, g.seed, p.namespace, save_tail=via_store,
+                                    selection=g.selection, top_logprobs=p.logprobs)
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -57,7 +57,7 @@ class LocalBackends(Backends):
             elif via_store:
                 tr = self.drafter.attach_from_store(
                     g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
-                    g.extra_capacity, p.temperature, g.seed + 1, p.namespace)
+                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace)
                 g.stats.record_transfer(0, tr)
                 g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
             else:
@@ -65,8 +65,8 @@ class LocalBackends(Backends):
                 k, v = g.compressor.draft_kv(out.chunks, *full.view(out.tail_start, len(g.prompt)))
                 tail = len(g.prompt) - out.tail_start
                 self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
-                                    g.extra_capacity, p.temperature, g.seed + 1,
-                                    region=k.shape[2] - tail)
+                                    g.extra_capacity, g.sampling, g.seed + 1,
+                                    region=k.shape[2] - tail, prompt=g.prompt)
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
             if g.rid not in self._attaching:
@@ -74,7 +74,8 @@ class LocalBackends(Backends):
             if p.mode == "lossy":
                 self.verifier.release(g.rid)  # the lossy baseline never uses the full KV again
         g.stats.prefill_s, g.stats.compress_s = t1 - t0, time.perf_counter() - t1
-        return out.first_token
+        return Verdict(0, out.first_token,
+                       None if out.first_logprob is None else [out.first_logprob])
 
     def _attached(self, g: Generation) -> bool:
         """Whether the drafter holds the request (attaching it if its load has landed)."""
@@ -87,7 +88,7 @@ class LocalBackends(Backends):
         k, v, tr = f.result()
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
-                            g.params.temperature, g.seed + 1, region=k.shape[2] - tail)
+                            g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt)
         g.stats.record_transfer(0, tr)
         g.stats.draft_kv_bytes = tr.bytes_read
         self._apply_deltas(g)
@@ -129,7 +130,7 @@ class LocalBackends(Backends):
     def sessions(self) -> dict[str, int]:
         return {"drafter": len(self.drafter.sessions), "verifier": len(self.verifier.sessions)}
 
-    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[tuple[int, int]]:
+    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch],
                                     refresh=[g.rid for g, _ in batch if g.refreshes_draft])
 
@@ -153,7 +154,8 @@ class LocalBackends(Backends):
 
 def start(backends: Backends, g: Generation) -> list[int]:
     """Prefill one request; returns its first emitted tokens."""
-    return g.on_first(backends.admit(g))
+    v = backends.admit(g)
+    return g.on_first(v.bonus, v.logprobs)
 
 
 def run_round(backends: Backends, gens: list[Generation], costs: CostModel | None = None) -> dict[str, list[int]]:
@@ -217,11 +219,11 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
         costs.observe_verify(sum(n for n, _ in shape), sum(c for _, c in shape),
                              sum(n * c for n, c in shape), t2 - t1)
     emitted, profile = 0, []
-    for g, (a, bonus) in zip(verifying, results):
-        d = drafts.get(g.rid, empty)
+    for g, v in zip(verifying, results):
+        d, a, bonus = drafts.get(g.rid, empty), v.accepted, v.bonus
         if g.params.mode == "vericache":
             _commit(backends, g, a, bonus, outcomes)
-        out[g.rid] = g.on_round(d.tokens, a, bonus)
+        out[g.rid] = g.on_round(d.tokens, a, bonus, v.logprobs)
         g.stats.verify_s += t2 - t1
         emitted += a + 1
         profile.append((len(d.tokens), a))

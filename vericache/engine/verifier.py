@@ -6,8 +6,11 @@ Methods and when they are called:
   exact tail, writes new chunks (and, for a remote drafter, the exact tail) to the store,
   and returns the first token (from full-KV logits) with the new compressed chunks.
 - `verify(batch)`: once per round for every verifying request together: ONE forward pass of
-  [x_0, d_1..d_k] per request over its full KV; accepts by `vericache.spec.accept`; crops the
-  cache to the accepted tokens. Returns (accepted, bonus) per request.
+  [x_0, d_1..d_k] per request over its full KV; processes each row's logits
+  (`vericache.spec.processors`: row i's context is the generated tokens and d_1..d_i);
+  accepts by `vericache.spec.accept`; crops the cache to the accepted tokens. Returns a
+  `Verdict` per request: (accepted, bonus) and, when the request asked, the raw logprobs of
+  the emitted tokens (`vericache.spec.logprobs`).
 - `take_deltas(rid)`: after prefill and after each verification, for requests with a
   selection policy (`vericache.select`): the moves of the drafter's set made since the last
   call, in order, for the drafter to apply (`Drafter.apply_delta`).
@@ -28,7 +31,6 @@ import torch
 
 from vericache.compress.base import CompressedChunk, Compressor, KVSpan
 from vericache.engine.budget import Ledger
-from vericache.engine.drafter import choose, tempered_softmax
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
 from vericache.errors import InvalidArgument, NotFound
@@ -38,6 +40,8 @@ from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
 from vericache.select.base import SelectionDelta, SelectionPolicy, SelectionState
 from vericache.spec.accept import greedy_accept, speculative_accept
+from vericache.spec.logprobs import TokenLogprob, token_logprobs
+from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose, process, target
 
 
 @dataclass
@@ -64,9 +68,22 @@ class SelectionRecord:
 class VerifySession:
     cache: KVCache  # every verified token but the last
     pending: list[int]  # [x_0]
-    temperature: float = 0.0
+    sampling: Processing = GREEDY
+    history: TokenHistory | None = None  # what the penalties read (None: no penalties)
+    top_logprobs: int | None = None  # None: no logprobs; n: each emitted token's and n more
     gen: torch.Generator = field(default_factory=torch.Generator)
     selection: SelectionRecord | None = None
+
+
+@dataclass
+class Verdict:
+    """What the verifier decided after a pass: `accepted` drafts, then its `bonus` token
+    (after a prefill: no drafts, the first token), and the raw logprobs of each emitted
+    token (drafts[:accepted] + [bonus]) when the request asked for them."""
+
+    accepted: int
+    bonus: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -76,6 +93,7 @@ class PrefillOut:
     cached_tokens: int = 0  # prompt tokens whose full KV came from the store
     tail_start: int = 0  # first token of the drafter's exact tail
     transfer: TransferStats = field(default_factory=TransferStats)
+    first_logprob: TokenLogprob | None = None  # when asked for (top_logprobs set)
 
 
 class Verifier:
@@ -98,21 +116,24 @@ class Verifier:
             raise NotFound(f"no verifier session {rid!r}") from None
 
     def prefill(self, rid: str, prompt_ids: list[int], extra_capacity: int, chunk_size: int,
-                compressor: Compressor | None = None, temperature: float = 0.0, seed: int = 0,
+                compressor: Compressor | None = None, sampling: Processing = GREEDY, seed: int = 0,
                 namespace: str = "", save_tail: bool = False,
-                selection: SelectionPolicy | None = None) -> PrefillOut:
+                selection: SelectionPolicy | None = None,
+                top_logprobs: int | None = None) -> PrefillOut:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
-        anything, as with a compressor that keeps every token: the base set stays)."""
+        anything, as with a compressor that keeps every token: the base set stays).
+        `sampling`: the request's logits processing; `top_logprobs`: None, or return each
+        emitted token's raw logprob with that many alternatives."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         per_token = self.runner.kv_bytes_per_token()
         resident = 0 if self.tier else (len(prompt_ids) + extra_capacity) * per_token
         with self.ledger.hold(rid, resident):
             return self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
-                                 temperature, seed, namespace, save_tail, selection)
+                                 sampling, seed, namespace, save_tail, selection, top_logprobs)
 
-    def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, temperature,
-                 seed, namespace, save_tail, selection) -> PrefillOut:
+    def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, sampling,
+                 seed, namespace, save_tail, selection, top_logprobs) -> PrefillOut:
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
         if selection is not None and (compressor is None or not compressor.drops_tokens
                                       or not selection.moves or ts == 0):
@@ -129,7 +150,13 @@ class Verifier:
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,
                       question_window=qwin)
         gen = torch.Generator().manual_seed(seed)
-        first, _ = choose(pre.logits, temperature, gen)
+        history = (TokenHistory(prompt_ids, self.runner.vocab_size, sampling)
+                   if sampling.penalized else None)
+        first, _ = choose(pre.logits, sampling, history, (), gen)
+        if history is not None:
+            history.extend([first])
+        first_lp = (token_logprobs(pre.logits[None], [first], top_logprobs)[0]
+                    if top_logprobs is not None else None)
         chunks = (compress_prompt(compressor, pre, len(prompt_ids), chunk_size, first_chunk)
                   if compressor else [])
         if pc is not None:
@@ -148,8 +175,9 @@ class Verifier:
                                                *pre.cache.view()))
             record.seconds += time.perf_counter() - t
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
-        self.sessions[rid] = VerifySession(cache, [first], temperature, gen, record)
-        return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats)
+        self.sessions[rid] = VerifySession(cache, [first], sampling, history, top_logprobs, gen,
+                                           record)
+        return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
 
     def take_deltas(self, rid: str) -> list[SelectionDelta]:
         """The moves of the drafter's set made since the last call (see the module docstring)."""
@@ -173,7 +201,7 @@ class Verifier:
         return KVSpan(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), lo)
 
     def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]],
-               refresh: Collection[str] = ()) -> list[tuple[int, int]]:
+               refresh: Collection[str] = ()) -> list[Verdict]:
         """For each (rid, drafts, q): one pass over the full KV, accept, crop. For the rids in
         `refresh`, the exact KV of the tokens verified is kept for `take_exact`."""
         sess = [self._get(rid) for rid, _, _ in batch]
@@ -191,12 +219,16 @@ class Verifier:
         logits = self.runner.forward(items)
         out = []
         for s, c, it, (_, drafts, q), lg in zip(sess, caches, items, batch, logits):
-            k = len(drafts)
-            if s.temperature == 0:
-                a, bonus = greedy_accept(list(drafts), lg.argmax(dim=-1).tolist())
+            k, drafts = len(drafts), list(drafts)
+            x = process(lg, s.sampling, s.history, drafts)  # [k + 1, V] processed logits
+            if s.sampling.greedy:
+                a, bonus = greedy_accept(drafts, x.argmax(dim=-1).tolist())
             else:
-                p = tempered_softmax(lg, s.temperature)
-                a, bonus = speculative_accept(list(drafts), q if k else p[:0], p, s.gen)
+                p = target(x, s.sampling)
+                a, bonus = speculative_accept(drafts, q if k else p[:0], p, s.gen)
+            emitted = drafts[:a] + [bonus]
+            if s.history is not None:
+                s.history.extend(emitted)
             if s.selection is not None and k:
                 rec, t = s.selection, time.perf_counter()
                 rec.add(rec.policy.after_verify(rec.state, it.attn_votes, len(it.tokens), a, k,
@@ -206,7 +238,8 @@ class Verifier:
             if c is not s.cache:
                 self.tier.write_back(c)
             s.pending = [bonus]
-            out.append((a, bonus))
+            out.append(Verdict(a, bonus, None if s.top_logprobs is None
+                               else token_logprobs(lg, emitted, s.top_logprobs)))
         for rid, since in before.items():
             self._exact[rid] = self._verified_span(rid, since)
         return out
