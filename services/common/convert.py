@@ -5,6 +5,8 @@ lengths): a call over a limit is INVALID_ARGUMENT before any model work or alloc
 from __future__ import annotations
 
 from vericache.errors import InvalidArgument
+from vericache.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from vericache.spec.processors import Processing
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_DRAFT_TOKENS = 256  # draft tokens per request per round (k)
@@ -57,3 +59,30 @@ def token_list(ids, vocab_size: int, param: str = "token_ids", allow_empty: bool
     if out and (min(out) < 0 or max(out) >= vocab_size):
         raise InvalidArgument(f"{param} holds a token id outside [0, {vocab_size})", param)
     return out
+
+
+def sampling(temperature: float, msg, vocab_size: int) -> Processing:
+    """A Prefill's or Attach's logits processing (a `Sampling` message and the temperature);
+    a value out of range is INVALID_ARGUMENT naming it."""
+    bounded_int(len(msg.logit_bias), "logit_bias", vocab_size)
+    p = Processing(temperature, msg.top_k, msg.top_p if msg.HasField("top_p") else 1.0,
+                   msg.min_p, msg.presence_penalty, msg.frequency_penalty,
+                   msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                   dict(msg.logit_bias))
+    p.check_vocab(vocab_size)
+    return p
+
+
+def top_logprobs(req) -> int | None:
+    """A Prefill's top_logprobs: None (no logprobs) or 0..MAX_TOP_LOGPROBS."""
+    if not req.HasField("top_logprobs"):
+        return None
+    return bounded_int(req.top_logprobs, "top_logprobs", MAX_TOP_LOGPROBS)
+
+
+def logprob_message(pb, lp: TokenLogprob | None):
+    """A core TokenLogprob as the `TokenLogprob` message of module `pb` (None: unset)."""
+    if lp is None:
+        return None
+    return pb.TokenLogprob(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
+                           top_logprobs=[v for _, v in lp.top])

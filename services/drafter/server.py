@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
-                                     chunk_size, request_id, token_list)
+                                     chunk_size, request_id, sampling, token_list)
 from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
@@ -32,9 +32,10 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         size = chunk_size(req.chunk_size)
         bounded_int(req.tail_start, "tail_start", len(ids))
         bounded_int(req.extra_capacity, "extra_capacity", self.svc.lm.max_context - len(ids))
+        proc = sampling(req.temperature, req.sampling, self.vocab)
         with self.svc.lock:
             tr = self.core.attach_from_store(rid, ids, comp, size, req.tail_start, first,
-                                             req.extra_capacity, req.temperature, req.seed,
+                                             req.extra_capacity, proc, req.seed,
                                              bounded_str(req.namespace, "namespace"))
         if req.apply_selection:
             self._apply_selection(rid)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
-                                     chunk_size, request_id, token_list)
+                                     chunk_size, logprob_message, request_id, sampling,
+                                     token_list, top_logprobs)
 from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
@@ -35,11 +36,12 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         comp = make_compressor(bounded_str(req.compressor, "compressor")) if req.compressor else None
         size = chunk_size(req.chunk_size)
         sel = make_selection(bounded_str(req.selection, "selection")) if req.selection else None
+        proc = sampling(req.temperature, req.sampling, self.vocab)
         t = time.perf_counter()
         with self.svc.lock:
             out = self.core.prefill(rid, ids, req.extra_capacity, size,
-                                    comp, req.temperature, req.seed, req.namespace, req.save_tail,
-                                    selection=sel)
+                                    comp, proc, req.seed, req.namespace, req.save_tail,
+                                    selection=sel, top_logprobs=top_logprobs(req))
             deltas = self.core.take_deltas(rid)
         moved = self._put_deltas(rid, deltas)
         self.svc.clock.touch(rid, time.monotonic())
@@ -48,7 +50,8 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                   tail_start=out.tail_start, store_hits=tr.hits,
                                   bytes_read=tr.bytes_read, bytes_written=tr.bytes_written,
                                   seconds=time.perf_counter() - t, store_seconds=tr.seconds,
-                                  selection_deltas=moved, selection=self._selection_stats(rid))
+                                  selection_deltas=moved, selection=self._selection_stats(rid),
+                                  first_logprob=logprob_message(pb, out.first_logprob))
 
     def _put_deltas(self, rid: str, deltas) -> int:
         """Leave moves of the drafter's set in the store for the drafter; returns how many."""
@@ -82,6 +85,7 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         for rid, _, _ in batch:
             self.svc.clock.touch(rid, now)
         return pb.VerifyResponse(results=[
-            pb.VerifyResult(accepted=a, bonus=b, selection_deltas=moved[rid],
-                            selection=self._selection_stats(rid))
-            for (rid, _, _), (a, b) in zip(batch, res)], seconds=time.perf_counter() - t)
+            pb.VerifyResult(accepted=v.accepted, bonus=v.bonus, selection_deltas=moved[rid],
+                            selection=self._selection_stats(rid),
+                            logprobs=[logprob_message(pb, lp) for lp in v.logprobs or []])
+            for (rid, _, _), v in zip(batch, res)], seconds=time.perf_counter() - t)
