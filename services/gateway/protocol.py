@@ -2,11 +2,13 @@
 
 Fields follow the order of the OpenAI API reference; VeriCache's own additions come last and
 carry descriptions (the `vericache` request object, usage's rounds / tokens_per_round /
-acceptance_rate). Unknown request fields are ignored, as OpenAI-compatible servers do. Only
-the sampling OpenAI clients send by default is accepted: top_p must be 1 and n must be 1.
-The OpenAI (and vLLM) fields this gateway does not implement yet (`NOT_YET`: logprobs,
-response_format, tools, penalties, ...) are accepted only at their neutral values; any other
-value gets a 400 naming the field, never a 200 that silently ignored it.
+acceptance_rate). Unknown request fields are ignored, as OpenAI-compatible servers do.
+Sampling: temperature, top_p, and vLLM's top_k, min_p, presence / frequency / repetition
+penalties and logit_bias (`vericache.spec.processors`), each range-checked (a 400 names the
+field); logprobs / top_logprobs are the raw model distribution's (vLLM's default), from
+full-KV logits. n must be 1. The OpenAI (and vLLM) fields this gateway does not implement yet
+(`NOT_YET`: response_format, tools, best_of, ...) are accepted only at their neutral values;
+any other value gets a 400 naming the field, never a 200 that silently ignored it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from vericache.spec.logprobs import MAX_TOP_LOGPROBS
+from vericache.spec.processors import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 
 
 class OpenAIModel(BaseModel):
@@ -63,11 +68,9 @@ class VeriCacheOptions(OpenAIModel):
 
 # field -> the values that ask for nothing (what clients send when the feature is off)
 NOT_YET: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
-    "functions": ([],), "function_call": ("none",), "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
-    "top_k": (-1, 0), "min_p": (0.0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
 
 
@@ -91,21 +94,29 @@ class SamplingFields(OpenAIModel):
 
     ignore_eos: bool | None = Field(None, description="vLLM's extension: decode past the end "
                                                       "of sequence up to the token limit")
+    presence_penalty: float | None = Field(
+        None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False,
+        description="-2..2, subtracted from the logit of every token generated so far")
+    frequency_penalty: float | None = Field(
+        None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False,
+        description="-2..2, subtracted once per occurrence in the generated tokens")
+    repetition_penalty: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="vLLM's extension, > 0 (1: off): HF's penalty over prompt and output")
+    logit_bias: dict[int, float] | None = Field(
+        None, description="token id -> -100..100, added to its logit before sampling")
+    top_k: int | None = Field(None, ge=-1, description="vLLM's extension: keep the k most "
+                                                       "likely tokens; -1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM's extension, 0..1: drop "
+                                                             "tokens under min_p x the best's "
+                                                             "probability")
     # not implemented yet (see NOT_YET): only their neutral values are accepted
-    logprobs: Any = Field(None, description="not supported yet: absent or false")
-    top_logprobs: Any = Field(None, description="not supported yet: absent or 0")
     response_format: Any = Field(None, description='not supported yet: absent or {"type": "text"}')
     tools: Any = Field(None, description="not supported yet: absent or []")
     tool_choice: Any = Field(None, description='not supported yet: absent or "none"')
     parallel_tool_calls: Any = Field(None, description="accepted (no tools are supported yet)")
     functions: Any = Field(None, description="not supported yet: absent or []")
     function_call: Any = Field(None, description='not supported yet: absent or "none"')
-    presence_penalty: Any = Field(None, description="not supported yet: absent or 0")
-    frequency_penalty: Any = Field(None, description="not supported yet: absent or 0")
-    repetition_penalty: Any = Field(None, description="not supported yet: absent or 1")
-    logit_bias: Any = Field(None, description="not supported yet: absent or {}")
-    top_k: Any = Field(None, description="not supported yet: absent, -1 or 0")
-    min_p: Any = Field(None, description="not supported yet: absent or 0")
     best_of: Any = Field(None, description="not supported yet: absent or 1")
     echo: Any = Field(None, description="not supported yet: absent or false")
     suffix: Any = Field(None, description='not supported yet: absent or ""')
@@ -126,12 +137,13 @@ class SamplingFields(OpenAIModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("top_p", check_fields=False)
+    @field_validator("logit_bias")
     @classmethod
-    def _no_nucleus(cls, v):
-        if v is not None and v != 1.0:
-            raise ValueError("only top_p=1 is supported (speculative verification needs the "
-                             "full distribution)")
+    def _bias_range(cls, v):
+        for tok, b in (v or {}).items():
+            if tok < 0 or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"maps token ids >= 0 to values in [-{LOGIT_BIAS_LIMIT:g}, "
+                                 f"{LOGIT_BIAS_LIMIT:g}] (got {tok}: {b})")
         return v
 
     @field_validator("stream_options", check_fields=False)
@@ -150,10 +162,22 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling_overrides(self) -> dict:
+        """The processing fields the request set, as GenParams fields."""
+        out = {n: getattr(self, n) for n in ("top_p", "min_p", "presence_penalty",
+                                             "frequency_penalty", "repetition_penalty",
+                                             "logit_bias") if getattr(self, n) is not None}
+        if self.top_k is not None:
+            out["top_k"] = max(0, self.top_k)  # -1 (vLLM) and 0 are both off
+        return out
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     model: str | None = None
+    logprobs: bool | None = Field(False, description="return each output token's log "
+                                                     "probability (of the raw model "
+                                                     "distribution, from full-KV logits)")
     max_completion_tokens: int | None = None
     max_tokens: int | None = Field(None, description="deprecated by OpenAI in favour of "
                                                      "max_completion_tokens; both are accepted")
@@ -165,9 +189,23 @@ class ChatCompletionRequest(SamplingFields):
     temperature: float | None = Field(None, ge=0, le=2,
                                       description="0..2; absent: the server's default (greedy "
                                                         "unless the server was started otherwise)")
-    top_p: float | None = 1.0
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="0..20 most likely alternatives per token; "
+                                                 "needs logprobs true")
+    top_p: float | None = Field(None, gt=0, le=1, description="(0, 1]: nucleus sampling")
     user: str | None = None
     vericache: VeriCacheOptions | None = Field(None, description="VeriCache decoding settings")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
+
+    def logprobs_n(self) -> int | None:
+        """None: no logprobs; n: each token's logprob and n alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -186,6 +224,10 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="0..20: return each output token's log probability "
+                                             "(raw model distribution, full-KV logits) and this "
+                                             "many alternatives")
     max_tokens: int | None = None
     n: int | None = 1
     seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed, 0..2^63-1")
@@ -195,12 +237,15 @@ class CompletionRequest(SamplingFields):
     temperature: float | None = Field(None, ge=0, le=2,
                                       description="0..2; absent: the server's default (greedy "
                                                         "unless the server was started otherwise)")
-    top_p: float | None = 1.0
+    top_p: float | None = Field(None, gt=0, le=1, description="(0, 1]: nucleus sampling")
     user: str | None = None
     vericache: VeriCacheOptions | None = Field(None, description="VeriCache decoding settings")
 
     def limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses -----------------------------------------------------------------------
@@ -230,10 +275,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -254,7 +313,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -267,10 +326,17 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int = 0
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -23,9 +23,10 @@ from starlette.concurrency import run_in_threadpool
 
 from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionRequest,
-                                       ChatCompletionResponse, CompletionChoice,
-                                       CompletionRequest, CompletionResponse, Delta, ErrorInfo,
-                                       ModelCard, ModelList, UsageInfo)
+                                       ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
+                                       CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                       CompletionResponse, Delta, ErrorInfo, ModelCard,
+                                       ModelList, TopLogprob, UsageInfo)
 from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
@@ -131,6 +132,8 @@ class OpenAIServing:
             over["seed"] = req.seed
         if req.ignore_eos is not None:
             over["ignore_eos"] = req.ignore_eos
+        over.update(req.sampling_overrides())
+        over["logprobs"] = req.logprobs_n()
         if req.vericache is not None:
             over.update(req.vericache.model_dump(exclude_none=True))
         return dataclasses.replace(self.defaults, **over)
@@ -164,7 +167,35 @@ class OpenAIServing:
             if not done:
                 stream.cancel()
 
-    async def _collect(self, stream, request: Request) -> tuple[str, str, UsageInfo]:
+    # ---- logprobs in the OpenAI shapes ------------------------------------------------
+    def _token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self._token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    def chat_logprobs(self, lps) -> ChatLogprobs:
+        """Chat's `logprobs`: {content: [{token, logprob, bytes, top_logprobs}]}."""
+        return ChatLogprobs(content=[ChatTokenLogprob(
+            **self._top(lp.token, lp.logprob).model_dump(),
+            top_logprobs=[self._top(t, v) for t, v in lp.top]) for lp in lps])
+
+    def completion_logprobs(self, lps, offset: int = 0) -> CompletionLogprobs:
+        """Completions' `logprobs` (the legacy shape); `offset`: characters of the completion
+        before these tokens. As in vLLM, each top_logprobs entry holds the chosen token too."""
+        out = CompletionLogprobs()
+        for lp in lps:
+            text = self._token_text(lp.token)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.text_offset.append(offset)
+            out.top_logprobs.append({**{self._token_text(t): v for t, v in lp.top},
+                                     text: lp.logprob})
+            offset += len(text)
+        return out
+
+    async def _collect(self, stream, request: Request) -> tuple[str, str, UsageInfo, list | None]:
         """Run a request to its end (cancelling it if the client disconnects)."""
         async def watch():
             while not await request.is_disconnected():
@@ -173,26 +204,28 @@ class OpenAIServing:
 
         watcher = asyncio.create_task(watch())
         try:
-            text, finish, usage = [], None, None
+            text, finish, usage, lps = [], None, None, None
             async with contextlib.aclosing(self._events(stream)) as events:
                 async for ev in events:
                     text.append(ev.text)
                     finish, usage = ev.finish_reason, ev.usage
-            return "".join(text), finish, UsageInfo(**(usage or {}))
+                    if ev.logprobs is not None:
+                        lps = (lps or []) + ev.logprobs
+            return "".join(text), finish, UsageInfo(**(usage or {})), lps
         finally:
             watcher.cancel()
 
-    async def _sse(self, stream, first: list[dict], chunk: Callable[[str, str | None], dict],
+    async def _sse(self, stream, first: list[dict], chunk: Callable[[str, str | None, list | None], dict],
                    usage_chunk: Callable[[UsageInfo], dict] | None) -> AsyncIterator[str]:
         try:
             for c in first:
                 yield sse(c)
             async with contextlib.aclosing(self._events(stream)) as events:
                 async for ev in events:
-                    if ev.text:
-                        yield sse(chunk(ev.text, None))
+                    if ev.text or ev.logprobs:  # a token's logprobs go out with it
+                        yield sse(chunk(ev.text, None, ev.logprobs))
                     if ev.finish_reason:
-                        yield sse(chunk("", ev.finish_reason))
+                        yield sse(chunk("", ev.finish_reason, None))
                         if usage_chunk is not None:
                             yield sse(usage_chunk(UsageInfo(**(ev.usage or {}))))
         except Exception as e:  # noqa: BLE001 -- reported to the client as an error chunk
@@ -214,15 +247,17 @@ class OpenAIServing:
         stream = await self._submit(req, request, self._chat_ids, "messages")
         head = self._head("chatcmpl")
         if not req.stream:
-            text, finish, usage = await self._collect(stream, request)
+            text, finish, usage, lps = await self._collect(stream, request)
             return ChatCompletionResponse(**head, usage=usage, choices=[
-                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)])
+                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
+                           logprobs=None if lps is None else self.chat_logprobs(lps))])
         extra = {"usage": None} if req.include_usage else {}
 
-        def chunk(text: str, finish: str | None, delta: Delta | None = None) -> dict:
+        def chunk(text: str, finish: str | None, lps: list | None = None,
+                  delta: Delta | None = None) -> dict:
             c = ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 delta=delta or Delta(content=text if text or not finish else None),
-                finish_reason=finish)])
+                logprobs=None if lps is None else self.chat_logprobs(lps), finish_reason=finish)])
             d = c.model_dump(exclude={"usage"})
             d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items()
                                         if v is not None}
@@ -231,7 +266,7 @@ class OpenAIServing:
         def usage_chunk(u: UsageInfo) -> dict:
             return ChatCompletionChunk(**head, choices=[], usage=u).model_dump()
 
-        first = [chunk("", None, Delta(role="assistant", content=""))]
+        first = [chunk("", None, None, Delta(role="assistant", content=""))]
         return self._streaming(self._sse(stream, first, chunk,
                                          usage_chunk if req.include_usage else None))
 
@@ -239,14 +274,21 @@ class OpenAIServing:
         stream = await self._submit(req, request, self._completion_ids, "prompt")
         head = self._head("cmpl")
         if not req.stream:
-            text, finish, usage = await self._collect(stream, request)
+            text, finish, usage, lps = await self._collect(stream, request)
             return CompletionResponse(**head, usage=usage, choices=[
-                CompletionChoice(text=text, finish_reason=finish)])
+                CompletionChoice(text=text, finish_reason=finish,
+                                 logprobs=None if lps is None else self.completion_logprobs(lps))])
         extra = {"usage": None} if req.include_usage else {}
+        offset = 0  # characters of the tokens whose logprobs went out
 
-        def chunk(text: str, finish: str | None) -> dict:
-            c = CompletionResponse(**head, choices=[CompletionChoice(text=text,
-                                                                     finish_reason=finish)])
+        def chunk(text: str, finish: str | None, lps: list | None = None) -> dict:
+            nonlocal offset
+            logprobs = None
+            if lps is not None:
+                logprobs = self.completion_logprobs(lps, offset)
+                offset += sum(len(t) for t in logprobs.tokens)
+            c = CompletionResponse(**head, choices=[CompletionChoice(
+                text=text, logprobs=logprobs, finish_reason=finish)])
             return {**c.model_dump(exclude={"usage"}), **extra}
 
         def usage_chunk(u: UsageInfo) -> dict:
