@@ -245,3 +245,27 @@ def test_idle_sessions_expire(services, stack, lm):
         with pytest.raises(grpc.RpcError) as e:
             stub.Verify(VPB.VerifyRequest(items=[VPB.VerifyItem(request_id="orphan")]), timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_penalties_and_logprobs_through_the_services(lm, client):
+    """Penalties and logit_bias reach the drafter and the verifier, and logprobs come back
+    in the verifier's Verify answers: the tokens are in-process full-KV greedy decoding with
+    the same processing, the logprobs equal its within fp32 noise."""
+    prompt = "def fibonacci(n):"
+    ids = lm.tokenizer(prompt)["input_ids"]
+    proc = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3,
+                logit_bias={"13": -3.0})
+    r = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=N, temperature=0, logprobs=2,
+        extra_body={**proc, "ignore_eos": True,
+                    "vericache": {"compressor": "snapkv", "draft_len": 4, "adaptive": False}})
+    ref = generate(lm, ids, GenParams(mode="full", max_tokens=N, ignore_eos=True, logprobs=2,
+                                      **{**proc, "logit_bias": {13: -3.0}}))
+    plain = generate(lm, ids, GenParams(mode="full", max_tokens=N, ignore_eos=True)).text
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == ref.text != plain
+    assert lp.tokens == [lm.tokenizer.decode([t]) for t in ref.token_ids]
+    diff = max(abs(a - b.logprob) for a, b in zip(lp.token_logprobs, ref.logprobs))
+    print(f"services: logprob max diff {diff:.2e}")
+    assert len(lp.token_logprobs) == N and diff < 1e-3
+    assert (r.usage.model_extra or {})["tokens_per_round"] > 1
