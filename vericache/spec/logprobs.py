@@ -29,7 +29,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: int) -> l
     alternatives per token (0: none)."""
     n = len(tokens)
     lp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V]
-    chosen = lp.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
     if top_n:
         vals, ids = torch.topk(lp, min(top_n, lp.shape[-1]), dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]

@@ -133,14 +133,17 @@ class TokenHistory:
 def penalize(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
              prompt_mask: torch.Tensor | None) -> torch.Tensor:
     """Processed logits [R, V] from raw logits [R, V], each row's generated-token counts
-    [R, V] and the prompt's tokens [V] (see the module docstring)."""
+    [R, V] and the prompt's tokens [V] (see the module docstring). The counts may live on
+    the host; the result is on the logits' device."""
     x = logits.float().clone()
+    dev = x.device
     if p.logit_bias:
-        ids = torch.tensor([int(t) for t in p.logit_bias])
-        x[:, ids] += torch.tensor([float(b) for b in p.logit_bias.values()])
+        ids = torch.tensor([int(t) for t in p.logit_bias], device=dev)
+        x[:, ids] += torch.tensor([float(b) for b in p.logit_bias.values()], device=dev)
+    counts = counts.to(dev)
     generated = counts > 0
     if p.repetition_penalty != 1:
-        seen = generated if prompt_mask is None else generated | prompt_mask
+        seen = generated if prompt_mask is None else generated | prompt_mask.to(dev)
         r = p.repetition_penalty
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     if p.frequency_penalty:
@@ -170,8 +173,8 @@ def target(logits: torch.Tensor, p: Processing) -> torch.Tensor:
 
 def process(logits: torch.Tensor, p: Processing, history: TokenHistory | None,
             drafts: Sequence[int] = ()) -> torch.Tensor:
-    """Processed logits of the rows [len(drafts) + 1, V] of a verify pass (or of one step,
-    [1, V], with the drafts before it): row i's context holds d_1..d_i."""
+    """Processed logits of the raw logits [len(drafts) + 1, V] of a verify pass of
+    [x_0, d_1..d_k]: row i's context holds the generated tokens and d_1..d_i."""
     if not p.penalized or history is None:
         return logits.float()
     return penalize(logits, p, history.row_counts(drafts), history.prompt_mask)
