@@ -93,6 +93,16 @@ def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, lossless in distribution")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1] (default: 1)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens under min_p x the best "
+                                                           "one's probability, [0, 1]")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], OpenAI's")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], OpenAI's")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HF's, over prompt and output, > 0 (default: 1, off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chunk-size", type=int, default=int(env("CHUNK_SIZE", 256)),
                    help="tokens per KV chunk (prefill pass, compression and store unit; default 256)")
@@ -109,9 +119,23 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
                    help="wrap --prompt/--prompt-file as a user message in the model's chat template")
 
 
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        tok, sep, bias = item.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise InvalidArgument(f"--logit-bias takes ID=BIAS, got {item!r}", "logit_bias") from None
+    return out
+
+
 def gen_params(args, mode: str | None = None) -> GenParams:
     make_selection(args.selection)  # a bad name or parameter fails before the model loads
     return GenParams(selection=args.selection, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                     top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                     repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
                      stop=list(args.stop), mode=mode or args.mode, compressor=args.compressor,
                      ratio=None if args.ratio is None else float(args.ratio),
                      draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
