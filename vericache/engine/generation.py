@@ -32,7 +32,7 @@ MODES = ("full", "lossy", "vericache")
 class GenParams:
     max_tokens: int = 256
     temperature: float = 0.0
-    top_k: int = 0  # logits processing (vericache.spec.processors): 0 / 1 / 0 / 0 / 0 / 1 / {} are off
+    top_k: int = 0  # logits processing (vericache.spec.processors); the defaults are off
     top_p: float = 1.0
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -52,6 +52,7 @@ class GenParams:
     refresh_draft: bool = True  # overwrite the drafter's KV of accepted tokens with the exact KV
     selection: str = "question"  # how the drafter's set moves (vericache.select): static|question|verify
     namespace: str = ""  # tenant: prefix-cache keys are namespaced by it
+    sampling: Processing = field(init=False, repr=False, compare=False)  # from the fields above
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -61,7 +62,11 @@ class GenParams:
         if not 0 <= self.temperature < float("inf"):
             raise InvalidArgument(f"temperature must be finite and >= 0 (got {self.temperature})",
                                   "temperature")
-        self.sampling  # a parameter out of range fails here, naming itself
+        # the logits processing these fields ask for; one out of range fails here, named
+        self.sampling = Processing(self.temperature, self.top_k, self.top_p, self.min_p,
+                                   self.presence_penalty, self.frequency_penalty,
+                                   self.repetition_penalty,
+                                   {int(t): float(b) for t, b in self.logit_bias.items()})
         if self.logprobs is not None:
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidArgument(f"logprobs asks for 0..{MAX_TOP_LOGPROBS} alternatives "
@@ -74,14 +79,6 @@ class GenParams:
         if self.chunk_size < 1:
             raise InvalidArgument("chunk_size must be >= 1", "chunk_size")
         make_selection(self.selection)  # unknown names and bad parameters fail here
-
-
-    @property
-    def sampling(self) -> Processing:
-        """The logits processing these parameters ask for."""
-        return Processing(self.temperature, self.top_k, self.top_p, self.min_p,
-                          self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                          {int(t): float(b) for t, b in self.logit_bias.items()})
 
 
 @dataclass
