@@ -206,7 +206,8 @@ BAD = [  # name, path, body (bytes are sent as they are), status, param, code
     ("unknown_selection", "/v1/chat/completions",
      chat_body(vericache={"selection": "oracle"}), 400, "selection", None),
     ("top_p", "/v1/chat/completions", chat_body(top_p=1.5), 400, "top_p", None),
-    ("n", "/v1/chat/completions", chat_body(n=2), 400, "n", None),
+    ("n_above_8", "/v1/chat/completions", chat_body(n=9), 400, "n", None),
+    ("n_0", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", None),
     ("top_logprobs_without_logprobs", "/v1/chat/completions", chat_body(top_logprobs=2), 400,
      "top_logprobs", None),
     # not implemented yet: a 400 naming the field, never a 200 that ignored it

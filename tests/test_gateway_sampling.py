@@ -197,3 +197,28 @@ def test_sampled_logprobs_are_of_the_raw_distribution(lm):
     assert diff < TOLERANCE
     # sampled, not greedy: some token is not the raw argmax
     assert any(lp.token != lp.top[0][0] for lp in res.logprobs)
+
+
+def test_n_choices_are_n_seeded_requests(client):
+    """n = 3 sampled choices: choice i is the single request with seed + i (the same tokens,
+    so the same text and logprobs), indexed 0..2, usage summed; streamed choices carry their
+    index and equal the non-streamed ones."""
+    body = dict(temperature=1.0, seed=7, top_k=50, max_tokens=12, ignore_eos=True,
+                vericache=VERICACHE)
+    r = chat(client, n=3, logprobs=True, **body)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert len(set(texts)) > 1  # sampled: the seeds differ
+    for i, c in enumerate(r["choices"]):
+        one = chat(client, logprobs=True, **{**body, "seed": 7 + i})
+        assert one["choices"][0]["message"]["content"] == c["message"]["content"]
+        assert [e["token"] for e in _chat_lps(one)] == [e["token"] for e in c["logprobs"]["content"]]
+    assert r["usage"]["completion_tokens"] == 3 * 12
+    chunks = sse(client, "/v1/completions", {"prompt": PROMPT, "stream": True, "n": 2,
+                                             "stream_options": {"include_usage": True}, **body})
+    streamed = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        streamed[c["choices"][0]["index"]] += c["choices"][0]["text"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2 * 12
+    whole = completion(client, n=2, **body)
+    assert [streamed[0], streamed[1]] == [c["text"] for c in whole["choices"]]

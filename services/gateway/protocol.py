@@ -6,7 +6,7 @@ acceptance_rate). Unknown request fields are ignored, as OpenAI-compatible serve
 Sampling: temperature, top_p, and vLLM's top_k, min_p, presence / frequency / repetition
 penalties and logit_bias (`vericache.spec.processors`), each range-checked (a 400 names the
 field); logprobs / top_logprobs are the raw model distribution's (vLLM's default), from
-full-KV logits. n must be 1. The OpenAI (and vLLM) fields this gateway does not implement yet
+full-KV logits. n (up to 8) runs n requests, choice i with seed + i. The OpenAI (and vLLM) fields this gateway does not implement yet
 (`NOT_YET`: response_format, tools, best_of, ...) are accepted only at their neutral values;
 any other value gets a 400 naming the field, never a 200 that silently ignored it.
 """
@@ -64,6 +64,9 @@ class VeriCacheOptions(OpenAIModel):
                                                     "true (default): the cost model chooses k, "
                                                     "0 (a plain decode step) where drafting "
                                                     "does not pay")
+
+
+MAX_CHOICES = 8  # n at most
 
 
 # field -> the values that ask for nothing (what clients send when the feature is off)
@@ -130,13 +133,6 @@ class SamplingFields(OpenAIModel):
                              "accepted); VeriCache will not ignore it silently")
         return v
 
-    @field_validator("n", check_fields=False)
-    @classmethod
-    def _one_choice(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _bias_range(cls, v):
@@ -157,6 +153,10 @@ class SamplingFields(OpenAIModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -181,7 +181,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     max_tokens: int | None = Field(None, description="deprecated by OpenAI in favour of "
                                                      "max_completion_tokens; both are accepted")
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES,
+                          description=f"1..{MAX_CHOICES} choices; choice i samples with seed + i")
     seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed, 0..2^63-1")
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -229,7 +230,8 @@ class CompletionRequest(SamplingFields):
                                              "(raw model distribution, full-KV logits) and this "
                                              "many alternatives")
     max_tokens: int | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES,
+                          description=f"1..{MAX_CHOICES} choices; choice i samples with seed + i")
     seed: int | None = Field(None, ge=0, lt=1 << 63, description="sampling seed, 0..2^63-1")
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -268,6 +270,28 @@ class UsageInfo(BaseModel):
     plain_rounds: int = Field(0, description="rounds the cost model made plain full-KV decode "
                                              "steps (k = 0), in vericache mode")
     draft_len_mean: float = Field(0.0, description="drafts verified per round, on average")
+
+
+def merge_usage(usages: list[UsageInfo]) -> UsageInfo:
+    """The usage of n choices of one prompt: counts add up, the prompt counts once, ratios
+    are weighted by rounds (acceptance by drafts)."""
+    if len(usages) == 1:
+        return usages[0]
+    rounds = sum(u.rounds for u in usages)
+    drafted = sum(u.draft_len_mean * u.rounds for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    prompt = usages[0].prompt_tokens
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        rounds=rounds,
+        tokens_per_round=sum(u.tokens_per_round * u.rounds for u in usages) / rounds if rounds else 0.0,
+        acceptance_rate=(sum(u.acceptance_rate * u.draft_len_mean * u.rounds for u in usages)
+                         / drafted if drafted else 0.0),
+        selection=usages[0].selection,
+        selection_moves=sum(u.selection_moves for u in usages),
+        selection_moved_tokens=sum(u.selection_moved_tokens for u in usages),
+        plain_rounds=sum(u.plain_rounds for u in usages),
+        draft_len_mean=drafted / rounds if rounds else 0.0)
 
 
 class AssistantMessage(BaseModel):

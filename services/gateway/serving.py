@@ -26,7 +26,7 @@ from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                        CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, Delta, ErrorInfo, ModelCard,
-                                       ModelList, TopLogprob, UsageInfo)
+                                       ModelList, TopLogprob, UsageInfo, merge_usage)
 from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
@@ -138,16 +138,27 @@ class OpenAIServing:
             over.update(req.vericache.model_dump(exclude_none=True))
         return dataclasses.replace(self.defaults, **over)
 
-    async def _submit(self, req, request: Request, to_ids: Callable, prompt_param: str):
-        """Queue the request under the caller's tenant namespace (set by the access
-        middleware; a request object without one keeps the server default)."""
+    async def _submit(self, req, request: Request, to_ids: Callable, prompt_param: str) -> list:
+        """Queue the request's n choices under the caller's tenant namespace (set by the
+        access middleware; a request object without one keeps the server default); choice i
+        samples with seed + i. Returns their streams (if one is refused, none runs)."""
         self._check_model(req.model)
         ids = await run_in_threadpool(to_ids, req)
         params = self._params(req, len(ids), prompt_param)
         namespace = getattr(request.state, "namespace", None)
         if namespace:
             params = dataclasses.replace(params, namespace=namespace)
-        return await run_in_threadpool(self.engine.submit, ids, params)
+        n = req.choices
+        streams = []
+        try:
+            for i in range(n):
+                p = params if n == 1 else dataclasses.replace(params, seed=(params.seed or 0) + i)
+                streams.append(await run_in_threadpool(self.engine.submit, ids, p))
+        except BaseException:
+            for st in streams:
+                st.cancel()
+            raise
+        return streams
 
     # ---- running ---------------------------------------------------------------------
     @staticmethod
@@ -195,15 +206,16 @@ class OpenAIServing:
             offset += len(text)
         return out
 
-    async def _collect(self, stream, request: Request) -> tuple[str, str, UsageInfo, list | None]:
-        """Run a request to its end (cancelling it if the client disconnects)."""
+    async def _collect(self, streams: list, request: Request) -> tuple[list[tuple], UsageInfo]:
+        """Run the choices to their end (cancelling them if the client disconnects or one
+        fails): (text, finish reason, logprobs or None) per choice, and the usage."""
         async def watch():
             while not await request.is_disconnected():
                 await asyncio.sleep(0.5)
-            stream.cancel()
+            for st in streams:
+                st.cancel()
 
-        watcher = asyncio.create_task(watch())
-        try:
+        async def one(stream):
             text, finish, usage, lps = [], None, None, None
             async with contextlib.aclosing(self._events(stream)) as events:
                 async for ev in events:
@@ -211,23 +223,63 @@ class OpenAIServing:
                     finish, usage = ev.finish_reason, ev.usage
                     if ev.logprobs is not None:
                         lps = (lps or []) + ev.logprobs
-            return "".join(text), finish, UsageInfo(**(usage or {})), lps
+            return "".join(text), finish, lps, UsageInfo(**(usage or {}))
+
+        watcher = asyncio.create_task(watch())
+        tasks = [asyncio.ensure_future(one(st)) for st in streams]
+        try:
+            out = await asyncio.gather(*tasks)
         finally:
             watcher.cancel()
+            for t in tasks:  # a failed choice stops the others (their streams are cancelled)
+                t.cancel()
+        return [o[:3] for o in out], merge_usage([o[3] for o in out])
 
-    async def _sse(self, stream, first: list[dict], chunk: Callable[[str, str | None, list | None], dict],
+    async def _merged(self, streams: list) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, event) of every choice as they come; an error in one raises here
+        and stops the others."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async with contextlib.aclosing(self._events(stream)) as events:
+                    async for ev in events:
+                        await queue.put((i, ev, None))
+                await queue.put((i, None, None))
+            except Exception as e:  # noqa: BLE001 -- re-raised by the consumer
+                await queue.put((i, None, e))
+
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+        try:
+            left = len(tasks)
+            while left:
+                i, ev, err = await queue.get()
+                if err is not None:
+                    raise err
+                if ev is None:
+                    left -= 1
+                else:
+                    yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _sse(self, streams: list, first: list[dict],
+                   chunk: Callable[[int, str, str | None, list | None], dict],
                    usage_chunk: Callable[[UsageInfo], dict] | None) -> AsyncIterator[str]:
         try:
             for c in first:
                 yield sse(c)
-            async with contextlib.aclosing(self._events(stream)) as events:
-                async for ev in events:
+            usages: dict[int, UsageInfo] = {}
+            async with contextlib.aclosing(self._merged(streams)) as events:
+                async for i, ev in events:
                     if ev.text or ev.logprobs:  # a token's logprobs go out with it
-                        yield sse(chunk(ev.text, None, ev.logprobs))
+                        yield sse(chunk(i, ev.text, None, ev.logprobs))
                     if ev.finish_reason:
-                        yield sse(chunk("", ev.finish_reason, None))
-                        if usage_chunk is not None:
-                            yield sse(usage_chunk(UsageInfo(**(ev.usage or {}))))
+                        yield sse(chunk(i, "", ev.finish_reason, None))
+                        usages[i] = UsageInfo(**(ev.usage or {}))
+            if usage_chunk is not None:
+                yield sse(usage_chunk(merge_usage([usages[i] for i in sorted(usages)])))
         except Exception as e:  # noqa: BLE001 -- reported to the client as an error chunk
             yield sse(json.loads(error_response(e).body))
         yield sse("[DONE]")
@@ -244,19 +296,20 @@ class OpenAIServing:
                 "model": self.model_name}
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
-        stream = await self._submit(req, request, self._chat_ids, "messages")
+        streams = await self._submit(req, request, self._chat_ids, "messages")
         head = self._head("chatcmpl")
         if not req.stream:
-            text, finish, usage, lps = await self._collect(stream, request)
+            outs, usage = await self._collect(streams, request)
             return ChatCompletionResponse(**head, usage=usage, choices=[
-                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
-                           logprobs=None if lps is None else self.chat_logprobs(lps))])
+                ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish,
+                           logprobs=None if lps is None else self.chat_logprobs(lps))
+                for i, (text, finish, lps) in enumerate(outs)])
         extra = {"usage": None} if req.include_usage else {}
 
-        def chunk(text: str, finish: str | None, lps: list | None = None,
+        def chunk(i: int, text: str, finish: str | None, lps: list | None = None,
                   delta: Delta | None = None) -> dict:
             c = ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-                delta=delta or Delta(content=text if text or not finish else None),
+                index=i, delta=delta or Delta(content=text if text or not finish else None),
                 logprobs=None if lps is None else self.chat_logprobs(lps), finish_reason=finish)])
             d = c.model_dump(exclude={"usage"})
             d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items()
@@ -266,33 +319,34 @@ class OpenAIServing:
         def usage_chunk(u: UsageInfo) -> dict:
             return ChatCompletionChunk(**head, choices=[], usage=u).model_dump()
 
-        first = [chunk("", None, None, Delta(role="assistant", content=""))]
-        return self._streaming(self._sse(stream, first, chunk,
+        first = [chunk(i, "", None, None, Delta(role="assistant", content=""))
+                 for i in range(len(streams))]
+        return self._streaming(self._sse(streams, first, chunk,
                                          usage_chunk if req.include_usage else None))
 
     async def completion(self, req: CompletionRequest, request: Request):
-        stream = await self._submit(req, request, self._completion_ids, "prompt")
+        streams = await self._submit(req, request, self._completion_ids, "prompt")
         head = self._head("cmpl")
         if not req.stream:
-            text, finish, usage, lps = await self._collect(stream, request)
+            outs, usage = await self._collect(streams, request)
             return CompletionResponse(**head, usage=usage, choices=[
-                CompletionChoice(text=text, finish_reason=finish,
-                                 logprobs=None if lps is None else self.completion_logprobs(lps))])
+                CompletionChoice(text=text, index=i, finish_reason=finish,
+                                 logprobs=None if lps is None else self.completion_logprobs(lps))
+                for i, (text, finish, lps) in enumerate(outs)])
         extra = {"usage": None} if req.include_usage else {}
-        offset = 0  # characters of the tokens whose logprobs went out
+        offsets = [0] * len(streams)  # per choice: characters of the tokens whose logprobs went out
 
-        def chunk(text: str, finish: str | None, lps: list | None = None) -> dict:
-            nonlocal offset
+        def chunk(i: int, text: str, finish: str | None, lps: list | None = None) -> dict:
             logprobs = None
             if lps is not None:
-                logprobs = self.completion_logprobs(lps, offset)
-                offset += sum(len(t) for t in logprobs.tokens)
+                logprobs = self.completion_logprobs(lps, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs.tokens)
             c = CompletionResponse(**head, choices=[CompletionChoice(
-                text=text, logprobs=logprobs, finish_reason=finish)])
+                text=text, index=i, logprobs=logprobs, finish_reason=finish)])
             return {**c.model_dump(exclude={"usage"}), **extra}
 
         def usage_chunk(u: UsageInfo) -> dict:
             return CompletionResponse(**head, choices=[], usage=u).model_dump()
 
-        return self._streaming(self._sse(stream, [], chunk,
+        return self._streaming(self._sse(streams, [], chunk,
                                          usage_chunk if req.include_usage else None))
