@@ -30,9 +30,9 @@ import torch
 from vericache.compress.base import Compressor, KVSpan
 from vericache.engine.budget import Ledger
 from vericache.errors import InvalidArgument, NotFound
-from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
+from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
 
@@ -82,8 +82,8 @@ class Drafter:
                prompt: list[int] | None = None) -> None:
         """`region`: how many leading slots of k, v hold the prompt region's kept set (the
         compressed chunks' tokens, which a selection policy may move). `pending` holds every
-        token generated so far (none is fed yet); `prompt` is needed when `sampling` has
-        penalties (the repetition penalty reads it)."""
+        token generated so far (none is fed yet); `prompt`: what the repetition penalty reads
+        besides them (without it drafts only match the verifier less often)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
@@ -157,9 +157,9 @@ class Drafter:
             for i, lg in zip(live, logits):
                 s = sess[i]
                 tok, q = choose(lg[-1], s.sampling, s.history, s.drafts + s.ahead, s.gen)
-                getattr(sess[i], into).append(tok)
+                getattr(s, into).append(tok)
                 if into == "drafts":
-                    sess[i].q.append(q)
+                    s.q.append(q)
 
     def draft(self, batch: list[tuple[str, int]]) -> list[DraftOut]:
         """Draft up to k tokens for each (rid, k), all requests stepping together. A request's
