@@ -269,3 +269,10 @@ def test_penalties_and_logprobs_through_the_services(lm, client):
     print(f"services: logprob max diff {diff:.2e}")
     assert len(lp.token_logprobs) == N and diff < 1e-3
     assert (r.usage.model_extra or {})["tokens_per_round"] > 1
+    # sampling with top_k = 1 over the services (the drafter's q cross with the drafts):
+    # only the most likely processed token survives, so the answer is the greedy one
+    s = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompt, max_tokens=N, temperature=1.0, seed=3,
+        extra_body={**proc, "top_k": 1, "ignore_eos": True,
+                    "vericache": {"compressor": "snapkv", "draft_len": 4, "adaptive": False}})
+    assert s.choices[0].text == ref.text
