@@ -6,9 +6,10 @@ acceptance_rate). Unknown request fields are ignored, as OpenAI-compatible serve
 Sampling: temperature, top_p, and vLLM's top_k, min_p, presence / frequency / repetition
 penalties and logit_bias (`vericache.spec.processors`), each range-checked (a 400 names the
 field); logprobs / top_logprobs are the raw model distribution's (vLLM's default), from
-full-KV logits. n (up to 8) runs n requests, choice i with seed + i. The OpenAI (and vLLM) fields this gateway does not implement yet
-(`NOT_YET`: response_format, tools, best_of, ...) are accepted only at their neutral values;
-any other value gets a 400 naming the field, never a 200 that silently ignored it.
+full-KV logits. n (up to 8) runs n requests, choice i with seed + i. The OpenAI (and vLLM)
+fields this gateway does not implement yet (`NOT_YET`: response_format, tools, best_of, ...)
+are accepted only at their neutral values; any other value gets a 400 naming the field,
+never a 200 that silently ignored it.
 """
 
 from __future__ import annotations
