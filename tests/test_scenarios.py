@@ -171,6 +171,26 @@ def test_node_cache_loads_a_key_once_for_concurrent_readers():
         LinkedStore(inner, 0)
 
 
+def test_node_cache_keeps_writes_drops_rewrites_and_asks_inner_for_presence():
+    inner = MemoryStore()
+    linked = LinkedStore(inner, None)
+    node = NodeCache(linked, capacity_bytes=2500, keep_writes=True)
+    node.put("a", b"1" * 1000)
+    assert node.get("a") == b"1" * 1000 and linked.bytes_read == 0  # its own write, local
+    inner.delete("a")  # gone behind the node's back (evicted, kvstore restarted)
+    assert not node.contains("a") and node.longest_prefix(["a"]) == 0  # presence: inner's
+    node.put("b", b"2" * 1000)
+    node.put("c", b"3" * 1000)  # 3000 bytes > 2500: "a" (least recently used) goes
+    assert node.stats()["bytes_stored"] == 2000 and node.get("a") is None
+    node.put("big", b"4" * 3000)  # larger than the whole cache: written through, not kept
+    assert node.stats()["bytes_stored"] == 2000 and node.get("big") == b"4" * 3000
+    reader = NodeCache(linked, keep_writes=False)
+    assert reader.get("b") == b"2" * 1000
+    reader.put("b", b"5" * 1000)  # a rewrite must not leave the old copy to be served
+    assert reader.get("b") == b"5" * 1000
+    assert reader.delete("b") and reader.get("b") is None and not inner.contains("b")
+
+
 def test_linked_store_paces_reads():
     inner = MemoryStore()
     inner.put("k", b"z" * 250_000)
