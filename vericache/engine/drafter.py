@@ -200,6 +200,9 @@ class Drafter:
         """The verifier accepted `accepted` drafts and chose `bonus` (None: lossy, no verifier)."""
         s = self._get(rid)
         k = len(s.drafts)
+        if not 0 <= accepted <= k:  # a commit of another round, or of this one twice
+            raise InvalidArgument(f"request {rid} has {k} drafts to commit, not {accepted}",
+                                  "accepted")
         new = s.drafts[:accepted] + ([] if bonus is None else [bonus])
         if s.ahead and accepted == k and s.ahead[0] == bonus:
             # the guess held: drafts and bonus are fed already; the rest drafts the next round

@@ -67,6 +67,7 @@ class VerifySession:
     temperature: float = 0.0
     gen: torch.Generator = field(default_factory=torch.Generator)
     selection: SelectionRecord | None = None
+    limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
 
 
 @dataclass
@@ -148,7 +149,8 @@ class Verifier:
                                                *pre.cache.view()))
             record.seconds += time.perf_counter() - t
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
-        self.sessions[rid] = VerifySession(cache, [first], temperature, gen, record)
+        self.sessions[rid] = VerifySession(cache, [first], temperature, gen, record,
+                                           len(prompt_ids) + extra_capacity)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats)
 
     def take_deltas(self, rid: str) -> list[SelectionDelta]:
@@ -176,7 +178,14 @@ class Verifier:
                refresh: Collection[str] = ()) -> list[tuple[int, int]]:
         """For each (rid, drafts, q): one pass over the full KV, accept, crop. For the rids in
         `refresh`, the exact KV of the tokens verified is kept for `take_exact`."""
+        if not batch:
+            return []
         sess = [self._get(rid) for rid, _, _ in batch]
+        for s, (rid, drafts, _) in zip(sess, batch):
+            if s.cache.length + len(s.pending) + len(drafts) > s.limit:
+                raise InvalidArgument(f"request {rid}: {len(drafts)} drafts would take its KV past "
+                                      f"the {s.limit} tokens reserved (prompt + extra_capacity)",
+                                      "draft_tokens")
         before = {rid: self._get(rid).cache.length for rid in refresh}
         caches = [s.cache for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
