@@ -3,13 +3,14 @@
 - `LinkedStore(inner, gbps)`: every byte read from or written to `inner` crosses a link of
   `gbps` Gbit/s (a `TokenBucket`), the in-process stand-in for a network between a node and
   the kvstore (`grpc://...?gbps=` is the same for a real kvstore service).
-- `NodeCache(inner, capacity_bytes, keep_writes)`: values this node read (and, with
-  `keep_writes`, wrote) keep a local copy (least recently used go first), and concurrent
+- `NodeCache(inner, capacity_bytes, keep_writes)`: the prefix chunks this node read (and,
+  with `keep_writes`, wrote) keep a local copy (least recently used go first), and concurrent
   reads of the same key wait for one transfer ("single flight"). So requests that share a
   prefix load it over the link once. The drafter and verifier services put one in front of
-  the kvstore (`--node-cache-mb`), as the benchmark's remote-prefix nodes do: chunk keys
-  name their content (model, tokens), so a local copy never goes stale; a delete or a
-  rewrite drops it. Presence (`contains`, `longest_prefix`) is always the inner store's.
+  the kvstore (`--node-cache-mb`), as the benchmark's remote-prefix nodes do. Only chunk keys
+  are kept (`keys.is_chunk_key`): they name their content (model, tokens), so a copy never
+  goes stale, while the per-request keys (tails, refreshes, selection moves) are rewritten or
+  deleted by another node. Presence (`contains`, `longest_prefix`) is always the inner store's.
 
 Both are `ChunkStore`s; writes go through to `inner`; `close` closes `inner`.
 """
@@ -21,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from vericache.store.base import ChunkStore, Counters, Value
+from vericache.store.keys import is_chunk_key
 from vericache.store.link import TokenBucket
 
 
@@ -83,6 +85,8 @@ class NodeCache(ChunkStore):
         self._counters = Counters()
 
     def _keep(self, key: str, value: bytes) -> None:
+        if not is_chunk_key(key):
+            return  # a per-request key: another node rewrites or deletes it
         if self.capacity_bytes is not None and len(value) > self.capacity_bytes:
             return  # larger than the whole cache: not kept, and nothing evicted for it
         with self._lock:
@@ -102,7 +106,7 @@ class NodeCache(ChunkStore):
 
     def put(self, key: str, value: Value) -> None:
         self.inner.put(key, value)  # written through; kept locally once read (or now)
-        if self.keep_writes:
+        if self.keep_writes and is_chunk_key(key):
             self._keep(key, bytes(value))
         else:
             self._drop(key)  # a rewritten key's old copy must not be served
