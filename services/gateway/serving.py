@@ -3,7 +3,12 @@ back as one response or an SSE stream. Core errors become HTTP errors here, in o
 (`error_response`).
 
 Streams: `data: {json}\\n\\n` per chunk; a failure after the stream started becomes an error
-chunk; `data: [DONE]` always ends it. A client that goes away cancels its request.
+chunk; `data: [DONE]` always ends it. A client that goes away cancels its request. A chunk
+that carries output tokens also carries VeriCache's extension `"vericache": {"tokens":
+[{"id", "kind", "text"}, ...]}` (kind: how the token came, `TOKEN_KINDS` in
+vericache/engine/generation.py; text: the token decoded alone, which may differ from the
+chunk's content where a character spans tokens or a stop string was cut). OpenAI clients
+ignore the extra field.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, CompletionChoice,
                                        CompletionRequest, CompletionResponse, Delta, ErrorInfo,
                                        ModelCard, ModelList, UsageInfo)
+from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
+from services.gateway.ready import NotReady, Readiness
 from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
@@ -57,6 +65,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, ResourceExhausted):
         status, kind, code = 429, "rate_limit_error", "rate_limit_exceeded"
         headers["Retry-After"] = str(RETRY_AFTER_S)
+    elif isinstance(exc, NotReady):
+        status, kind, code = 503, "server_error", "service_unavailable"
+        headers["Retry-After"] = str(READY_RETRY_AFTER_S)
     elif isinstance(exc, Unavailable):
         status, kind, code = 503, "server_error", "service_unavailable"
     else:
@@ -78,13 +89,17 @@ def sse(data: dict | str) -> str:
 
 
 class OpenAIServing:
-    """Chat and text completions over one engine, with the server's default GenParams."""
+    """Chat and text completions over one engine, with the server's default GenParams.
+    `metrics`: where each request's latencies go; `readiness`: requests are refused
+    (NotReady, a 503) while it says a backend does not answer."""
 
     def __init__(self, engine: Engine, model_name: str | None = None,
-                 defaults: GenParams | None = None):
+                 defaults: GenParams | None = None, metrics: GatewayMetrics | None = None,
+                 readiness: Readiness | None = None):
         self.engine = engine
         self.model_name = model_name or engine.model_name
         self.defaults = defaults or GenParams()
+        self.metrics, self.readiness = metrics, readiness
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name)])
@@ -137,34 +152,53 @@ class OpenAIServing:
 
     async def _submit(self, req, request: Request, to_ids: Callable, prompt_param: str):
         """Queue the request under the caller's tenant namespace (set by the access
-        middleware; a request object without one keeps the server default)."""
+        middleware; a request object without one keeps the server default). Returns its
+        stream and its arrival time (time.perf_counter())."""
+        arrival = time.perf_counter()
+        if self.readiness is not None:
+            self.readiness.require()
         self._check_model(req.model)
         ids = await run_in_threadpool(to_ids, req)
         params = self._params(req, len(ids), prompt_param)
         namespace = getattr(request.state, "namespace", None)
         if namespace:
             params = dataclasses.replace(params, namespace=namespace)
-        return await run_in_threadpool(self.engine.submit, ids, params)
+        return await run_in_threadpool(self.engine.submit, ids, params), arrival
 
     # ---- running ---------------------------------------------------------------------
-    @staticmethod
-    async def _events(stream) -> AsyncIterator:
+    async def _events(self, stream, arrival: float) -> AsyncIterator:
         """The request's events; raises GenerationFailed on an error event; cancels the
-        request if the consumer stops early (client gone, server shutting down)."""
-        done = False
+        request if the consumer stops early (client gone, server shutting down). A request
+        that finishes has its latencies observed (`GatewayMetrics.observe_request`)."""
+        done, first, last, tokens = False, None, None, 0
         try:
             async for ev in stream.astream():
                 if ev.error:
                     done = True
                     log.warning("%s failed: %s", stream.request_id, ev.error)
                     raise GenerationFailed(f"generation failed: {ev.error}")
+                if ev.token_ids:
+                    last = time.perf_counter()
+                    first, tokens = first or last, tokens + len(ev.token_ids)
                 done = ev.finish_reason is not None
+                if done and self.metrics is not None:
+                    self.metrics.observe_request(
+                        None if first is None else first - arrival, tokens,
+                        (last or 0.0) - (first or 0.0), stream.gen.stats.prefill_s)
                 yield ev
         finally:
             if not done:
                 stream.cancel()
 
-    async def _collect(self, stream, request: Request) -> tuple[str, str, UsageInfo]:
+    def _tokens(self, ev) -> list[dict]:
+        """The extension's per-token provenance of an event: id, kind, text."""
+        tok = self.engine.tokenizer
+        kinds = ev.kinds or [None] * len(ev.token_ids)
+        return [{"id": t, "kind": k, "text": tok.decode([t], skip_special_tokens=True)}
+                for t, k in zip(ev.token_ids, kinds)]
+
+    async def _collect(self, stream, arrival: float,
+                       request: Request) -> tuple[str, str, UsageInfo]:
         """Run a request to its end (cancelling it if the client disconnects)."""
         async def watch():
             while not await request.is_disconnected():
@@ -174,7 +208,7 @@ class OpenAIServing:
         watcher = asyncio.create_task(watch())
         try:
             text, finish, usage = [], None, None
-            async with contextlib.aclosing(self._events(stream)) as events:
+            async with contextlib.aclosing(self._events(stream, arrival)) as events:
                 async for ev in events:
                     text.append(ev.text)
                     finish, usage = ev.finish_reason, ev.usage
@@ -182,15 +216,17 @@ class OpenAIServing:
         finally:
             watcher.cancel()
 
-    async def _sse(self, stream, first: list[dict], chunk: Callable[[str, str | None], dict],
+    async def _sse(self, stream, arrival: float, first: list[dict],
+                   chunk: Callable[[str, str | None], dict],
                    usage_chunk: Callable[[UsageInfo], dict] | None) -> AsyncIterator[str]:
         try:
             for c in first:
                 yield sse(c)
-            async with contextlib.aclosing(self._events(stream)) as events:
+            async with contextlib.aclosing(self._events(stream, arrival)) as events:
                 async for ev in events:
-                    if ev.text:
-                        yield sse(chunk(ev.text, None))
+                    if ev.text or ev.token_ids:
+                        yield sse({**chunk(ev.text, None),
+                                   "vericache": {"tokens": self._tokens(ev)}})
                     if ev.finish_reason:
                         yield sse(chunk("", ev.finish_reason))
                         if usage_chunk is not None:
@@ -211,10 +247,10 @@ class OpenAIServing:
                 "model": self.model_name}
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
-        stream = await self._submit(req, request, self._chat_ids, "messages")
+        stream, arrival = await self._submit(req, request, self._chat_ids, "messages")
         head = self._head("chatcmpl")
         if not req.stream:
-            text, finish, usage = await self._collect(stream, request)
+            text, finish, usage = await self._collect(stream, arrival, request)
             return ChatCompletionResponse(**head, usage=usage, choices=[
                 ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)])
         extra = {"usage": None} if req.include_usage else {}
@@ -232,14 +268,14 @@ class OpenAIServing:
             return ChatCompletionChunk(**head, choices=[], usage=u).model_dump()
 
         first = [chunk("", None, Delta(role="assistant", content=""))]
-        return self._streaming(self._sse(stream, first, chunk,
+        return self._streaming(self._sse(stream, arrival, first, chunk,
                                          usage_chunk if req.include_usage else None))
 
     async def completion(self, req: CompletionRequest, request: Request):
-        stream = await self._submit(req, request, self._completion_ids, "prompt")
+        stream, arrival = await self._submit(req, request, self._completion_ids, "prompt")
         head = self._head("cmpl")
         if not req.stream:
-            text, finish, usage = await self._collect(stream, request)
+            text, finish, usage = await self._collect(stream, arrival, request)
             return CompletionResponse(**head, usage=usage, choices=[
                 CompletionChoice(text=text, finish_reason=finish)])
         extra = {"usage": None} if req.include_usage else {}
@@ -252,5 +288,5 @@ class OpenAIServing:
         def usage_chunk(u: UsageInfo) -> dict:
             return CompletionResponse(**head, choices=[], usage=u).model_dump()
 
-        return self._streaming(self._sse(stream, [], chunk,
+        return self._streaming(self._sse(stream, arrival, [], chunk,
                                          usage_chunk if req.include_usage else None))

@@ -107,6 +107,15 @@ class GenStats:
 
 
 _ids = itertools.count(1)
+# How an output token came (the words of vericache.spec.accept), as streams report it:
+TOKEN_KINDS = {
+    "prefill": "the first token, from the prefill's full-KV logits",
+    "draft": "a draft token the verifier accepted",
+    "bonus": "the verifier's own token after a round's drafts (all accepted or the first "
+             "rejected)",
+    "plain": "a plain full-KV decode step: a round without drafts (full mode, or k = 0)",
+    "lossy": "the lossy baseline's unverified draft token",
+}
 
 
 class Generation:
@@ -128,6 +137,7 @@ class Generation:
         self.draftlen = DraftLength(params.draft_len, adaptive=params.adaptive)
         self.stats = GenStats(prompt_tokens=len(prompt_ids))
         self.round_draft_s = 0.0  # the last draft phase's seconds (for the cost model's round time)
+        self.emitted_kinds: list[str] = []  # how each token of the last emit came (TOKEN_KINDS)
 
     @property
     def finished(self) -> bool:
@@ -152,8 +162,9 @@ class Generation:
         """Cache slots to reserve past the prompt."""
         return self.params.max_tokens + self.params.draft_len + 2
 
-    def _emit(self, tokens: list[int]) -> list[int]:
-        """Hand verified tokens to the stop checker; returns those that are part of the output."""
+    def _emit(self, tokens: list[int], kinds: list[str]) -> list[int]:
+        """Hand verified tokens to the stop checker; returns those that are part of the output
+        (a prefix of `tokens`) and keeps how each came in `emitted_kinds` (see TOKEN_KINDS)."""
         out = []
         for t in tokens:
             if self.finished:
@@ -162,11 +173,12 @@ class Generation:
             self.stop.add(t)
             if len(self.stop.tokens) > n:
                 out.append(t)
+        self.emitted_kinds = kinds[:len(out)]
         return out
 
     def on_first(self, token: int) -> list[int]:
         """The first token, chosen from the prefill's full-KV logits."""
-        return self._emit([token])
+        return self._emit([token], ["prefill"])
 
     def k_cap(self) -> int:
         """The most drafts this round can use: k_max, less near max_tokens."""
@@ -203,13 +215,14 @@ class Generation:
         s.round_emitted.append(accepted + 1)
         s.k_hist[len(drafted)] = s.k_hist.get(len(drafted), 0) + 1
         self.draftlen.update(len(drafted), accepted)
-        return self._emit(list(drafted[:accepted]) + [bonus])
+        return self._emit(list(drafted[:accepted]) + [bonus],
+                          ["draft"] * accepted + ["bonus" if drafted else "plain"])
 
     def on_lossy(self, token: int) -> list[int]:
         """The lossy baseline's token, taken unverified."""
         self.stats.rounds += 1
         self.stats.round_emitted.append(1)
-        return self._emit([token])
+        return self._emit([token], ["lossy"])
 
     def usage(self) -> dict:
         s = self.stats
