@@ -9,6 +9,7 @@ Chromium or its driver missing fails this module; it never skips."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow  # a model-loading server and a browser: about a m
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 KINDS = {"prefill", "draft", "bonus", "plain", "lossy"}
-SCREENSHOT = REPO / "docs" / "img" / "page.png"
+SCREENSHOT = REPO / "docs" / "img" / "page.png"  # refreshed with VERICACHE_SCREENSHOT=1
 PROMPT = "Write a Python function that reverses a string."
 
 
@@ -130,7 +131,9 @@ def test_page_streams_coloured_tokens_and_shows_what_metrics_report(base, browse
 
     shot = tmp_path / "page.png"
     assert browser.save_screenshot(str(shot))
-    if shot.stat().st_size < 300_000:
+    assert shot.stat().st_size > 10_000  # a rendered page, not a blank one
+    print(f"screenshot: {shot}")
+    if os.environ.get("VERICACHE_SCREENSHOT") == "1" and shot.stat().st_size < 300_000:
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, SCREENSHOT)
 
