@@ -232,6 +232,43 @@ def test_window_masks_by_recorded_position(name, tmp_path):
             assert float((r.step([ids[i]], i, dropped)[0] - want).abs().max()) <= tol, (name, i)
 
 
+@pytest.mark.parametrize("via_store", [False, True], ids=["local", "store"])
+@pytest.mark.parametrize("spec", ["snapkv:recent=16,window=8", "streamingllm:ratio=4"])
+def test_drafter_records_kept_positions(tmp_path, spec, via_store):
+    """A windowed model's drafter cache records each slot's position: the key a token-dropping
+    compressor kept in a slot is the full KV's key at the recorded position (after the
+    selection policy moved the kept set, and after some rounds of drafting)."""
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+    from vericache.model.loader import load_model
+    from vericache.store.memory import MemoryStore
+
+    build("mistral-sliding", tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32")
+    prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(4)).tolist()
+    store = MemoryStore() if via_store else None
+    b = LocalBackends(lm, store)
+    g = Generation(lm, prompt, GenParams(mode="vericache", compressor=spec, chunk_size=CHUNK,
+                                         draft_len=4, max_tokens=N_NEW, ignore_eos=True))
+    try:
+        start(b, g)
+        for _ in range(3):
+            run_round(b, [g])
+        dc, fc = b.drafter.sessions[g.rid].cache, b.verifier.cache(g.rid)
+        n = dc.length
+        pos = dc.pos[:, :, :n]
+        assert pos.shape == (dc.num_layers, dc.k.shape[1], n) and int(pos.max()) < fc.length
+        assert bool((pos[..., 1:] != pos[..., :1]).any())  # not one position everywhere
+        assert n < fc.length  # tokens were dropped: slots are not positions
+        want = torch.gather(fc.k[:, :, : fc.length], 2,
+                            pos.unsqueeze(-1).expand(*pos.shape, dc.k.shape[-1]))
+        assert torch.allclose(dc.k[:, :, :n], want, atol=1e-5), spec
+    finally:
+        b.release(g)
+        if store is not None:
+            store.close()
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
