@@ -33,6 +33,10 @@ ARCHS = {
                                           max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=64)),  # head_dim != hidden / heads
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=WINDOW)),
+    # longrope is static up to its original context: the runner serves that much
+    "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=128, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
+        short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[2.0 + i for i in range(16)]))),
     "gemma3_text": ("Gemma3TextConfig", dict(
         num_hidden_layers=4, head_dim=64, sliding_window=WINDOW, query_pre_attn_scalar=48,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
@@ -109,7 +113,7 @@ def arch(request, tmp_path_factory):
 def test_family_config(arch):
     name, lm, hf, _ = arch
     assert hf.config.model_type == {"llama-rope-llama3": "llama", "mistral-sliding": "mistral",
-                                    "qwen2-sliding": "qwen2"}.get(name, name)
+                                    "qwen2-sliding": "qwen2", "phi3-longrope": "phi3"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -121,6 +125,9 @@ def test_family_config(arch):
         assert len(r.ropes) == 2 and not torch.equal(r.ropes[0][0], r.ropes[1][0])
     if name == "phi3":
         assert r.ropes[0][0].shape[-1] == r.head_dim // 2  # partial rotary
+    if name == "phi3-longrope":
+        assert hf.config.rope_parameters["rope_type"] == "longrope"
+        assert r.max_positions == lm.max_context == 128 < hf.config.max_position_embeddings
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
 
