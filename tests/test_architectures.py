@@ -276,6 +276,14 @@ def test_drafter_records_kept_positions(tmp_path, spec, via_store):
             store.close()
 
 
+def test_model_info_caps_longrope_context(tmp_path):
+    """The gateway's view (`load_model_info`, no weights) serves the runner's context."""
+    from vericache.model.loader import load_model_info
+
+    build("phi3-longrope", tmp_path)
+    assert load_model_info(str(tmp_path)).max_context == 128
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
