@@ -24,6 +24,7 @@ from vericache.errors import ContextTooLong, InvalidArgument
 from vericache.spec.draftlen import DraftLength
 
 MODES = ("full", "lossy", "vericache")
+EXACT = ("fast", "bitwise")  # how full-KV passes run: batched, or row by row (Runner.forward)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class GenParams:
     refresh_draft: bool = True  # overwrite the drafter's KV of accepted tokens with the exact KV
     selection: str = "question"  # how the drafter's set moves (vericache.select): static|question|verify
     namespace: str = ""  # tenant: prefix-cache keys are namespaced by it
+    exact: str = "fast"  # bitwise: every full-KV row a decode step's pass (EXACT)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -51,6 +53,8 @@ class GenParams:
         if not 0 <= self.temperature < float("inf"):
             raise InvalidArgument(f"temperature must be finite and >= 0 (got {self.temperature})",
                                   "temperature")
+        if self.exact not in EXACT:
+            raise InvalidArgument(f"unknown exact {self.exact!r}; valid: {', '.join(EXACT)}", "exact")
         if self.draft_len < 1:
             raise InvalidArgument(f"draft_len must be >= 1 (got {self.draft_len})", "draft_len")
         if self.chunk_size < 1:

@@ -63,7 +63,7 @@ class RemoteBackends(Backends):
             request_id=g.rid, token_ids=g.prompt, compressor=spec, chunk_size=p.chunk_size,
             temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
             namespace=p.namespace, save_tail=bool(spec),
-            selection=g.selection.spec if g.selection is not None else ""),
+            selection=g.selection.spec if g.selection is not None else "", exact=p.exact),
             self.timeout, "verifier Prefill")
         s = g.stats
         _record_selection(g, out.selection)

@@ -44,7 +44,7 @@ class LocalBackends(Backends):
         via_store = self.store is not None and g.compressor is not None
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
                                     p.temperature, g.seed, p.namespace, save_tail=via_store,
-                                    selection=g.selection)
+                                    selection=g.selection, bitwise=p.exact == "bitwise")
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)

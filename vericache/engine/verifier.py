@@ -68,6 +68,7 @@ class VerifySession:
     gen: torch.Generator = field(default_factory=torch.Generator)
     selection: SelectionRecord | None = None
     limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
+    bitwise: bool = False  # its passes run row by row (GenParams.exact == "bitwise")
 
 
 @dataclass
@@ -101,16 +102,19 @@ class Verifier:
     def prefill(self, rid: str, prompt_ids: list[int], extra_capacity: int, chunk_size: int,
                 compressor: Compressor | None = None, temperature: float = 0.0, seed: int = 0,
                 namespace: str = "", save_tail: bool = False,
-                selection: SelectionPolicy | None = None) -> PrefillOut:
+                selection: SelectionPolicy | None = None, bitwise: bool = False) -> PrefillOut:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
-        anything, as with a compressor that keeps every token: the base set stays)."""
+        anything, as with a compressor that keeps every token: the base set stays).
+        `bitwise`: its verify passes run row by row, each row a decode step's pass."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         per_token = self.runner.kv_bytes_per_token()
         resident = 0 if self.tier else (len(prompt_ids) + extra_capacity) * per_token
         with self.ledger.hold(rid, resident):
-            return self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
-                                 temperature, seed, namespace, save_tail, selection)
+            out = self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
+                                temperature, seed, namespace, save_tail, selection)
+        self.sessions[rid].bitwise = bitwise
+        return out
 
     def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, temperature,
                  seed, namespace, save_tail, selection) -> PrefillOut:
@@ -196,7 +200,7 @@ class Verifier:
             pos0 = c.length
             votes = s.selection is not None and s.selection.policy.needs_votes
             items.append(SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)),
-                                      c, logits="all", votes=votes))
+                                      c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)
         out = []
         for s, c, it, (_, drafts, q), lg in zip(sess, caches, items, batch, logits):

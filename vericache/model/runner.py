@@ -48,6 +48,7 @@ class SeqBatchItem:
     captured: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hq, R, D] out
     votes: bool = False  # return the attention mass each cached key gets from this pass
     attn_votes: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hkv, n] out
+    bitwise: bool = False  # each row a pass of its own: a decode step's bits (Runner.forward)
 
 
 def _activation(name: str):
@@ -174,8 +175,47 @@ class Runner:
         return out.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, hkv * g * d)
 
     def forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
-        """Run one pass over every item's new tokens; returns each item's logits (fp32). On
-        CPU a pass of fewer than SMALL_PASS_ROWS tokens runs on one intra-op thread."""
+        """Run one pass over every item's new tokens; returns each item's logits (fp32).
+
+        Items marked `bitwise` run row by row instead: each of their rows is a pass of its own
+        (one token of one sequence, in order), the pass a decode step is. So their logits and
+        the K/V they write are a decode step's, bit for bit, whatever else would have shared
+        the pass (other rows of a verify pass, other requests of a batch): a matrix product's
+        reduction order depends on how many rows it has, and a row's result with it."""
+        if any(it.bitwise for it in items):
+            return self._forward_rowwise(items)
+        return self._pass(items)
+
+    def _forward_rowwise(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        fast = [it for it in items if not it.bitwise]
+        done = dict(zip(map(id, fast), self._pass(fast))) if fast else {}
+        out: list[torch.Tensor | None] = []
+        for it in items:
+            if not it.bitwise:
+                out.append(done[id(it)])
+                continue
+            if it.capture_q is not None:
+                raise ValueError("a bitwise item cannot capture queries (prefill is not bitwise)")
+            n, past = int(it.tokens.shape[0]), it.cache.length
+            if it.votes:
+                it.attn_votes = torch.zeros(self.num_layers, self.num_kv_heads, past + n,
+                                            dtype=torch.float32, device=self.device)
+            rows = []
+            for j in range(n):
+                keep = it.logits == "all" or (it.logits == "last" and j == n - 1)
+                one = SeqBatchItem(it.tokens[j:j + 1], it.positions[j:j + 1], it.cache,
+                                   "last" if keep else "none", votes=it.votes)
+                lg = self._pass([one])[0]
+                if keep:
+                    rows.append(lg)
+                if it.votes:
+                    it.attn_votes[:, :, : past + j + 1] += one.attn_votes
+            out.append(None if not rows else rows[0] if len(rows) == 1 else torch.cat(rows))
+        return out
+
+    def _pass(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        """One pass over every item's rows. On CPU a pass of fewer than SMALL_PASS_ROWS
+        tokens runs on one intra-op thread."""
         rows = sum(int(it.tokens.shape[0]) for it in items)
         threads = torch.get_num_threads()  # this thread's setting (OpenMP's is per thread)
         if self.device.type != "cpu" or rows >= SMALL_PASS_ROWS or threads == 1:
