@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo test test-fast proto bench clean
+.PHONY: setup browser run demo test test-fast proto bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,15 +21,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m vericache._proto
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
-run: setup
+# Debian's chromium and chromedriver, for the page's browser test (tests/test_page.py):
+# installed with apt where either is missing (as root, else through sudo); nothing otherwise
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+run: $(STAMP)
 	$(VENV)/bin/vericache serve --port 8000
 
-demo: setup
+demo: $(STAMP)
 	$(VENV)/bin/vericache generate --max-tokens 200
 
-proto: setup
+proto: $(STAMP)
 	$(PY) -m vericache._proto
 
 test: setup
@@ -38,7 +47,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-bench: setup
+bench: $(STAMP)
 	$(VENV)/bin/vericache bench
 
 clean:

@@ -138,7 +138,8 @@ MB = 1 << 20
 
 
 def start_services(a, ports: dict, budgets: dict, tier_flags: list[str], prefix: str) -> list:
-    """kvstore (Redis), verifier (the tier, its budget), drafter (its budget): processes."""
+    """kvstore (Redis), verifier (the tier, its budget), drafter (its budget): processes; the
+    verifier and drafter keep what they move through the kvstore in their default node cache."""
     procs = [start(["services.kvstore", "--backend", f"redis://127.0.0.1:6379/0?prefix={prefix}"],
                    ports["kv"], a.threads)]
     wait_grpc(ports["kv"])

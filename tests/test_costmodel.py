@@ -78,6 +78,27 @@ def test_plain_steps_where_drafting_does_not_pay():
     assert costs.snapshot()["plain_share"] > 0.5
 
 
+def test_plain_steps_where_a_multi_row_pass_costs_a_jump():
+    """The CPU case at 7k, batch 1: one row is a matrix-vector product (0.1 s), and any pass
+    of more rows pays a jump (+0.08 s) before its per-row cost. Drafts are accepted at 0.82
+    and a draft step costs 0.08 s: a k = 2 round (0.16 + 0.19 s for ~2.5 tokens) loses to
+    plain steps (0.1 s a token), and the model must see it."""
+    costs = CostModel()
+
+    def verify_s(t):
+        return 0.1 + (0.08 + 0.005 * t if t > 1 else 0.0)
+    chosen = []
+    prof = _profile(0.82)
+    for _ in range(60):
+        k = costs.plan([16], [7000], [prof], [False]).ks[0]
+        chosen.append(k)
+        if k:
+            costs.observe_draft(k, 1, 7000, k * 0.08)
+        costs.observe_verify(k + 1, 7000, (k + 1) * 7000, verify_s(k + 1))
+    assert chosen[-30:] == [0] * 30
+    assert costs.predicted_tps == pytest.approx(10.0, rel=0.1)
+
+
 def test_a_request_that_does_not_pay_drops_out_of_the_group():
     costs = CostModel()
     good, bad = _profile(0.95), _profile(0.02)

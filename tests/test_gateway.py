@@ -15,6 +15,7 @@ import pytest
 import torch
 from service_process import ServiceProcess, start_serve
 
+from services.gateway.ready import NotReady
 from services.gateway.serving import ModelNotFound, error_response
 from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.generation import GenParams
@@ -185,9 +186,14 @@ def test_metrics_exposition(base, client):
                  "vericache_plain_round_share", "vericache_cost_model_predicted_tokens_per_second",
                  "vericache_cost_model_measured_tokens_per_second", "vericache_cost_model_fitted",
                  "vericache_kv_bytes", "vericache_kv_budget_bytes",
-                 "vericache_ahead_drafted_tokens_total", "vericache_verify_lane_busy_seconds_total"):
+                 "vericache_ahead_drafted_tokens_total", "vericache_verify_lane_busy_seconds_total",
+                 "vericache_transfer_seconds_total", "vericache_lane_utilisation",
+                 "vericache_time_to_first_token_seconds_bucket",
+                 "vericache_time_per_output_token_seconds_bucket",
+                 "vericache_queue_seconds_bucket"):
         assert f"\n{name}" in text, name
     assert "# TYPE vericache_tokens_per_round histogram" in text
+    assert "# TYPE vericache_time_to_first_token_seconds histogram" in text
 
 
 def chat_body(**kw) -> dict:
@@ -261,6 +267,7 @@ ERRORS = [  # core error -> status, type, param, code, Retry-After
     (ModelNotFound("no model"), 404, "invalid_request_error", "model", "model_not_found", None),
     (ResourceExhausted("queue full"), 429, "rate_limit_error", None, "rate_limit_exceeded", "1"),
     (Unavailable("store down"), 503, "server_error", None, "service_unavailable", None),
+    (NotReady("not ready: verifier"), 503, "server_error", None, "service_unavailable", "2"),
     (RuntimeError("bug"), 500, "server_error", None, None, None),
 ]
 

@@ -19,6 +19,7 @@ from service_process import REPO, free_port, start_service
 from vericache._proto import load
 from vericache.errors import InvalidArgument, ResourceExhausted, Unavailable
 from vericache.store import chunk_keys, full_key, open_store
+from vericache.store.keys import chunk_key, refresh_key, select_key
 from vericache.store.codec import decode_full, encode_full
 from vericache.store.link import PIECE_BYTES
 
@@ -104,14 +105,41 @@ def test_many_chunks_longest_prefix(client):
 
 def test_stats_count_hits_and_misses(client):
     before = client.stats()
-    key = f"stats-{uuid.uuid4().hex}"
+    key, missing = (full_key(chunk_key("stats", uuid.uuid4().hex, [i])) for i in (1, 2))
     client.put(key, b"x" * 1000)
     assert client.get(key) == b"x" * 1000
-    assert client.get(key + "-missing") is None
+    assert client.get(missing) is None
     after = client.stats()
     assert after["hits"] - before["hits"] == 1 and after["misses"] - before["misses"] == 1
     assert after["bytes_in"] - before["bytes_in"] == 1000
     assert after["bytes_out"] - before["bytes_out"] == 1000
+
+
+def test_per_request_values_stay_in_the_kvstore_and_chunks_go_to_redis():
+    """Prefix chunks reach the backend; a tail, refresh or selection move (read once by the
+    other service) stays in the kvstore's scratch memory, never in Redis."""
+    tag = f"vctest-{uuid.uuid4().hex[:12]}:"
+    r = redis.Redis.from_url(REDIS)
+    svc = start(f"{REDIS}?prefix={tag}")
+    try:
+        with open_store(f"grpc://{svc.address}") as store:
+            chunk = full_key(chunk_key("m@float32", "", [1, 2, 3]))
+            store.put(chunk, b"c" * 5000)
+            for key in (refresh_key("req-1"), select_key("req-1"), "tail/ns/req-1"):
+                store.put(key, b"t" * 7000)
+                assert store.get(key) == b"t" * 7000
+                assert store.delete(key) and store.get(key) is None
+            assert store.get(chunk) == b"c" * 5000
+            assert store.longest_prefix([chunk, full_key("0" * 64)]) == 1
+            s = store.stats()
+        names = [n.decode() for n in r.scan_iter(match=f"{tag}*")]
+        assert names == [f"{tag}k:{chunk}"], names  # the chunk only
+        assert s["scratch_bytes_in"] == 3 * 7000 and s["bytes_in"] == 5000
+    finally:
+        assert svc.stop() == 0
+        svc.log_path.unlink(missing_ok=True)
+        for name in r.scan_iter(match=f"{tag}*"):
+            r.delete(name)
 
 
 def test_status_codes(stub, client):
@@ -148,14 +176,15 @@ def test_full_store_and_dead_backend_codes():
     small = start("memory://?capacity_mb=1")
     dead = start(f"redis://127.0.0.1:{free_port()}/0?timeout_s=1")
     try:
+        fits, big = (full_key(chunk_key("m", "", [i])) for i in (1, 2))  # backend keys
         with open_store(f"grpc://{small.address}") as s:
-            s.put("fits", bytes(500_000))
+            s.put(fits, bytes(500_000))
             with pytest.raises(ResourceExhausted):
-                s.put("too-big", bytes(2_000_000))
+                s.put(big, bytes(2_000_000))
         assert health(dead.port) == "STATUS_NOT_SERVING"
         with open_store(f"grpc://{dead.address}") as d:
             with pytest.raises(Unavailable):
-                d.put("k", b"x")
+                d.put(fits, b"x")
     finally:
         assert small.stop() == 0 and dead.stop() == 0
     with open_store(f"grpc://127.0.0.1:{free_port()}?timeout_s=2") as nobody:

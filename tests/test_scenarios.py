@@ -12,6 +12,8 @@ from test_services_e2e import _grpc_ready, _kvstore_ready
 
 from vericache.cli import main as vericache_main
 from vericache.store.memory import MemoryStore
+from vericache.store.keys import (chunk_key, compressed_key, full_key, is_chunk_key,
+                                  refresh_key)
 from vericache.store.node import LinkedStore, NodeCache
 
 SMALL = ["--concurrency", "2", "--context-tokens", "600", "--max-tokens", "12", "--compressors",
@@ -151,13 +153,18 @@ def test_long_context_through_the_services(tmp_path, services, lm):
     assert moved["remote"] == moved["local"] >= 2 and moved["remote-static"] == 0
 
 
+def _chunk(n: int) -> str:
+    """A prefix-chunk key (what a node cache keeps), one per `n`."""
+    return full_key(chunk_key("m@float32", "", [n]))
+
+
 def test_node_cache_loads_a_key_once_for_concurrent_readers():
     inner = MemoryStore()
-    inner.put("k", b"x" * 200_000)
+    inner.put(_chunk(1), b"x" * 200_000)
     linked = LinkedStore(inner, 0.016)  # 2 MB/s: a read takes ~0.1 s
     node = NodeCache(linked)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(node.get("k"))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: got.append(node.get(_chunk(1)))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -169,6 +176,36 @@ def test_node_cache_loads_a_key_once_for_concurrent_readers():
     assert node.get("missing") is None
     with pytest.raises(ValueError):
         LinkedStore(inner, 0)
+
+
+def test_node_cache_keeps_chunks_drops_rewrites_and_asks_inner_for_presence():
+    inner = MemoryStore()
+    linked = LinkedStore(inner, None)
+    node = NodeCache(linked, capacity_bytes=2500, keep_writes=True)
+    a, b, c = _chunk(1), _chunk(2), _chunk(3)
+    node.put(a, b"1" * 1000)
+    assert node.get(a) == b"1" * 1000 and linked.bytes_read == 0  # its own write, local
+    inner.delete(a)  # gone behind the node's back (evicted, kvstore restarted)
+    assert not node.contains(a) and node.longest_prefix([a]) == 0  # presence: inner's
+    node.put(b, b"2" * 1000)
+    node.put(c, b"3" * 1000)  # 3000 bytes > 2500: a (least recently used) goes
+    assert node.stats()["bytes_stored"] == 2000 and node.get(a) is None
+    node.put(_chunk(4), b"4" * 3000)  # larger than the whole cache: written through, not kept
+    assert node.stats()["bytes_stored"] == 2000 and node.get(_chunk(4)) == b"4" * 3000
+    # a per-request key (a tail another node deletes, a refresh rewritten every round) is
+    # never kept: neither written nor read
+    node.put(refresh_key("r1"), b"5" * 100)
+    assert node.get(refresh_key("r1")) == b"5" * 100
+    assert node.stats()["bytes_stored"] == 2000
+    inner.put(refresh_key("r1"), b"6" * 100)  # rewritten by the other node
+    assert node.get(refresh_key("r1")) == b"6" * 100
+    reader = NodeCache(linked, keep_writes=False)
+    assert reader.get(b) == b"2" * 1000
+    reader.put(b, b"7" * 1000)  # a rewrite must not leave the old copy to be served
+    assert reader.get(b) == b"7" * 1000
+    assert reader.delete(b) and reader.get(b) is None and not inner.contains(b)
+    assert is_chunk_key(compressed_key(chunk_key("m", "", [1]), "snapkv:ratio=4"))
+    assert not is_chunk_key("tail/ns/" + _chunk(1))
 
 
 def test_linked_store_paces_reads():

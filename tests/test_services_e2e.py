@@ -218,6 +218,69 @@ def test_services_hold_their_own_kv_budgets_and_the_gateway_admits_by_them(stack
     assert h.sessions == 0 and h.kv_in_use_bytes == 0
 
 
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _abandon_100(base: str) -> tuple[int, float]:
+    """100 streaming clients that hang up after their first token, 20 at a time; returns
+    (how many got a token first, seconds until every session and KV byte was freed)."""
+    def abandon(i: int) -> bool:
+        body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                "max_tokens": N, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if '"content"' in line and '"content":""' not in line.replace(" ", ""):
+                    return True  # a token arrived: hang up now
+        return False
+
+    got = 0
+    for wave in range(5):
+        out: list[bool] = []
+        ts = [threading.Thread(target=lambda i=i: out.append(abandon(wave * 20 + i)))
+              for i in range(20)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        got += sum(out)
+    return got, time.monotonic()
+
+
+def test_abandoned_streams_free_sessions_and_memory(stack, lm):
+    """Clients that hang up mid-answer free their sessions on both services and their KV
+    budget at once, and a second hundred of them does not grow the processes (the first
+    hundred sets the allocators' high-water mark: 20 streams in flight)."""
+    base = f"http://127.0.0.1:{stack['gateway'].port}"
+    names = ("verifier", "drafter", "gateway")
+    rss = [{n: round(_rss_mb(stack[n].proc.pid)) for n in names}]
+    freed = []
+    for _ in range(2):
+        got, t0 = _abandon_100(base)
+        assert got >= 90  # (a few may finish before the first token is read: short answers)
+        while time.monotonic() - t0 < 60:
+            hs = [_health(n, stack[n].address) for n in ("verifier", "drafter")]
+            active = httpx.get(f"{base}/health").json()["active"]
+            if active == 0 and all(h.sessions == 0 and h.kv_in_use_bytes == 0 for h in hs):
+                break
+            time.sleep(0.1)
+        freed.append(round(time.monotonic() - t0, 2))
+        assert active == 0 and all(h.sessions == 0 and h.kv_in_use_bytes == 0 for h in hs), hs
+        text = httpx.get(f"{base}/metrics").text
+        for side in ("verifier", "drafter"):
+            assert _metric(text, f'vericache_kv_bytes{{side="{side}"}}') == 0
+        rss.append({n: round(_rss_mb(stack[n].proc.pid)) for n in names})
+    print(f"2 x 100 abandoned streams: all freed {freed} s after the last hang-up; "
+          f"RSS MB before, after 100, after 200: {rss}")
+    # a leak of the second hundred's sessions would be ~100 x 70 tokens x 45 KiB = 300 MB
+    assert all(rss[2][n] - rss[1][n] < 100 for n in names), rss
+    ids = chat_ids(lm, QUESTIONS[0])  # and the stack still answers exactly
+    out = httpx.post(f"{base}/v1/completions", json={"prompt": ids, "max_tokens": N},
+                     timeout=120).json()
+    assert out["choices"][0]["text"] == _ref(lm, ids)
+
+
 def test_bad_request_is_400_and_service_keeps_serving(client, stack):
     r = httpx.post(f"http://127.0.0.1:{stack['gateway'].port}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from services.common.auth import add_token_arg
 from vericache.cli.common import BUDGET_FLAGS, add_memory_args, add_model_args, add_tier_args
-from vericache.engine.budget import Ledger, budget_bytes
+from vericache.engine.budget import MB, Ledger, budget_bytes
 from vericache.engine.remote import MODEL_MESSAGE_BYTES
 from vericache.engine.ttl import SessionClock
 from vericache.errors import VeriCacheError
@@ -36,6 +36,12 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
     p.add_argument("--link-gbps", type=float, default=float(env.get(f"VERICACHE_{up}_LINK_GBPS", 0)),
                    help=f"bandwidth of the link to the kvstore in Gbit/s, 0 = unlimited "
                         f"(env VERICACHE_{up}_LINK_GBPS)")
+    p.add_argument("--node-cache-mb", type=float,
+                   default=float(env.get(f"VERICACHE_{up}_NODE_CACHE_MB", 1024)),
+                   help=f"keep up to this many MiB of the chunks read from or written to the "
+                        f"kvstore service in this process, so requests that share a prefix "
+                        f"fetch it once (the embedded server's memory:// store does the same); "
+                        f"0 = none (env VERICACHE_{up}_NODE_CACHE_MB, default 1024)")
     g = p.add_argument_group("KV memory")
     if name == "verifier":
         add_tier_args(g)
@@ -50,12 +56,15 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
                    help="logging level (env VERICACHE_LOG_LEVEL, default INFO)")
 
 
-def open_service_store(url: str, token: str = ""):
-    """The store a URL names; a kvstore service client (grpc://) sends the internal token."""
+def open_service_store(url: str, token: str = "", node_cache_bytes: int = 0):
+    """The store a URL names; a kvstore service client (grpc://) sends the internal token and,
+    with `node_cache_bytes`, keeps a local copy of what it moves (`NodeCache`)."""
     if url.startswith("grpc://"):
         from vericache.store.grpc_store import GrpcStore
+        from vericache.store.node import NodeCache
 
-        return GrpcStore.from_url(url, token=token or None)
+        store = GrpcStore.from_url(url, token=token or None)
+        return NodeCache(store, node_cache_bytes, keep_writes=True) if node_cache_bytes else store
     return open_store(url)
 
 
@@ -95,8 +104,14 @@ class ModelService:
         tier = make_tier(tier_name, a.tier_link_gbps or None, lm.runner.device) if tier_name else None
         mb = a.kv_budget_mb if tier_name else a.draft_kv_budget_mb
         side = "verifier" if tier_name else "drafter"
-        ledger = Ledger(budget_bytes(mb, side, lm.runner.device), BUDGET_FLAGS[side][0])
-        store = open_service_store(store_url(a.kvstore, a.link_gbps), a.internal_token)
+        if a.node_cache_mb < 0:
+            raise VeriCacheError("--node-cache-mb must be >= 0")
+        url = store_url(a.kvstore, a.link_gbps)
+        node_cache = int(a.node_cache_mb * MB) if url.startswith("grpc://") else 0
+        # on CPU the node cache takes host memory that the default KV budget must leave free
+        reserved = node_cache if lm.runner.device.type == "cpu" else 0
+        ledger = Ledger(budget_bytes(mb, side, lm.runner.device, reserved), BUDGET_FLAGS[side][0])
+        store = open_service_store(url, a.internal_token, node_cache)
         return cls(lm, store, SessionClock(a.session_ttl_s), threading.Lock(), tier, tier_name,
                    ledger)
 

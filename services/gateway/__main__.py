@@ -1,7 +1,10 @@
 """`python -m services.gateway`: the OpenAI-compatible gateway as a service.
 
 Flags and $VERICACHE_* variables are those of `vericache serve` (a flag beats its variable,
-which beats the default). Which engine runs the requests is decided in `build_engine`.
+which beats the default). Which engine runs the requests is decided in `build_engine`. Over
+the services the gateway listens at once and answers 503 with Retry-After until the drafter
+and the verifier answer their Health (`services.gateway.ready`); it then reads their KV tier
+and budgets.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import logging
 import sys
 
 from services.gateway.app import serve
+from services.gateway.ready import Readiness
 from vericache.cli.common import add_gen_args, add_model_args, env
 from services.common.auth import add_token_arg
 from vericache.cli.serve import access_policy, add_server_args, default_params, embedded_engine
@@ -18,15 +22,14 @@ from vericache.engine.api import Engine
 from vericache.errors import InvalidArgument, VeriCacheError
 
 log = logging.getLogger("vericache.gateway")
-# how long the gateway waits at start-up for the services' Health (their tier and budgets)
-SERVICE_WAIT_S = 60.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m services.gateway",
         description="OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, "
-                    "/v1/models, /health, /metrics. The decoding flags set the server's "
+                    "/v1/models, /health, /ready, /metrics and the page at /. The decoding "
+                    "flags set the server's "
                     "defaults; a request overrides them with its own fields and its "
                     "`vericache` object {mode, compressor, ratio, draft_len}.")
     add_server_args(p)
@@ -47,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_engine(args) -> Engine:
-    """The engine behind the gateway: rounds over the drafter and verifier services when
-    --drafter and --verifier are given (only the tokenizer loads here), else the embedded
-    engine with the model in this process."""
+def build_engine(args) -> tuple[Engine, Readiness]:
+    """The engine behind the gateway and its readiness: rounds over the drafter and verifier
+    services when --drafter and --verifier are given (only the tokenizer loads here; the
+    services' KV tier and budgets are read once they first answer), else the embedded engine
+    with the model in this process."""
     if not (args.drafter or args.verifier):
-        return embedded_engine(args)
+        engine = embedded_engine(args)
+        return engine, Readiness(engine)
     if not (args.drafter and args.verifier):
         raise InvalidArgument("give both --drafter and --verifier (or neither)", "drafter")
     from vericache.engine.remote import RemoteBackends
@@ -64,18 +69,19 @@ def build_engine(args) -> Engine:
     info = load_model_info(args.model, args.dtype)
     backends = RemoteBackends(args.drafter, args.verifier, info.vocab_size, args.rpc_timeout_s,
                               token=args.internal_token)
-    # the verifier's tier and each service's own budget, unless a flag narrows the budget
-    try:
-        tier, draft, verify = backends.budgets(wait_s=SERVICE_WAIT_S)
-    except VeriCacheError as e:  # the services guard their own budgets meanwhile
-        log.warning("services not answering (%s): admitting without KV budgets", e)
-        tier, draft, verify = args.kv_tier, None, None
-    draft = int(args.draft_kv_budget_mb * MB) if args.draft_kv_budget_mb else draft
-    verify = int(args.kv_budget_mb * MB) if args.kv_budget_mb else verify
-    return BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=backends, schedule=args.schedule,
-                       cost=request_cost(info.kv_bytes_per_token, tier),
-                       draft_budget=draft, verify_budget=verify)
+    engine = BatchEngine(info, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                         backends=backends, schedule=args.schedule)
+
+    def learn_budgets() -> None:
+        """The verifier's tier and each service's own budget, unless a flag narrows it."""
+        tier, draft, verify = backends.budgets(wait_s=0)
+        draft = int(args.draft_kv_budget_mb * MB) if args.draft_kv_budget_mb else draft
+        verify = int(args.kv_budget_mb * MB) if args.kv_budget_mb else verify
+        engine.set_budgets(request_cost(info.kv_bytes_per_token, tier), draft, verify)
+        log.info("services answer: KV tier %s, budgets drafter %s, verifier %s", tier, draft,
+                 verify)
+
+    return engine, Readiness(engine, on_first_ready=learn_budgets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             from vericache.store.grpc_store import GrpcStore
 
             store = GrpcStore.from_url(f"grpc://{args.kvstore}", token=args.internal_token or None)
-        serve(build_engine(args), args.host, args.port, args.served_model_name, defaults,
-              args.log_level, store, policy)
+        engine, readiness = build_engine(args)
+        serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level,
+              store, policy, readiness)
     except VeriCacheError as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2

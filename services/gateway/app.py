@@ -1,7 +1,10 @@
 """Routes of the OpenAI-compatible gateway, and running it under uvicorn.
 
 `create_app(engine, served_model_name, defaults)` builds the FastAPI app:
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /ready,
+GET /metrics, and GET / (the page in services/gateway/static/, with its files under /static/).
+While a backend service does not answer, the completions routes answer 503 with Retry-After
+(`services.gateway.ready`).
 Routes only parse and delegate to `OpenAIServing`; every error leaves in the OpenAI shape
 (request validation errors, malformed JSON included, are 400s, not FastAPI's 422s).
 """
@@ -12,21 +15,26 @@ import asyncio
 import contextlib
 import signal
 import threading
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.auth import AccessMiddleware, AccessPolicy
-from services.gateway.metrics import (CONTENT_TYPE, HttpCounter, MetricsRegistry, engine_collector,
-                                      store_collector)
+from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
+from services.gateway.ready import Readiness
 from services.gateway.serving import OpenAIServing, error_json, error_response
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
 from vericache.errors import VeriCacheError
+
+STATIC = Path(__file__).resolve().parent / "static"
 
 
 def _validation_error(exc: RequestValidationError):
@@ -44,8 +52,8 @@ def _validation_error(exc: RequestValidationError):
 class _CountResponses:
     """ASGI middleware: counts responses by route template and status code."""
 
-    def __init__(self, app, counter: HttpCounter):
-        self.app, self.counter = app, counter
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -54,7 +62,7 @@ class _CountResponses:
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 route = scope.get("route")
-                self.counter.observe(getattr(route, "path", "other"), message["status"])
+                self.metrics.observe_response(getattr(route, "path", "other"), message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -62,24 +70,30 @@ class _CountResponses:
 
 def create_app(engine: Engine, served_model_name: str | None = None,
                defaults: GenParams | None = None, store=None,
-               policy: AccessPolicy | None = None) -> FastAPI:
+               policy: AccessPolicy | None = None,
+               readiness: Readiness | None = None) -> FastAPI:
     """The gateway over `engine`; the engine itself is closed by whoever created it. With a
     `store` (the kvstore client), /metrics also shows the store's own counters. `policy`:
-    API keys, tenant namespaces and the body limit (default: no keys, 2 MiB bodies)."""
-    serving = OpenAIServing(engine, served_model_name, defaults)
-    registry = MetricsRegistry()
-    registry.register(engine_collector(engine))
-    if store is not None:
-        registry.register(store_collector(store))
-    http_counter = HttpCounter()
-    registry.register(http_counter)
+    API keys, tenant namespaces and the body limit (default: no keys, 2 MiB bodies).
+    `readiness`: started with the app and stopped with it (default: one over `engine`)."""
+    readiness = readiness or Readiness(engine)
+    metrics = GatewayMetrics(engine, store)
+    serving = OpenAIServing(engine, served_model_name, defaults, metrics, readiness)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await asyncio.to_thread(readiness.start)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(readiness.stop)
 
     app = FastAPI(title="VeriCache",
                   description="OpenAI-compatible API over lossless compressed-KV speculative "
-                              "decoding")
-    app.state.serving, app.state.metrics = serving, registry
+                              "decoding", lifespan=lifespan)
+    app.state.serving, app.state.metrics, app.state.readiness = serving, metrics, readiness
     app.add_middleware(AccessMiddleware, policy=policy or AccessPolicy())
-    app.add_middleware(_CountResponses, counter=http_counter)
+    app.add_middleware(_CountResponses, metrics=metrics)
     app.add_exception_handler(RequestValidationError, lambda r, e: _validation_error(e))
     app.add_exception_handler(VeriCacheError, lambda r, e: error_response(e))
     app.add_exception_handler(StarletteHTTPException, lambda r, e: error_json(
@@ -107,16 +121,24 @@ def create_app(engine: Engine, served_model_name: str | None = None,
 
     @app.get("/ready")
     async def ready():
-        """Readiness: 200 when every backend service answers its Health, else 503 naming the
-        ones that do not (the embedded engine has none to ask)."""
-        backends = await asyncio.to_thread(engine.health)
-        ok = all(backends.values())
-        return JSONResponse({"status": "ready" if ok else "unavailable", "backends": backends},
-                            status_code=200 if ok else 503)
+        """Readiness: 200 when every backend service answers its Health (asked now), else
+        503 with Retry-After naming the ones that do not (the embedded engine's always do)."""
+        ok = await asyncio.to_thread(readiness.check)
+        headers = {} if ok else {"Retry-After": str(READY_RETRY_AFTER_S)}
+        return JSONResponse({"status": "ready" if ok else "unavailable",
+                             "backends": readiness.backends},
+                            status_code=200 if ok else 503, headers=headers)
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(registry.render(), media_type=CONTENT_TYPE)
+    async def metrics_text():
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        """The page that watches the gateway work (services/gateway/static/)."""
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     return app
 
@@ -150,9 +172,9 @@ class _Server(uvicorn.Server):
 
 def serve(engine: Engine, host: str, port: int, served_model_name: str | None = None,
           defaults: GenParams | None = None, log_level: str = "warning", store=None,
-          policy: AccessPolicy | None = None) -> None:
+          policy: AccessPolicy | None = None, readiness: Readiness | None = None) -> None:
     """Run the gateway until SIGINT/SIGTERM, then close the engine."""
-    app = create_app(engine, served_model_name, defaults, store, policy)
+    app = create_app(engine, served_model_name, defaults, store, policy, readiness)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=5)
     try:

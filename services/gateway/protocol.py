@@ -61,6 +61,10 @@ class VeriCacheOptions(OpenAIModel):
                                   description="largest draft length k per round (1..256)")
     selection: str | None = Field(None, description="how the drafter's kept tokens move: static, "
                                                     "question or verify (NAME:key=value,...)")
+    exact: Literal["fast", "bitwise"] | None = Field(
+        None, description="bitwise: the full-KV passes run row by row, so the output is full "
+                          "greedy decoding's bit for bit (slower); fast (default): batched passes, "
+                          "identical up to near-ties (README, Exactness)")
     adaptive: bool | None = Field(None, description="false: draft draft_len tokens every round; "
                                                     "true (default): the cost model chooses k, "
                                                     "0 (a plain decode step) where drafting "

@@ -3,7 +3,12 @@ back as one response or an SSE stream. Core errors become HTTP errors here, in o
 (`error_response`).
 
 Streams: `data: {json}\\n\\n` per chunk; a failure after the stream started becomes an error
-chunk; `data: [DONE]` always ends it. A client that goes away cancels its request.
+chunk; `data: [DONE]` always ends it. A client that goes away cancels its request. A chunk
+that carries output tokens also carries VeriCache's extension `"vericache": {"tokens":
+[{"id", "kind", "text"}, ...]}` (kind: how the token came, `TOKEN_KINDS` in
+vericache/engine/generation.py; text: the token decoded alone, which may differ from the
+chunk's content where a character spans tokens or a stop string was cut). OpenAI clients
+ignore the extra field.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                        CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, Delta, ErrorInfo, ModelCard,
                                        ModelList, TopLogprob, UsageInfo, merge_usage)
+from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
+from services.gateway.ready import NotReady, Readiness
 from vericache.model.tokenize import apply_chat, encode_text
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
@@ -58,6 +66,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, ResourceExhausted):
         status, kind, code = 429, "rate_limit_error", "rate_limit_exceeded"
         headers["Retry-After"] = str(RETRY_AFTER_S)
+    elif isinstance(exc, NotReady):
+        status, kind, code = 503, "server_error", "service_unavailable"
+        headers["Retry-After"] = str(READY_RETRY_AFTER_S)
     elif isinstance(exc, Unavailable):
         status, kind, code = 503, "server_error", "service_unavailable"
     else:
@@ -79,13 +90,17 @@ def sse(data: dict | str) -> str:
 
 
 class OpenAIServing:
-    """Chat and text completions over one engine, with the server's default GenParams."""
+    """Chat and text completions over one engine, with the server's default GenParams.
+    `metrics`: where each request's latencies go; `readiness`: requests are refused
+    (NotReady, a 503) while it says a backend does not answer."""
 
     def __init__(self, engine: Engine, model_name: str | None = None,
-                 defaults: GenParams | None = None):
+                 defaults: GenParams | None = None, metrics: GatewayMetrics | None = None,
+                 readiness: Readiness | None = None):
         self.engine = engine
         self.model_name = model_name or engine.model_name
         self.defaults = defaults or GenParams()
+        self.metrics, self.readiness = metrics, readiness
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name)])
@@ -138,10 +153,15 @@ class OpenAIServing:
             over.update(req.vericache.model_dump(exclude_none=True))
         return dataclasses.replace(self.defaults, **over)
 
-    async def _submit(self, req, request: Request, to_ids: Callable, prompt_param: str) -> list:
+    async def _submit(self, req, request: Request, to_ids: Callable,
+                      prompt_param: str) -> tuple[list, float]:
         """Queue the request's n choices under the caller's tenant namespace (set by the
         access middleware; a request object without one keeps the server default); choice i
-        samples with seed + i. Returns their streams (if one is refused, none runs)."""
+        samples with seed + i. Returns their streams (if one is refused, none runs) and the
+        arrival time (time.perf_counter())."""
+        arrival = time.perf_counter()
+        if self.readiness is not None:
+            self.readiness.require()
         self._check_model(req.model)
         ids = await run_in_threadpool(to_ids, req)
         params = self._params(req, len(ids), prompt_param)
@@ -158,21 +178,28 @@ class OpenAIServing:
             for st in streams:
                 st.cancel()
             raise
-        return streams
+        return streams, arrival
 
     # ---- running ---------------------------------------------------------------------
-    @staticmethod
-    async def _events(stream) -> AsyncIterator:
+    async def _events(self, stream, arrival: float) -> AsyncIterator:
         """The request's events; raises GenerationFailed on an error event; cancels the
-        request if the consumer stops early (client gone, server shutting down)."""
-        done = False
+        request if the consumer stops early (client gone, server shutting down). A request
+        that finishes has its latencies observed (`GatewayMetrics.observe_request`)."""
+        done, first, last, tokens = False, None, None, 0
         try:
             async for ev in stream.astream():
                 if ev.error:
                     done = True
                     log.warning("%s failed: %s", stream.request_id, ev.error)
                     raise GenerationFailed(f"generation failed: {ev.error}")
+                if ev.token_ids:
+                    last = time.perf_counter()
+                    first, tokens = first or last, tokens + len(ev.token_ids)
                 done = ev.finish_reason is not None
+                if done and self.metrics is not None:
+                    self.metrics.observe_request(
+                        None if first is None else first - arrival, tokens,
+                        (last or 0.0) - (first or 0.0), stream.gen.stats.prefill_s)
                 yield ev
         finally:
             if not done:
@@ -206,7 +233,15 @@ class OpenAIServing:
             offset += len(text)
         return out
 
-    async def _collect(self, streams: list, request: Request) -> tuple[list[tuple], UsageInfo]:
+    def _tokens(self, ev) -> list[dict]:
+        """The extension's per-token provenance of an event: id, kind, text."""
+        tok = self.engine.tokenizer
+        kinds = ev.kinds or [None] * len(ev.token_ids)
+        return [{"id": t, "kind": k, "text": tok.decode([t], skip_special_tokens=True)}
+                for t, k in zip(ev.token_ids, kinds)]
+
+    async def _collect(self, streams: list, arrival: float,
+                       request: Request) -> tuple[list[tuple], UsageInfo]:
         """Run the choices to their end (cancelling them if the client disconnects or one
         fails): (text, finish reason, logprobs or None) per choice, and the usage."""
         async def watch():
@@ -217,7 +252,7 @@ class OpenAIServing:
 
         async def one(stream):
             text, finish, usage, lps = [], None, None, None
-            async with contextlib.aclosing(self._events(stream)) as events:
+            async with contextlib.aclosing(self._events(stream, arrival)) as events:
                 async for ev in events:
                     text.append(ev.text)
                     finish, usage = ev.finish_reason, ev.usage
@@ -235,14 +270,14 @@ class OpenAIServing:
                 t.cancel()
         return [o[:3] for o in out], merge_usage([o[3] for o in out])
 
-    async def _merged(self, streams: list) -> AsyncIterator[tuple[int, object]]:
+    async def _merged(self, streams: list, arrival: float) -> AsyncIterator[tuple[int, object]]:
         """(choice index, event) of every choice as they come; an error in one raises here
         and stops the others."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, stream):
             try:
-                async with contextlib.aclosing(self._events(stream)) as events:
+                async with contextlib.aclosing(self._events(stream, arrival)) as events:
                     async for ev in events:
                         await queue.put((i, ev, None))
                 await queue.put((i, None, None))
@@ -264,17 +299,18 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _sse(self, streams: list, first: list[dict],
+    async def _sse(self, streams: list, arrival: float, first: list[dict],
                    chunk: Callable[[int, str, str | None, list | None], dict],
                    usage_chunk: Callable[[UsageInfo], dict] | None) -> AsyncIterator[str]:
         try:
             for c in first:
                 yield sse(c)
             usages: dict[int, UsageInfo] = {}
-            async with contextlib.aclosing(self._merged(streams)) as events:
+            async with contextlib.aclosing(self._merged(streams, arrival)) as events:
                 async for i, ev in events:
-                    if ev.text or ev.logprobs:  # a token's logprobs go out with it
-                        yield sse(chunk(i, ev.text, None, ev.logprobs))
+                    if ev.text or ev.token_ids or ev.logprobs:  # logprobs go out with their token
+                        yield sse({**chunk(i, ev.text, None, ev.logprobs),
+                                   "vericache": {"tokens": self._tokens(ev)}})
                     if ev.finish_reason:
                         yield sse(chunk(i, "", ev.finish_reason, None))
                         usages[i] = UsageInfo(**(ev.usage or {}))
@@ -296,10 +332,10 @@ class OpenAIServing:
                 "model": self.model_name}
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
-        streams = await self._submit(req, request, self._chat_ids, "messages")
+        streams, arrival = await self._submit(req, request, self._chat_ids, "messages")
         head = self._head("chatcmpl")
         if not req.stream:
-            outs, usage = await self._collect(streams, request)
+            outs, usage = await self._collect(streams, arrival, request)
             return ChatCompletionResponse(**head, usage=usage, choices=[
                 ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish,
                            logprobs=None if lps is None else self.chat_logprobs(lps))
@@ -321,14 +357,14 @@ class OpenAIServing:
 
         first = [chunk(i, "", None, None, Delta(role="assistant", content=""))
                  for i in range(len(streams))]
-        return self._streaming(self._sse(streams, first, chunk,
+        return self._streaming(self._sse(streams, arrival, first, chunk,
                                          usage_chunk if req.include_usage else None))
 
     async def completion(self, req: CompletionRequest, request: Request):
-        streams = await self._submit(req, request, self._completion_ids, "prompt")
+        streams, arrival = await self._submit(req, request, self._completion_ids, "prompt")
         head = self._head("cmpl")
         if not req.stream:
-            outs, usage = await self._collect(streams, request)
+            outs, usage = await self._collect(streams, arrival, request)
             return CompletionResponse(**head, usage=usage, choices=[
                 CompletionChoice(text=text, index=i, finish_reason=finish,
                                  logprobs=None if lps is None else self.completion_logprobs(lps))
@@ -348,5 +384,5 @@ class OpenAIServing:
         def usage_chunk(u: UsageInfo) -> dict:
             return CompletionResponse(**head, choices=[], usage=u).model_dump()
 
-        return self._streaming(self._sse(streams, [], chunk,
+        return self._streaming(self._sse(streams, arrival, [], chunk,
                                          usage_chunk if req.include_usage else None))

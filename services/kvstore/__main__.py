@@ -40,6 +40,15 @@ def parse_args(argv: list[str] | None = None) -> KVStoreConfig:
                    default=float(env.get("VERICACHE_KVSTORE_MAX_VALUE_MB", 256)),
                    help="largest value one Put may store, in MiB; larger Puts get "
                         "INVALID_ARGUMENT (env VERICACHE_KVSTORE_MAX_VALUE_MB, default 256)")
+    p.add_argument("--scratch-mb", type=float,
+                   default=float(env.get("VERICACHE_KVSTORE_SCRATCH_MB", 1024)),
+                   help="keep per-request values (exact tails, refreshes, selection moves: "
+                        "written by one service, read once by the other) in this process's "
+                        "memory, up to this many MiB, instead of the backend; prefix chunks "
+                        "always go to the backend; 0 = everything to the backend "
+                        "(env VERICACHE_KVSTORE_SCRATCH_MB, default 1024)")
+    p.add_argument("--scratch-ttl-s", type=float, default=600.0,
+                   help="drop a per-request value this long after its put (default 600)")
     add_token_arg(p)
     p.add_argument("--log-level", default=env.get("VERICACHE_LOG_LEVEL", "INFO"),
                    help="logging level (env VERICACHE_LOG_LEVEL, default INFO)")
@@ -48,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> KVStoreConfig:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return KVStoreConfig(backend=a.backend, host=a.host, port=a.port, workers=a.workers,
                          grace_s=a.grace_s, internal_token=a.internal_token,
-                         max_value_bytes=int(a.max_value_mb * (1 << 20)))
+                         max_value_bytes=int(a.max_value_mb * (1 << 20)),
+                         scratch_mb=a.scratch_mb, scratch_ttl_s=a.scratch_ttl_s)
 
 
 def main(argv: list[str] | None = None) -> int:

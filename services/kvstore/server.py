@@ -16,13 +16,17 @@ from vericache._proto import load
 from vericache.errors import InvalidArgument, NotFound, VeriCacheError
 from vericache.store import ChunkStore, open_store
 from vericache.store.base import check_key
+from vericache.store.keys import chunk_key, full_key
 from vericache.store.link import PIECE_BYTES, pieces
+from vericache.store.memory import MemoryStore
+from vericache.store.split import SplitStore
 
 log = logging.getLogger(__name__)
 pb, pb_grpc = load("kvstore")
 
 _STAT_FIELDS = ("hits", "misses", "bytes_in", "bytes_out", "entries", "bytes_stored")
-_HEALTH_KEY = "vericache-health-probe"
+# chunk-shaped, so a SplitStore asks the backend (a per-request key would stay in memory)
+_HEALTH_KEY = full_key(chunk_key("vericache-health-probe", "", []))
 MAX_KEYS_PER_CALL = 1 << 16  # a 16M-token prompt in 256-token chunks
 
 
@@ -37,12 +41,17 @@ class KVStoreConfig:
     grace_s: float = 5.0
     internal_token: str = ""  # shared secret every call must carry (empty: no check)
     max_value_bytes: int = 256 << 20  # largest value one Put may store
+    scratch_mb: float = 1024  # per-request values in this process (SplitStore); 0: backend
+    scratch_ttl_s: float = 600  # ... dropped this long after their put if never deleted
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port {self.port} outside 0..65535", param="port")
         if self.workers < 1:
             raise InvalidArgument("workers must be at least 1", param="workers")
+        if self.scratch_mb < 0 or self.scratch_ttl_s <= 0:
+            raise InvalidArgument("scratch_mb must be >= 0 and scratch_ttl_s > 0",
+                                  param="scratch_mb")
 
 
 def _check_keys(keys) -> None:
@@ -117,6 +126,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 def serve(config: KVStoreConfig) -> None:
     """Open the backend, serve until SIGTERM, close the backend (also when startup fails)."""
     store = open_store(config.backend)
+    if config.scratch_mb:
+        store = SplitStore(store, MemoryStore(int(config.scratch_mb * (1 << 20)),
+                                              config.scratch_ttl_s))
     try:
         scheme = urlsplit(config.backend).scheme or config.backend
         servicer = KVStoreServicer(store, scheme, config.max_value_bytes)

@@ -11,6 +11,7 @@ from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int,
 from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
+from vericache.engine.generation import EXACT
 from vericache.engine.verifier import Verifier
 from vericache.select import make_selection
 from vericache.store.codec import encode_deltas, encode_full, probs_from_bytes
@@ -36,12 +37,15 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         comp = make_compressor(bounded_str(req.compressor, "compressor")) if req.compressor else None
         size = chunk_size(req.chunk_size)
         sel = make_selection(bounded_str(req.selection, "selection")) if req.selection else None
+        if req.exact not in ("", *EXACT):
+            raise InvalidArgument(f"unknown exact {req.exact!r}; valid: {', '.join(EXACT)}", "exact")
         proc = sampling(req.temperature, req.sampling, self.vocab)
         t = time.perf_counter()
         with self.svc.lock:
             out = self.core.prefill(rid, ids, req.extra_capacity, size,
                                     comp, proc, req.seed, req.namespace, req.save_tail,
-                                    selection=sel, top_logprobs=top_logprobs(req))
+                                    selection=sel, top_logprobs=top_logprobs(req),
+                                    bitwise=req.exact == "bitwise")
             deltas = self.core.take_deltas(rid)
         moved = self._put_deltas(rid, deltas)
         self.svc.clock.touch(rid, time.monotonic())

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from vericache.compress import compressor_names
-from vericache.engine.generation import MODES, GenParams
+from vericache.engine.generation import EXACT, MODES, GenParams
 from vericache.errors import InvalidArgument
 from vericache.model.tokenize import apply_chat, encode_text
 from vericache.select import make_selection, selection_names
@@ -89,6 +89,10 @@ def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                         "$VERICACHE_SELECTION). static: each chunk's own choice; question: the "
                         "prompt's last 32 queries choose over the whole prompt; verify: that, then "
                         "each verify pass's attention re-ranks (verify:every=4,tokens=32)")
+    g.add_argument("--exact", default=env("EXACT", "fast"), choices=EXACT,
+                   help="fast (default): batched full-KV passes, output identical to full "
+                        "greedy decoding up to near-ties; bitwise: every full-KV row runs as a "
+                        "decode step's pass, identical bit for bit, slower ($VERICACHE_EXACT)")
     g.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, lossless in distribution")
@@ -139,7 +143,7 @@ def gen_params(args, mode: str | None = None) -> GenParams:
                      stop=list(args.stop), mode=mode or args.mode, compressor=args.compressor,
                      ratio=None if args.ratio is None else float(args.ratio),
                      draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
-                     chunk_size=args.chunk_size)
+                     chunk_size=args.chunk_size, exact=args.exact)
 
 
 def prompt_ids(args, tokenizer) -> list[int]:

@@ -97,6 +97,16 @@ class Compressor(Named, ABC):
         parts = [self.decompress(c) for c in chunks] + [(tail_k, tail_v)]
         return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
+    def draft_positions(self, chunks: list[CompressedChunk], tail_start: int, tail_len: int,
+                        layers: int, heads: int) -> torch.Tensor:
+        """Absolute positions of the drafter's initial slots, in `draft_kv`'s order: [layers,
+        Hkv, n] int64 (the drafter's sliding-window layers need them)."""
+        parts = [self.kept_positions(c) if self.drops_tokens
+                 else torch.arange(c.start, c.start + c.length).expand(layers, heads, -1)
+                 for c in chunks]
+        parts.append(torch.arange(tail_start, tail_start + tail_len).expand(layers, heads, -1))
+        return torch.cat(parts, dim=2)
+
     def kept_positions(self, chunk: CompressedChunk) -> torch.Tensor:
         """Absolute positions of the kept tokens: [layers, Hkv, m], in the order decompress
         returns them (the drafter's slot order)."""

@@ -92,7 +92,7 @@ class SnapKV(Compressor):
         q = span.obs_q.float()  # [L, Hq, w, D]
         w = q.shape[2]
         g = q.shape[1] // hkv
-        q = q.view(L, hkv, g * w, d)
+        q = q.reshape(L, hkv, g * w, d)  # obs_q may be a slice of wider captured rows
         scores = torch.matmul(q, span.k.float().transpose(-1, -2)) * d ** -0.5  # [L, Hkv, G w, n]
         qpos = torch.arange(n - w, n).repeat(g)  # the window's positions within the span
         scores.masked_fill_(torch.arange(n)[None, :] > qpos[:, None], float("-inf"))

@@ -46,6 +46,7 @@ class EngineEvent(GenEvent):
     usage: dict | None = None  # on the last event
     error: str | None = None  # set when the request failed; no more events follow
     logprobs: list | None = None  # TokenLogprob per token in token_ids, when the request asked
+    kinds: list[str] | None = None  # how each of token_ids came (`Generation.emitted_kinds`)
 
 
 class RequestStream:
@@ -129,7 +130,7 @@ class BatchEngine(Engine):
         # request ids name sessions on shared drafter and verifier services: unique per engine
         self._id_prefix = uuid.uuid4().hex[:12]
         self.counters = {"requests": 0, "finished": 0, "errors": 0, "cancelled": 0, "tokens": 0, "rounds": 0,
-                         "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0,
+                         "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "store_s": 0.0,
                          "store_hits": 0, "store_bytes_read": 0, "store_bytes_written": 0,
                          "cached_tokens": 0, "select_s": 0.0,
                          "select_moved_tokens": 0, "select_delta_bytes": 0}
@@ -180,6 +181,14 @@ class BatchEngine(Engine):
     def health(self) -> dict[str, bool]:
         return self.backends.health()
 
+    def set_budgets(self, cost: CostFn | None, draft_budget: int | None,
+                    verify_budget: int | None) -> None:
+        """Adopt a request cost and KV budgets learned after start-up (the gateway reads them
+        from the services' Health once they answer); requests admitted from now on see them."""
+        self._cost = self.runner.cost = cost or (lambda g: (0, 0, 0))
+        sched = self.runner.sched
+        sched.draft_budget, sched.verify_budget = draft_budget, verify_budget
+
     def sessions(self) -> dict[str, int]:
         return self.backends.sessions()
 
@@ -209,9 +218,9 @@ class BatchEngine(Engine):
         with self._lock:
             self.counters["finished"] += 1
             self.counters["rounds"] += g.stats.rounds
-            for key in ("draft_s", "verify_s", "prefill_s", "store_hits", "store_bytes_read",
-                        "store_bytes_written", "cached_tokens", "select_s", "select_moved_tokens",
-                        "select_delta_bytes"):
+            for key in ("draft_s", "verify_s", "prefill_s", "store_s", "store_hits",
+                        "store_bytes_read", "store_bytes_written", "cached_tokens", "select_s",
+                        "select_moved_tokens", "select_delta_bytes"):
                 self.counters[key] += getattr(g.stats, key)
             if g.selection is not None:
                 key = f"selection:{g.selection.name}"
@@ -231,7 +240,8 @@ class BatchEngine(Engine):
             self._count(rs)
         lps = None if g.logprobs is None else g.logprobs[len(g.logprobs) - len(toks):]
         rs.put(EngineEvent(toks, g.text.delta(done), g.stop.finish_reason,
-                           g.usage() if done else None, logprobs=lps))
+                           g.usage() if done else None, logprobs=lps,
+                           kinds=g.emitted_kinds[:len(toks)]))
 
     def _finish(self, g: Generation, error: str | None) -> None:
         with self._lock:

@@ -80,11 +80,12 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
     return None
 
 
-def budget_bytes(mb: float | None, side: str, device: torch.device | str = "cpu") -> int:
+def budget_bytes(mb: float | None, side: str, device: torch.device | str = "cpu",
+                 reserved: int = 0) -> int:
     """A side's KV budget in bytes: `mb` when given (> 0), else its default share of the
-    memory free now."""
+    memory free now, less `reserved` (memory the process will take for something else)."""
     if mb is None:
-        return int(free_bytes(device) * DEFAULT_SHARE[side])
+        return int(max(0, free_bytes(device) - reserved) * DEFAULT_SHARE[side])
     if not mb > 0:
         raise InvalidArgument(f"the {side}'s KV budget must be > 0 MB (got {mb})", "kv_budget_mb")
     return int(mb * MB)

@@ -79,16 +79,23 @@ class Drafter:
 
     def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
                extra_capacity: int, sampling: Processing = GREEDY, seed: int = 0, region: int = 0,
-               prompt: list[int] | None = None) -> None:
+               prompt: list[int] | None = None, pos: torch.Tensor | None = None) -> None:
         """`region`: how many leading slots of k, v hold the prompt region's kept set (the
         compressed chunks' tokens, which a selection policy may move). `pending` holds every
         token generated so far (none is fed yet); `prompt`: what the repetition penalty reads
-        besides them (without it drafts only match the verifier less often)."""
+        besides them (without it drafts only match the verifier less often). `pos`: the
+        slots' positions ([layers, Hkv, n], `Compressor.draft_positions`); the cache records
+        them when the model has sliding-window layers (without `pos`, k, v are taken for the n
+        tokens right before `pending`)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
         with self.ledger.hold(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token()):
-            cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity)
+            if self.runner.windowed and pos is None:
+                p0 = seq_len - len(pending) - k.shape[2]
+                pos = torch.arange(p0, p0 + k.shape[2])
+            cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity,
+                                         pos if self.runner.windowed else None)
         history = None
         if sampling.penalized:
             history = TokenHistory(prompt or [], self.runner.vocab_size, sampling)
@@ -112,24 +119,29 @@ class Drafter:
         lin = (row + delta.slots)[valid].to(c.k.device)
         c.k.view(L * H * cap, D)[lin] = delta.k[valid].to(c.k.device, c.k.dtype)
         c.v.view(L * H * cap, D)[lin] = delta.v[valid].to(c.v.device, c.v.dtype)
+        if c.pos is not None:
+            c.pos.view(L * H * cap)[lin] = delta.positions[valid].to(c.pos.device)
 
     def load_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
-                        tail_start: int, namespace: str = "") -> tuple[torch.Tensor, torch.Tensor, TransferStats]:
-        """The request's drafting KV from the store (compressed chunks + exact tail): thread-safe,
-        so it may run while this drafter drafts for others (`attach` it afterwards)."""
+                        tail_start: int, namespace: str = ""
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TransferStats]:
+        """The request's drafting KV from the store (compressed chunks + exact tail) and, for a
+        model with sliding windows, its slots' positions: thread-safe, so it may run while this
+        drafter drafts for others (`attach` it afterwards)."""
         if self.store is None:
             raise InvalidArgument("this drafter has no store to attach from", "kvstore")
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace)
-        k, v = pc.load_draft(prompt, compressor, tail_start, rid, stats)
-        return k, v, stats
+        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats, self.runner.windowed)
+        return k, v, pos, stats
 
     def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
                           tail_start: int, first_token: int, extra_capacity: int,
                           sampling: Processing = GREEDY, seed: int = 0, namespace: str = "") -> TransferStats:
-        k, v, stats = self.load_from_store(rid, prompt, compressor, chunk_size, tail_start, namespace)
+        k, v, pos, stats = self.load_from_store(rid, prompt, compressor, chunk_size, tail_start,
+                                                namespace)
         self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, sampling, seed,
-                    region=k.shape[2] - (len(prompt) - tail_start), prompt=prompt)
+                    region=k.shape[2] - (len(prompt) - tail_start), prompt=prompt, pos=pos)
         return stats
 
     def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:
@@ -197,6 +209,9 @@ class Drafter:
         """The verifier accepted `accepted` drafts and chose `bonus` (None: lossy, no verifier)."""
         s = self._get(rid)
         k = len(s.drafts)
+        if not 0 <= accepted <= k:  # a commit of another round, or of this one twice
+            raise InvalidArgument(f"request {rid} has {k} drafts to commit, not {accepted}",
+                                  "accepted")
         new = s.drafts[:accepted] + ([] if bonus is None else [bonus])
         if s.history is not None:
             s.history.extend(new)

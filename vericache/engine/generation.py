@@ -26,6 +26,7 @@ from vericache.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from vericache.spec.processors import Processing
 
 MODES = ("full", "lossy", "vericache")
+EXACT = ("fast", "bitwise")  # how full-KV passes run: batched, or row by row (Runner.forward)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class GenParams:
     refresh_draft: bool = True  # overwrite the drafter's KV of accepted tokens with the exact KV
     selection: str = "question"  # how the drafter's set moves (vericache.select): static|question|verify
     namespace: str = ""  # tenant: prefix-cache keys are namespaced by it
+    exact: str = "fast"  # bitwise: every full-KV row a decode step's pass (EXACT)
     sampling: Processing = field(init=False, repr=False, compare=False)  # from the fields above
 
     def __post_init__(self):
@@ -74,6 +76,8 @@ class GenParams:
             if self.mode == "lossy":
                 raise InvalidArgument("logprobs come from full-KV logits; lossy mode has none",
                                       "logprobs")
+        if self.exact not in EXACT:
+            raise InvalidArgument(f"unknown exact {self.exact!r}; valid: {', '.join(EXACT)}", "exact")
         if self.draft_len < 1:
             raise InvalidArgument(f"draft_len must be >= 1 (got {self.draft_len})", "draft_len")
         if self.chunk_size < 1:
@@ -130,6 +134,15 @@ class GenStats:
 
 
 _ids = itertools.count(1)
+# How an output token came (the words of vericache.spec.accept), as streams report it:
+TOKEN_KINDS = {
+    "prefill": "the first token, from the prefill's full-KV logits",
+    "draft": "a draft token the verifier accepted",
+    "bonus": "the verifier's own token after a round's drafts (all accepted or the first "
+             "rejected)",
+    "plain": "a plain full-KV decode step: a round without drafts (full mode, or k = 0)",
+    "lossy": "the lossy baseline's unverified draft token",
+}
 
 
 class Generation:
@@ -155,6 +168,7 @@ class Generation:
         self.round_draft_s = 0.0  # the last draft phase's seconds (for the cost model's round time)
         # one per output token (params.logprobs set), from full-KV logits
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.emitted_kinds: list[str] = []  # how each token of the last emit came (TOKEN_KINDS)
 
     @property
     def finished(self) -> bool:
@@ -179,9 +193,11 @@ class Generation:
         """Cache slots to reserve past the prompt."""
         return self.params.max_tokens + self.params.draft_len + 2
 
-    def _emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+    def _emit(self, tokens: list[int], kinds: list[str],
+              logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Hand verified tokens (and their logprobs, when asked for) to the stop checker;
-        returns those that are part of the output."""
+        returns those that are part of the output (a prefix of `tokens`) and keeps how each
+        came in `emitted_kinds` (see TOKEN_KINDS)."""
         out = []
         for i, t in enumerate(tokens):
             if self.finished:
@@ -194,11 +210,12 @@ class Generation:
                     if logprobs is None:
                         raise RuntimeError(f"{self.rid}: logprobs were asked for but not returned")
                     self.logprobs.append(logprobs[i])
+        self.emitted_kinds = kinds[:len(out)]
         return out
 
     def on_first(self, token: int, logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """The first token, chosen from the prefill's full-KV logits."""
-        return self._emit([token], logprobs)
+        return self._emit([token], ["prefill"], logprobs)
 
     def k_cap(self) -> int:
         """The most drafts this round can use: k_max, less near max_tokens."""
@@ -236,13 +253,14 @@ class Generation:
         s.round_emitted.append(accepted + 1)
         s.k_hist[len(drafted)] = s.k_hist.get(len(drafted), 0) + 1
         self.draftlen.update(len(drafted), accepted)
-        return self._emit(list(drafted[:accepted]) + [bonus], logprobs)
+        return self._emit(list(drafted[:accepted]) + [bonus],
+                          ["draft"] * accepted + ["bonus" if drafted else "plain"], logprobs)
 
     def on_lossy(self, token: int) -> list[int]:
         """The lossy baseline's token, taken unverified."""
         self.stats.rounds += 1
         self.stats.round_emitted.append(1)
-        return self._emit([token])
+        return self._emit([token], ["lossy"])
 
     def usage(self) -> dict:
         s = self.stats

@@ -78,7 +78,7 @@ class RemoteBackends(Backends):
             temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
             namespace=p.namespace, save_tail=bool(spec),
             selection=g.selection.spec if g.selection is not None else "",
-            sampling=_sampling(g.sampling), top_logprobs=p.logprobs),
+            sampling=_sampling(g.sampling), top_logprobs=p.logprobs, exact=p.exact),
             self.timeout, "verifier Prefill")
         s = g.stats
         _record_selection(g, out.selection)

@@ -44,7 +44,8 @@ class LocalBackends(Backends):
         via_store = self.store is not None and g.compressor is not None
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
                                     g.sampling, g.seed, p.namespace, save_tail=via_store,
-                                    selection=g.selection, top_logprobs=p.logprobs)
+                                    selection=g.selection, top_logprobs=p.logprobs,
+                                    bitwise=p.exact == "bitwise")
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -64,9 +65,13 @@ class LocalBackends(Backends):
                 full = self.verifier.cache(g.rid)
                 k, v = g.compressor.draft_kv(out.chunks, *full.view(out.tail_start, len(g.prompt)))
                 tail = len(g.prompt) - out.tail_start
+                pos = None
+                if self.lm.runner.windowed:
+                    pos = g.compressor.draft_positions(out.chunks, out.tail_start, tail,
+                                                       k.shape[0], k.shape[1])
                 self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
                                     g.extra_capacity, g.sampling, g.seed + 1,
-                                    region=k.shape[2] - tail, prompt=g.prompt)
+                                    region=k.shape[2] - tail, prompt=g.prompt, pos=pos)
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
             if g.rid not in self._attaching:
@@ -85,10 +90,11 @@ class LocalBackends(Backends):
         if not f.done():
             return False
         del self._attaching[g.rid]
-        k, v, tr = f.result()
+        k, v, pos, tr = f.result()
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
-                            g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt)
+                            g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt,
+                            pos=pos)
         g.stats.record_transfer(0, tr)
         g.stats.draft_kv_bytes = tr.bytes_read
         self._apply_deltas(g)

@@ -73,6 +73,8 @@ class VerifySession:
     top_logprobs: int | None = None  # None: no logprobs; n: each emitted token's and n more
     gen: torch.Generator = field(default_factory=torch.Generator)
     selection: SelectionRecord | None = None
+    limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
+    bitwise: bool = False  # its passes run row by row (GenParams.exact == "bitwise")
 
 
 @dataclass
@@ -119,18 +121,21 @@ class Verifier:
                 compressor: Compressor | None = None, sampling: Processing = GREEDY, seed: int = 0,
                 namespace: str = "", save_tail: bool = False,
                 selection: SelectionPolicy | None = None,
-                top_logprobs: int | None = None) -> PrefillOut:
+                top_logprobs: int | None = None, bitwise: bool = False) -> PrefillOut:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
         anything, as with a compressor that keeps every token: the base set stays).
         `sampling`: the request's logits processing; `top_logprobs`: None, or return each
-        emitted token's raw logprob with that many alternatives."""
+        emitted token's raw logprob with that many alternatives. `bitwise`: its verify passes
+        run row by row, each row a decode step's pass."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         per_token = self.runner.kv_bytes_per_token()
         resident = 0 if self.tier else (len(prompt_ids) + extra_capacity) * per_token
         with self.ledger.hold(rid, resident):
-            return self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
-                                 sampling, seed, namespace, save_tail, selection, top_logprobs)
+            out = self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
+                                sampling, seed, namespace, save_tail, selection, top_logprobs)
+        self.sessions[rid].bitwise = bitwise
+        return out
 
     def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, sampling,
                  seed, namespace, save_tail, selection, top_logprobs) -> PrefillOut:
@@ -176,7 +181,7 @@ class Verifier:
             record.seconds += time.perf_counter() - t
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
         self.sessions[rid] = VerifySession(cache, [first], sampling, history, top_logprobs, gen,
-                                           record)
+                                           record, len(prompt_ids) + extra_capacity)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
 
     def take_deltas(self, rid: str) -> list[SelectionDelta]:
@@ -204,7 +209,14 @@ class Verifier:
                refresh: Collection[str] = ()) -> list[Verdict]:
         """For each (rid, drafts, q): one pass over the full KV, accept, crop. For the rids in
         `refresh`, the exact KV of the tokens verified is kept for `take_exact`."""
+        if not batch:
+            return []
         sess = [self._get(rid) for rid, _, _ in batch]
+        for s, (rid, drafts, _) in zip(sess, batch):
+            if s.cache.length + len(s.pending) + len(drafts) > s.limit:
+                raise InvalidArgument(f"request {rid}: {len(drafts)} drafts would take its KV past "
+                                      f"the {s.limit} tokens reserved (prompt + extra_capacity)",
+                                      "draft_tokens")
         before = {rid: self._get(rid).cache.length for rid in refresh}
         caches = [s.cache for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
@@ -215,7 +227,7 @@ class Verifier:
             pos0 = c.length
             votes = s.selection is not None and s.selection.policy.needs_votes
             items.append(SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)),
-                                      c, logits="all", votes=votes))
+                                      c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)
         out = []
         for s, c, it, (_, drafts, q), lg in zip(sess, caches, items, batch, logits):

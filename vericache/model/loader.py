@@ -157,6 +157,8 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
     """Tokenizer and limits only (the gateway in front of remote drafter/verifier services)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from vericache.model.families import max_positions
+
     parse_dtype(dtype)
     path = resolve_model_path(model)
     folder, model_id = hf_folder_for(path)
@@ -171,7 +173,7 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
         gen_eos = None
     return ModelInfo(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
                      eos_token_ids=_eos_ids(gen_eos, cfg.eos_token_id, tokenizer),
-                     max_context=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                     max_context=max_positions(cfg), vocab_size=cfg.vocab_size,
                      kv_bytes_per_token=_kv_bytes_per_token(cfg, dtype))
 
 

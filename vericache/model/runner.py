@@ -1,4 +1,5 @@
-"""The forward runner: forward(tokens, positions, cache) -> logits, for Llama-family models.
+"""The forward runner: forward(tokens, positions, cache) -> logits, for decoder-only models
+(Llama, Mistral, Qwen2/3, Phi-3, Gemma 3 text; weights per family in `families`).
 
 The runner owns the weights (taken once from the transformers model) and its own forward
 over them, so that
@@ -8,7 +9,10 @@ over them, so that
 - several sequences run in one pass: projections and MLPs over the concatenated tokens,
   attention per sequence over its own cache (sequences of any length, no padding);
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
-  before keys are stored, so dropped tokens leave no gap to fix.
+  before keys are stored, so dropped tokens leave no gap to fix;
+- a sliding-window layer masks keys older than pos - window + 1: by slot in a dense cache
+  (slot = position; only the window's slots are read), by `KVCache.pos` in one that records
+  positions (the drafter's subsets).
 
 Shapes: T = tokens in the pass, L = a sequence's new tokens, H = hidden, Hq/Hkv = heads,
 D = head dim, G = Hq // Hkv, n = tokens in a sequence's cache after the pass.
@@ -21,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vericache.errors import ModelLoadError
+from vericache.model.families import SUPPORTED, Layer, Weights, extract
 from vericache.model.kvcache import KVCache
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+__all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # A CPU pass of fewer tokens than this (decode, draft and small verify steps: skinny matrix
 # products, bound by reading the weights) runs on one intra-op thread: measured on the 2-vCPU
 # CI machine from a lane thread, 1 thread took 59 / 127 / 183 / 293 ms at 1 / 4 / 16 / 33
@@ -44,97 +48,76 @@ class SeqBatchItem:
     captured: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hq, R, D] out
     votes: bool = False  # return the attention mass each cached key gets from this pass
     attn_votes: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hkv, n] out
+    bitwise: bool = False  # each row a pass of its own: a decode step's bits (Runner.forward)
 
 
-@dataclass
-class _Layer:
-    ln_in: torch.Tensor  # [H]
-    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    b_qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    w_o: torch.Tensor  # [H, Hq D]
-    ln_post: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [2 I, H]
-    w_down: torch.Tensor  # [H, I]
+def _activation(name: str):
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN  # exactly transformers' function
+
+    return ACT2FN[name]
 
 
 class Runner:
-    def __init__(self, cfg, embed: torch.Tensor, layers: list[_Layer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, cfg, w: Weights):
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = w.head_dim
         self.hidden = cfg.hidden_size
-        self.intermediate = cfg.intermediate_size
-        self.vocab_size = lm_head.shape[0]
+        self.layers: list[Layer] = w.layers
+        self.intermediate = w.layers[0].w_gate_up.shape[0] // 2
+        self.vocab_size = w.lm_head.shape[0]
         self.eps = cfg.rms_norm_eps
-        self.max_positions = cos.shape[0]
-        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
-        self.cos, self.sin = cos, sin  # [P, D]
-        self.dtype, self.device = embed.dtype, embed.device
+        self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
+        self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
+        self.max_positions = w.ropes[0][0].shape[0]
+        self.dtype, self.device = w.embed.dtype, w.embed.device
         self.group = self.num_heads // self.num_kv_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = w.attn_scale or self.head_dim ** -0.5
+        self.act = _activation(w.activation)
+        self.embed_scale = (None if w.embed_scale is None else
+                            torch.tensor(w.embed_scale, dtype=self.dtype, device=self.device))
+        self.norm_upcast = w.norm_upcast
+        self.final_softcap = w.final_softcap
+        self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
+        self.windowed = bool(self.windows)  # caches with positions matter only then
 
     # ---- construction -------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf, device: torch.device | None = None) -> "Runner":
-        cfg = hf.config
-        if cfg.model_type not in SUPPORTED:
-            raise ModelLoadError(f"model_type {cfg.model_type!r} is not supported by the runner; "
-                                 f"supported: {', '.join(SUPPORTED)}")
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and cfg.sliding_window < cfg.max_position_embeddings:
-            raise ModelLoadError("sliding-window attention models are not supported yet")
-        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type == "dynamic":
-            raise ModelLoadError("dynamic NTK RoPE is not supported (positions must be static)")
-        device = device or torch.device("cpu")
-        m = hf.model
+        """Take the weights of a transformers causal LM of a SUPPORTED family (ModelLoadError
+        otherwise, or for a RoPE type whose frequencies change with the length)."""
+        return cls(hf.config, extract(hf, device or torch.device("cpu")))
 
-        def t(x):
-            return x.detach().to(device).contiguous()
-
-        layers = []
-        for lyr in m.layers:
-            a, mlp = lyr.self_attn, lyr.mlp
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = t(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
-            layers.append(_Layer(
-                ln_in=t(lyr.input_layernorm.weight),
-                w_qkv=t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                b_qkv=bias, w_o=t(a.o_proj.weight), ln_post=t(lyr.post_attention_layernorm.weight),
-                w_gate_up=t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                w_down=t(mlp.down_proj.weight)))
-        embed = t(m.embed_tokens.weight)
-        lm_head = embed if cfg.tie_word_embeddings else t(hf.lm_head.weight)
-        positions = torch.arange(cfg.max_position_embeddings).unsqueeze(0)
-        probe = torch.zeros(1, dtype=embed.dtype)
-        with torch.no_grad():
-            cos, sin = m.rotary_emb(probe, positions)
-        return cls(cfg, embed, layers, t(m.norm.weight), lm_head, t(cos[0]), t(sin[0]))
-
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, positions: bool = False) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
-                       self.dtype, self.device)
+                       self.dtype, self.device, positions=positions)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
 
     # ---- the forward ----------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+        """RMSNorm over the last dim; w: [x.shape[-1]] or broadcastable (per-head q/k norms)."""
+        if x.dtype == torch.float32 and w.dim() == 1:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        xf = x.float()  # as transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype
+        xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
+        if self.norm_upcast:  # Gemma: scale in fp32 (w holds 1 + weight), then cast
+            return (xf * w).to(x.dtype)
+        return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos, sin: [T, 1, D]
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+        # x: [T, heads, D]; cos, sin: [T, 1, R], R <= D (partial rotary: the rest passes)
+        r = cos.shape[-1]
+        xr = x if r == x.shape[-1] else x[..., :r]
+        half = r // 2
+        rot = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        out = xr * cos + rot * sin
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
     def _future_mask(self, L: int, past: int) -> torch.Tensor | None:
         """[G L, past + L] True where a new token must not see a key (its own future)."""
@@ -143,10 +126,38 @@ class Runner:
         row_pos = torch.arange(L, device=self.device).repeat(self.group) + past  # rows: (g, l)
         return torch.arange(past + L, device=self.device)[None, :] > row_pos[:, None]
 
+    def _masks(self, it: SeqBatchItem, L: int, past: int) -> dict:
+        """{window: (lo, mask)} for one item: attention reads key slots [lo, past + L) with
+        `mask` ([G L, past + L - lo], True: not seen) or None. The window None is the causal
+        mask; a window's entry is made here for a dense cache only (one that records positions
+        masks per layer and KV head, `_window_mask`)."""
+        future = self._future_mask(L, past)
+        out = {None: (0, future)}
+        if getattr(it.cache, "pos", None) is not None:
+            return out
+        for w in self.windows:
+            lo = max(0, past - w + 1)  # the first new token's oldest visible key
+            if L == 1:
+                out[w] = (lo, None)
+                continue
+            row_pos = torch.arange(L, device=self.device).repeat(self.group) + past
+            old = torch.arange(lo, past + L, device=self.device)[None, :] <= row_pos[:, None] - w
+            out[w] = (lo, old | future[:, lo:])
+        return out
+
+    def _window_mask(self, kpos: torch.Tensor, positions: torch.Tensor, window: int,
+                     future: torch.Tensor | None) -> torch.Tensor:
+        """[Hkv, G L, n]: True where a row must not see a key, for a cache with positions
+        (kpos: [Hkv, n] the slots' positions; positions: [L] the rows')."""
+        row_pos = positions.to(self.device).repeat(self.group)  # rows: (g, l)
+        old = kpos[:, None, :] <= (row_pos - window)[None, :, None]
+        return old if future is None else old | future
+
     def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                future: torch.Tensor | None, votes: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [L, Hq, D]; k_all, v_all: [Hkv, past + L, D] -> [L, Hq D]. With `votes`
-        ([Hkv, past + L] fp32), each key's attention mass summed over the rows is written there."""
+                mask: torch.Tensor | None, votes: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [L, Hq, D]; k_all, v_all: [Hkv, n, D] -> [L, Hq D]. mask: [G L, n] or per KV
+        head [Hkv, G L, n], True where not seen. With `votes` ([Hkv, n] fp32), each key's
+        attention mass summed over the rows is written there."""
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)  # rows: (g, l)
@@ -155,8 +166,8 @@ class Runner:
         # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
         for h in range(hkv):
             scores = torch.mm(qg[h], k_all[h].t())  # [G L, n]
-            if future is not None:
-                scores.masked_fill_(future, float("-inf"))
+            if mask is not None:
+                scores.masked_fill_(mask if mask.dim() == 2 else mask[h], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
             if votes is not None:
                 torch.sum(probs, dim=0, out=votes[h])
@@ -164,8 +175,47 @@ class Runner:
         return out.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, hkv * g * d)
 
     def forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
-        """Run one pass over every item's new tokens; returns each item's logits (fp32). On
-        CPU a pass of fewer than SMALL_PASS_ROWS tokens runs on one intra-op thread."""
+        """Run one pass over every item's new tokens; returns each item's logits (fp32).
+
+        Items marked `bitwise` run row by row instead: each of their rows is a pass of its own
+        (one token of one sequence, in order), the pass a decode step is. So their logits and
+        the K/V they write are a decode step's, bit for bit, whatever else would have shared
+        the pass (other rows of a verify pass, other requests of a batch): a matrix product's
+        reduction order depends on how many rows it has, and a row's result with it."""
+        if any(it.bitwise for it in items):
+            return self._forward_rowwise(items)
+        return self._pass(items)
+
+    def _forward_rowwise(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        fast = [it for it in items if not it.bitwise]
+        done = dict(zip(map(id, fast), self._pass(fast))) if fast else {}
+        out: list[torch.Tensor | None] = []
+        for it in items:
+            if not it.bitwise:
+                out.append(done[id(it)])
+                continue
+            if it.capture_q is not None:
+                raise ValueError("a bitwise item cannot capture queries (prefill is not bitwise)")
+            n, past = int(it.tokens.shape[0]), it.cache.length
+            if it.votes:
+                it.attn_votes = torch.zeros(self.num_layers, self.num_kv_heads, past + n,
+                                            dtype=torch.float32, device=self.device)
+            rows = []
+            for j in range(n):
+                keep = it.logits == "all" or (it.logits == "last" and j == n - 1)
+                one = SeqBatchItem(it.tokens[j:j + 1], it.positions[j:j + 1], it.cache,
+                                   "last" if keep else "none", votes=it.votes)
+                lg = self._pass([one])[0]
+                if keep:
+                    rows.append(lg)
+                if it.votes:
+                    it.attn_votes[:, :, : past + j + 1] += one.attn_votes
+            out.append(None if not rows else rows[0] if len(rows) == 1 else torch.cat(rows))
+        return out
+
+    def _pass(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        """One pass over every item's rows. On CPU a pass of fewer than SMALL_PASS_ROWS
+        tokens runs on one intra-op thread."""
         rows = sum(int(it.tokens.shape[0]) for it in items)
         threads = torch.get_num_threads()  # this thread's setting (OpenMP's is per thread)
         if self.device.type != "cpu" or rows >= SMALL_PASS_ROWS or threads == 1:
@@ -185,43 +235,65 @@ class Runner:
         if int(positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(positions.max())} past the model's "
                              f"{self.max_positions}-token context")
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))  # [T, 1, R]
+                 for cos, sin in self.ropes]
         pasts, masks = [], []
         for it, L in zip(items, lens):
             it.cache.reserve(L)
-            pasts.append(it.cache.length)
-            masks.append(self._future_mask(L, it.cache.length))
+            past = it.cache.length
+            pasts.append(past)
+            masks.append(self._masks(it, L, past))
+            if getattr(it.cache, "pos", None) is not None:
+                it.cache.pos[:, :, past: past + L] = it.positions.to(it.cache.pos.device)
             if it.capture_q is not None:
                 it.captured = torch.empty(self.num_layers, hq, it.capture_q.shape[0], d,
                                           dtype=self.dtype, device=self.device)
             if it.votes:
-                it.attn_votes = torch.empty(self.num_layers, hkv, it.cache.length + L,
+                it.attn_votes = torch.empty(self.num_layers, hkv, past + L,
                                             dtype=torch.float32, device=self.device)
         h = self.embed[tokens]  # [T, H]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         for li, lyr in enumerate(self.layers):
-            x = self._rms(h, lyr.ln_in)
+            x = self._rms(h, lyr.ln_attn_in)
             qkv = F.linear(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
-            qk = self._rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+            qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+            if lyr.qk_norm is not None:
+                qk = self._rms(qk, lyr.qk_norm)
+            qk = self._rope(qk, *ropes[lyr.rope])
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             outs = []
             start = 0
-            for it, L, past, mask in zip(items, lens, pasts, masks):
+            for it, L, past, item_masks in zip(items, lens, pasts, masks):
                 ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
                 ck[:, past: past + L] = k[start: start + L].transpose(0, 1)
                 cv[:, past: past + L] = v[start: start + L].transpose(0, 1)
                 qs = q[start: start + L]
                 if it.capture_q is not None:
                     it.captured[li] = qs[it.capture_q].transpose(0, 1)
-                outs.append(self._attend(qs, ck[:, : past + L], cv[:, : past + L], mask,
-                                         it.attn_votes[li] if it.votes else None))
+                if lyr.window in item_masks:
+                    lo, mask = item_masks[lyr.window]
+                else:  # a windowed layer over a cache with positions: per layer and KV head
+                    lo, mask = 0, self._window_mask(it.cache.pos[li, :, : past + L], it.positions,
+                                                    lyr.window, item_masks[None][1])
+                votes = None
+                if it.votes:
+                    votes = it.attn_votes[li]
+                    votes[:, :lo] = 0  # keys outside the window get no attention
+                    votes = votes[:, lo:]
+                outs.append(self._attend(qs, ck[:, lo: past + L], cv[:, lo: past + L], mask, votes))
                 start += L
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            h = h + F.linear(attn, lyr.w_o)
-            x = self._rms(h, lyr.ln_post)
+            attn = F.linear(outs[0] if len(outs) == 1 else torch.cat(outs), lyr.w_o)
+            if lyr.ln_attn_out is not None:
+                attn = self._rms(attn, lyr.ln_attn_out)
+            h = h + attn
+            x = self._rms(h, lyr.ln_mlp_in)
             gu = F.linear(x, lyr.w_gate_up)
-            h = h + F.linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:], lyr.w_down)
+            y = F.linear(self.act(gu[:, : self.intermediate]) * gu[:, self.intermediate:], lyr.w_down)
+            if lyr.ln_mlp_out is not None:
+                y = self._rms(y, lyr.ln_mlp_out)
+            h = h + y
         for it, L in zip(items, lens):
             it.cache.length += L
         # logits only for the rows asked for
@@ -239,7 +311,10 @@ class Runner:
         if not rows:
             return [None] * len(items)
         hs = self._rms(h[torch.cat(rows).to(self.device)], self.norm)
-        logits = F.linear(hs, self.lm_head).float()
+        logits = F.linear(hs, self.lm_head)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        logits = logits.float()
         out, start = [], 0
         for n in spans:
             out.append(logits[start: start + n] if n else None)

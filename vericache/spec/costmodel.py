@@ -14,8 +14,12 @@ Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
 
 The times come from the engine's own rounds (`CostModel.observe_*`): a draft step is linear
 in the sequences drafting and their total context; a verify pass in its tokens, its total
-context (KV read, or loaded from an offloaded tier) and tokens × context (attention). Each is a
-recursive least-squares fit with forgetting, so it follows the machine and the load. Until
+context (KV read, or loaded from an offloaded tier) and tokens × context (attention). Both
+also carry a step for a pass of more than one row: a one-row pass is a matrix-vector product,
+and on a CPU the first few extra rows cost far more than their share (measured here: 2-16
+rows read the weights at 4-18 GB/s against ~40 for one), so a straight line through 1, 3 and
+9 rows would price a short draft's verify pass too cheaply. Each is a recursive least-squares
+fit with forgetting, so it follows the machine and the load. Until
 both fits have seen enough distinct shapes the plan explores a fixed cycle of k values.
 This module is bookkeeping: no tensors, no clocks (callers pass seconds in).
 """
@@ -68,11 +72,11 @@ class LinearFit:
 
 
 def _verify_x(tokens: int, ctx_sum: float, work: float) -> np.ndarray:
-    return np.array([1.0, tokens, ctx_sum / 1e4, work / 1e5])
+    return np.array([1.0, tokens, float(tokens > 1), ctx_sum / 1e4, work / 1e5])
 
 
 def _draft_x(batch: int, ctx_sum: float) -> np.ndarray:
-    return np.array([1.0, batch, ctx_sum / 1e4])
+    return np.array([1.0, batch, float(batch > 1), ctx_sum / 1e4])
 
 
 @dataclass
@@ -120,8 +124,8 @@ class CostModel:
     docstring). Thread-safe: the staggered lanes observe from two threads."""
 
     def __init__(self, forget: float = 0.98):
-        self.verify = LinearFit(4, forget)
-        self.draft = LinearFit(3, forget)
+        self.verify = LinearFit(5, forget)
+        self.draft = LinearFit(4, forget)
         self._lock = threading.Lock()
         self._explore = 0
         self.pooled = [0, 0]  # accepted, reached over every request: the prior of new ones

@@ -109,11 +109,11 @@ class GrpcStore(ChunkStore):
         check_key(key)
         t0 = time.perf_counter()
         try:
-            buf = bytearray()
+            parts = []
             for reply in self._stub.Get(self._pb.GetRequest(key=key), timeout=self.timeout_s):
                 self._piece(len(reply.data), sent=False)
-                buf += reply.data
-            return bytes(buf)
+                parts.append(reply.data)
+            return parts[0] if len(parts) == 1 else b"".join(parts)  # one copy, not two
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return None

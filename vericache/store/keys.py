@@ -17,6 +17,7 @@ spec is hashed so keys stay short). `model_id` should name the model and its KV 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Sequence
 
@@ -65,6 +66,15 @@ def stored_key(prefix_key: str, compressor_spec: str | None = None) -> str:
     if compressor_spec is None:
         return full_key(prefix_key)
     return compressed_key(prefix_key, compressor_spec)
+
+
+_CHUNK_KEY = re.compile(r"[0-9a-f]{64}/(full|c/[0-9a-f]{16})")
+
+
+def is_chunk_key(key: str) -> bool:
+    """Whether `key` names a stored prefix chunk (`full_key` or `compressed_key`): its value
+    is fixed by its name, unlike the per-request keys below, which are rewritten or deleted."""
+    return _CHUNK_KEY.fullmatch(key) is not None
 
 
 def refresh_key(request_id: str) -> str:

@@ -3,11 +3,16 @@
 - `LinkedStore(inner, gbps)`: every byte read from or written to `inner` crosses a link of
   `gbps` Gbit/s (a `TokenBucket`), the in-process stand-in for a network between a node and
   the kvstore (`grpc://...?gbps=` is the same for a real kvstore service).
-- `NodeCache(inner, capacity_bytes)`: values this node read keep a local copy (least
-  recently used go first), and concurrent reads of the same key wait for one transfer
-  ("single flight"). So requests that share a prefix load it over the link once.
+- `NodeCache(inner, capacity_bytes, keep_writes)`: the prefix chunks this node read (and,
+  with `keep_writes`, wrote) keep a local copy (least recently used go first), and concurrent
+  reads of the same key wait for one transfer ("single flight"). So requests that share a
+  prefix load it over the link once. The drafter and verifier services put one in front of
+  the kvstore (`--node-cache-mb`), as the benchmark's remote-prefix nodes do. Only chunk keys
+  are kept (`keys.is_chunk_key`): they name their content (model, tokens), so a copy never
+  goes stale, while the per-request keys (tails, refreshes, selection moves) are rewritten or
+  deleted by another node. Presence (`contains`, `longest_prefix`) is always the inner store's.
 
-Both are `ChunkStore`s; writes go through to `inner` (and are not kept locally).
+Both are `ChunkStore`s; writes go through to `inner`; `close` closes `inner`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from vericache.store.base import ChunkStore, Counters, Value
+from vericache.store.keys import is_chunk_key
 from vericache.store.link import TokenBucket
 
 
@@ -54,8 +60,14 @@ class LinkedStore(ChunkStore):
     def longest_prefix(self, keys: Sequence[str]) -> int:
         return self.inner.longest_prefix(keys)
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.contains_many(keys)
+
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def stats(self) -> dict:
         return {**self.inner.stats(), "link_gbps": self.gbps or 0, "link_bytes_read": self.bytes_read,
@@ -63,8 +75,9 @@ class LinkedStore(ChunkStore):
 
 
 class NodeCache(ChunkStore):
-    def __init__(self, inner: ChunkStore, capacity_bytes: int | None = None):
-        self.inner, self.capacity_bytes = inner, capacity_bytes
+    def __init__(self, inner: ChunkStore, capacity_bytes: int | None = None,
+                 keep_writes: bool = False):
+        self.inner, self.capacity_bytes, self.keep_writes = inner, capacity_bytes, keep_writes
         self._local: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -72,6 +85,10 @@ class NodeCache(ChunkStore):
         self._counters = Counters()
 
     def _keep(self, key: str, value: bytes) -> None:
+        if not is_chunk_key(key):
+            return  # a per-request key: another node rewrites or deletes it
+        if self.capacity_bytes is not None and len(value) > self.capacity_bytes:
+            return  # larger than the whole cache: not kept, and nothing evicted for it
         with self._lock:
             old = self._local.pop(key, None)
             self._bytes += len(value) - (len(old) if old is not None else 0)
@@ -88,7 +105,11 @@ class NodeCache(ChunkStore):
             return value
 
     def put(self, key: str, value: Value) -> None:
-        self.inner.put(key, value)  # written through; kept locally only once read
+        self.inner.put(key, value)  # written through; kept locally once read (or now)
+        if self.keep_writes and is_chunk_key(key):
+            self._keep(key, bytes(value))
+        else:
+            self._drop(key)  # a rewritten key's old copy must not be served
 
     def get(self, key: str) -> bytes | None:
         value = self._hit(key)
@@ -106,18 +127,33 @@ class NodeCache(ChunkStore):
         self._counters.got(value)
         return value
 
+    # presence is the inner store's answer: what this node holds may be gone there, and a
+    # key another node must read (a compressed chunk for a drafter) has to be there
     def contains(self, key: str) -> bool:
-        with self._lock:
-            if key in self._local:
-                return True
         return self.inner.contains(key)
 
-    def delete(self, key: str) -> bool:
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.contains_many(keys)
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        return self.inner.longest_prefix(keys)
+
+    def _drop(self, key: str) -> bool:
         with self._lock:
             old = self._local.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
-        return self.inner.delete(key) or old is not None
+        return old is not None
+
+    def delete(self, key: str) -> bool:
+        dropped = self._drop(key)
+        return self.inner.delete(key) or dropped
+
+    def close(self) -> None:
+        with self._lock:
+            self._local.clear()
+            self._bytes = 0
+        self.inner.close()
 
     def stats(self) -> dict:
         return {**self._counters.as_dict(), "entries": len(self._local), "bytes_stored": self._bytes}

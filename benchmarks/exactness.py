@@ -1,0 +1,115 @@
+"""How far a verify pass is from decode steps, and what the bitwise mode costs.
+
+For each dtype, k and batch: decode `--rows` greedy tokens of each of `batch` long prompts
+(code and prose alternating, about `--context-tokens` each) in windows of k+1 by single steps,
+and run every window also as one verify pass of all `batch` sequences, in the fast mode
+(batched rows) and in the bitwise mode (`exact="bitwise"`: each row a pass of its own).
+Reported per cell and mode (`vericache.bench.exactness.Distance`): the largest absolute logit
+difference, rows whose logits or written K/V differ in any bit, the smallest top-2 margin
+seen, and argmax flips. Then tokens/s of `full` and `vericache` in both modes (batch 1).
+
+    .venv/bin/python benchmarks/exactness.py --context-tokens 2000,8000 --rows 4096 \\
+        --ks 4,16,32 --batches 1,16 --dtypes float32,bfloat16 --json out.json
+
+(the issue's grid: hours on a 2-core CPU; `--rows 64 --batches 1,4` takes minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import time
+from pathlib import Path
+
+from vericache.bench.exactness import measure
+from vericache.bench.prompts import builtin_prompts
+from vericache.engine.generation import GenParams
+from vericache.engine.local import generate
+from vericache.model import load_model
+from vericache.model.tokenize import apply_chat
+
+
+def prose_prompt(tokenizer, tokens: int, start: int = 0) -> list[int]:
+    """A prose prompt: docstrings of the standard library's modules, then a question."""
+    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    parts, n = [], 0
+    for path in sorted(lib.glob("*.py"))[start:]:
+        try:
+            tree = ast.parse(path.read_text(errors="ignore"))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 200:
+                    parts.append(doc)
+                    n += len(tokenizer(doc)["input_ids"])
+        if n >= tokens:
+            break
+    ids = tokenizer("\n\n".join(parts))["input_ids"][:tokens]
+    return apply_chat(tokenizer, [{"role": "user", "content": tokenizer.decode(ids) +
+                                   "\n\nSummarise the text above in five sentences."}])
+
+
+def prompts_for(lm, batch: int, context: int) -> list[list[int]]:
+    code = builtin_prompts(lm.tokenizer, (batch + 1) // 2, context)
+    return [code[i // 2].ids if i % 2 == 0 else prose_prompt(lm.tokenizer, context, 40 * i)
+            for i in range(batch)]
+
+
+def speed(lm, prompt: list[int], tokens: int) -> dict:
+    out = {}
+    for mode in ("full", "vericache"):
+        for exact in ("fast", "bitwise"):
+            t = time.perf_counter()
+            r = generate(lm, prompt, GenParams(mode=mode, max_tokens=tokens, ignore_eos=True,
+                                               exact=exact))
+            dt = time.perf_counter() - t - r.stats.prefill_s
+            out[f"{mode}_{exact}"] = {"tokens_per_s": round(tokens / dt, 3),
+                                      "tokens": r.token_ids}
+    ref = out["full_fast"]["tokens"]
+    for v in out.values():
+        v["identical_to_full_fast"] = v.pop("tokens") == ref
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context-tokens", default="2000", help="comma-separated (default 2000)")
+    ap.add_argument("--rows", type=int, default=64, help="greedy tokens per sequence (default 64)")
+    ap.add_argument("--ks", default="4,16,32")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--speed-tokens", type=int, default=32,
+                    help="tokens per speed run (0: no speed runs; default 32)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rows = []
+    for dtype in a.dtypes.split(","):
+        lm = load_model(None, dtype, "cpu")
+        for ctx in (int(c) for c in a.context_tokens.split(",")):
+            for batch in (int(b) for b in a.batches.split(",")):
+                prompts = prompts_for(lm, batch, ctx)
+                for k in (int(x) for x in a.ks.split(",")):
+                    t = time.perf_counter()
+                    d = measure(lm.runner, prompts, a.rows, k)
+                    row = {"dtype": dtype, "context": ctx, "batch": batch, "k": k,
+                           **{m: x.as_dict() for m, x in d.items()},
+                           "seconds": round(time.perf_counter() - t, 1)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            if a.speed_tokens:
+                row = {"dtype": dtype, "context": ctx, "speed_batch_1":
+                       speed(lm, prompts_for(lm, 1, ctx)[0], a.speed_tokens)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if a.json:
+        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "rows": rows},
+                                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Every supported model family, as a tiny random-weight model built from transformers' own
+config class and loaded through the project's loader: the runner's logits are transformers'
+(prefill, one-token and multi-token decode continuing a cache), `full` mode is
+`hf.generate(do_sample=False)`, and `vericache` mode is `full` for every registered
+compressor. Prompts are longer than the sliding windows (16 tokens) so windows slide, and the
+chunk size is small so every compressor compresses chunks (some drop tokens: the drafter's
+window then masks by recorded positions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+N_NEW = 40
+PROMPT = 80
+WINDOW = 16
+CHUNK = 16
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=2, eos_token_id=1,
+              pad_token_id=0, tie_word_embeddings=False)
+# (config class, config overrides); every model fp32, seed 0
+ARCHS = {
+    "llama": ("LlamaConfig", {}),
+    "llama-rope-llama3": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral-sliding": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2-sliding": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                          max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(head_dim=64)),  # head_dim != hidden / heads
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=WINDOW)),
+    # longrope is static up to its original context: the runner serves that much
+    "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=128, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
+        short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[2.0 + i for i in range(16)]))),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        num_hidden_layers=4, head_dim=64, sliding_window=WINDOW, query_pre_attn_scalar=48,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        # transformers' Gemma 3 ignores attn_logit_softcapping; set, it checks the runner does too
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
+}
+WINDOWED = {"mistral-sliding", "qwen2-sliding", "phi3", "gemma3_text"}
+# smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
+SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
+               "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
+REPORT: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    """Prints the per-architecture table when the module ends (run with -s to see it)."""
+    yield
+    lines = [f"{'arch':<20} {'logit max-abs':>14} {'scale':>7}  full=generate  vericache=full"]
+    for name, r in REPORT.items():
+        vc = r.get("vericache=full", {})
+        lines.append(f"{name:<20} {r.get('logit_maxabs', float('nan')):>14.3g} "
+                     f"{r.get('logit_scale', float('nan')):>7.3g}  {str(r.get('full=generate')):<13}  "
+                     + ", ".join(f"{k}:{'ok' if ok else 'DIFF'}(acc {a})" for k, (ok, a) in vc.items()))
+    print("\n" + "\n".join(lines))
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0",
+                                   eos_token="t1", bos_token="t2")
+
+
+def build(name: str, folder) -> None:
+    """Save a tiny random model of `name` (every norm weight randomised too, so a wrong norm
+    offset or a missing q/k norm shows) with a word-level tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls, over = ARCHS[name]
+    cfg = getattr(transformers, cls)(**{**COMMON, **over})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
+                p.copy_(p + 0.3 * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from vericache.model.loader import load_model
+
+    name = request.param
+    folder = tmp_path_factory.mktemp(name.replace("_", "-"))
+    build(name, folder)
+    lm = load_model(str(folder), dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, VOCAB, (PROMPT,), generator=g).tolist()
+    REPORT.setdefault(name, {})
+    return name, lm, hf, prompt
+
+
+def test_family_config(arch):
+    name, lm, hf, _ = arch
+    assert hf.config.model_type == {"llama-rope-llama3": "llama", "mistral-sliding": "mistral",
+                                    "qwen2-sliding": "qwen2", "phi3-longrope": "phi3"}.get(name, name)
+    r = lm.runner
+    windows = [lyr.window for lyr in r.layers]
+    if name in WINDOWED:
+        assert WINDOW in windows and r.windowed
+    else:
+        assert windows == [None] * r.num_layers and not r.windowed
+    if name == "gemma3_text":
+        assert windows == [WINDOW, None, WINDOW, WINDOW]
+        assert len(r.ropes) == 2 and not torch.equal(r.ropes[0][0], r.ropes[1][0])
+    if name == "phi3":
+        assert r.ropes[0][0].shape[-1] == r.head_dim // 2  # partial rotary
+    if name == "phi3-longrope":
+        assert hf.config.rope_parameters["rope_type"] == "longrope"
+        assert r.max_positions == lm.max_context == 128 < hf.config.max_position_embeddings
+    if name == "llama-rope-llama3":
+        assert hf.config.rope_parameters["rope_type"] == "llama3"
+
+
+def test_logits_match_transformers(arch):
+    """Prefill, then one-token steps, then a 4-token step (as verification runs), continuing
+    one cache, against transformers' forward over the whole sequence."""
+    name, lm, hf, prompt = arch
+    g = torch.Generator().manual_seed(2)
+    cont = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    ids = prompt + cont
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()  # [n, V]
+    r = lm.runner
+    cache = r.new_cache(8)  # grows while it runs
+    got = [r.step(prompt, 0, cache, logits="all")[0]]
+    for i in range(8):
+        got.append(r.step([cont[i]], PROMPT + i, cache, logits="all")[0])
+    got.append(r.step(cont[8:], PROMPT + 8, cache, logits="all")[0])
+    got = torch.cat(got)
+    assert got.shape == ref.shape and cache.length == len(ids)
+    scale = float(ref.abs().max())
+    diff = float((got - ref).abs().max())
+    REPORT[name]["logit_maxabs"] = diff
+    REPORT[name]["logit_scale"] = scale
+    print(f"\n{name}: logits max-abs diff {diff:.3g} (logit scale {scale:.3g})")
+    assert diff <= 1e-4 * max(1.0, scale), (name, diff, scale)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def full(arch):
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+
+    name, lm, _, prompt = arch
+    res = generate(lm, prompt, GenParams(mode="full", max_tokens=N_NEW, ignore_eos=True))
+    assert len(res.token_ids) == N_NEW
+    return res.token_ids
+
+
+def test_full_equals_transformers_generate(arch, full):
+    name, lm, hf, prompt = arch
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, PROMPT, dtype=torch.long),
+                      max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, PROMPT:].tolist()
+    REPORT[name]["full=generate"] = want == full
+    assert full == want, name
+
+
+def _specs() -> list[str]:
+    from vericache.compress.registry import compressor_names
+
+    return [SPEC_PARAMS.get(n, n) for n in compressor_names()]
+
+
+@pytest.mark.parametrize("via_store", [False, True], ids=["local", "store"])
+def test_vericache_equals_full(arch, full, via_store):
+    """Every registered compressor, its drafter cache built locally or loaded through the
+    prefix store (`load_draft`, which carries the slots' positions)."""
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+    from vericache.engine.rounds import LocalBackends
+    from vericache.store.memory import MemoryStore
+
+    name, lm, _, prompt = arch
+    for spec in _specs():
+        store = MemoryStore() if via_store else None
+        try:
+            res = generate(lm, prompt, GenParams(mode="vericache", compressor=spec, chunk_size=CHUNK,
+                                                 draft_len=4, max_tokens=N_NEW, ignore_eos=True),
+                           LocalBackends(lm, store))
+        finally:
+            if store is not None:
+                store.close()
+        s = res.stats
+        REPORT[name].setdefault("vericache=full", {})[f"{spec}/{'store' if via_store else 'local'}"] = (
+            res.token_ids == full, round(s.acceptance_rate, 2))
+        assert res.token_ids == full, (name, spec, via_store)
+        assert s.rounds >= 1 and s.drafted >= 1, (name, spec)
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_window_masks_by_recorded_position(name, tmp_path):
+    """A cache that records positions holds the same tokens in shuffled slots: decode logits
+    equal the dense cache's (the window masks by position, not slot). With the keys older
+    than every later query's window dropped, a model whose layers all slide (Mistral, Phi-3
+    here) gives the same logits too."""
+    from vericache.model.loader import load_model
+
+    build(name, tmp_path)
+    r = load_model(str(tmp_path), dtype="float32").runner
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (PROMPT + 6,), generator=g).tolist()
+    dense = r.new_cache(PROMPT)
+    r.step(ids[:PROMPT], 0, dense, logits="none")
+    perm = torch.randperm(PROMPT, generator=g)
+    k, v = dense.view()
+    shuffled = type(dense).from_tensors(k[:, :, perm], v[:, :, perm], 8, pos=perm)
+    all_slide = all(lyr.window for lyr in r.layers)
+    if all_slide:  # keep only positions p > PROMPT - WINDOW: in every later query's window
+        sel = (perm > PROMPT - WINDOW).nonzero()[:, 0]
+        dropped = type(dense).from_tensors(k[:, :, perm[sel]], v[:, :, perm[sel]], 8, pos=perm[sel])
+    for i in range(PROMPT, PROMPT + 6):
+        want = r.step([ids[i]], i, dense)[0]
+        tol = 1e-4 * float(want.abs().max())
+        assert float((r.step([ids[i]], i, shuffled)[0] - want).abs().max()) <= tol, (name, i)
+        if all_slide:
+            assert float((r.step([ids[i]], i, dropped)[0] - want).abs().max()) <= tol, (name, i)
+
+
+@pytest.mark.parametrize("via_store", [False, True], ids=["local", "store"])
+@pytest.mark.parametrize("spec", ["snapkv:recent=16,window=8", "streamingllm:ratio=4"])
+def test_drafter_records_kept_positions(tmp_path, spec, via_store):
+    """A windowed model's drafter cache records each slot's position: the key a token-dropping
+    compressor kept in a slot is the full KV's key at the recorded position (after the
+    selection policy moved the kept set, and after some rounds of drafting)."""
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+    from vericache.model.loader import load_model
+    from vericache.store.memory import MemoryStore
+
+    build("mistral-sliding", tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32")
+    prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(4)).tolist()
+    store = MemoryStore() if via_store else None
+    b = LocalBackends(lm, store)
+    g = Generation(lm, prompt, GenParams(mode="vericache", compressor=spec, chunk_size=CHUNK,
+                                         draft_len=4, max_tokens=N_NEW, ignore_eos=True))
+    try:
+        start(b, g)
+        for _ in range(3):
+            run_round(b, [g])
+        dc, fc = b.drafter.sessions[g.rid].cache, b.verifier.cache(g.rid)
+        n = dc.length
+        pos = dc.pos[:, :, :n]
+        assert pos.shape == (dc.num_layers, dc.k.shape[1], n) and int(pos.max()) < fc.length
+        assert bool((pos[..., 1:] != pos[..., :1]).any())  # not one position everywhere
+        assert n < fc.length  # tokens were dropped: slots are not positions
+        want = torch.gather(fc.k[:, :, : fc.length], 2,
+                            pos.unsqueeze(-1).expand(*pos.shape, dc.k.shape[-1]))
+        assert torch.allclose(dc.k[:, :, :n], want, atol=1e-5), spec
+    finally:
+        b.release(g)
+        if store is not None:
+            store.close()
+
+
+def test_model_info_caps_longrope_context(tmp_path):
+    """The gateway's view (`load_model_info`, no weights) serves the runner's context."""
+    from vericache.model.loader import load_model_info
+
+    build("phi3-longrope", tmp_path)
+    assert load_model_info(str(tmp_path)).max_context == 128
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.loader import load_model
+    from vericache.model.runner import SUPPORTED
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tmp_path))
+    msg = str(e.value)
+    assert "'gpt2' is not supported" in msg
+    for name in SUPPORTED:
+        assert name in msg
+    assert set(SUPPORTED) >= {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"}
+
+
+def test_dynamic_rope_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    cfg = LlamaConfig(**{**COMMON, "num_hidden_layers": 1},
+                      rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        Runner.from_hf(LlamaForCausalLM(cfg))

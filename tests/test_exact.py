@@ -1,0 +1,60 @@
+"""Exactness by construction: with `exact="bitwise"` a verify pass equals decode steps bit for
+bit (logits and the K/V written), at batch 1 and 16, in fp32 and bf16; and VeriCache's output
+in that mode is full decoding's in that mode. The fast mode's distance is measured, not
+asserted (benchmarks/exactness.py reports it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import long_code_prompt
+from vericache.bench.exactness import measure
+from vericache.engine.generation import GenParams
+from vericache.engine.local import generate
+from vericache.errors import InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def lm_bf16():
+    from vericache.model.loader import load_model
+
+    return load_model(None, dtype="bfloat16", device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bitwise_verify_pass_equals_decode_steps(lm, lm_bf16, dtype):
+    model = lm if dtype == "float32" else lm_bf16
+    prompt = long_code_prompt(model, 1000)
+    d = measure(model.runner, [prompt], rows=16, k=7)
+    bit, fast = d["bitwise"], d["fast"]
+    print(dtype, "fast:", fast.as_dict(), "bitwise:", bit.as_dict())
+    assert bit.rows == 16 and fast.rows == 16
+    assert bit.max_abs_logit == 0 and bit.logit_rows_differing == 0
+    assert bit.kv_rows_differing == 0 and bit.argmax_flips == 0
+
+
+def test_bitwise_is_batch_invariant(lm):
+    """16 sequences in one verify pass, each equal to its own decode steps."""
+    base = long_code_prompt(lm, 300)
+    prompts = [base[: 200 + 7 * i] for i in range(16)]
+    d = measure(lm.runner, prompts, rows=2, k=1, modes=("bitwise",))["bitwise"]
+    assert d.rows == 32
+    assert d.max_abs_logit == 0 and d.logit_rows_differing == 0 and d.kv_rows_differing == 0
+
+
+def test_vericache_bitwise_equals_full_bitwise_in_bf16(lm_bf16):
+    """In bf16, where fast passes differ from steps in low bits, the bitwise mode's output is
+    full decoding's token for token, and drafting ran (tokens per round > 1)."""
+    prompt = long_code_prompt(lm_bf16, 700)
+    ref = generate(lm_bf16, prompt, GenParams(mode="full", max_tokens=32, ignore_eos=True,
+                                              exact="bitwise"))
+    out = generate(lm_bf16, prompt, GenParams(mode="vericache", max_tokens=32, ignore_eos=True,
+                                              exact="bitwise", draft_len=8, adaptive=False))
+    assert out.token_ids == ref.token_ids
+    assert out.stats.rounds < 32 / 1.5  # drafts were accepted: > 1.5 tokens a round
+
+
+def test_exact_takes_fast_or_bitwise():
+    GenParams(exact="bitwise")
+    with pytest.raises(InvalidArgument, match="exact"):
+        GenParams(exact="exactly")

@@ -1,0 +1,223 @@
+"""Weight extraction per model family: one function per `model_type`, registered in FAMILIES.
+
+Each function takes a transformers causal LM and returns `Weights`: the layer tensors in the
+runner's layout (fused QKV, fused gate/up) plus what differs between families as data (q/k
+norms, the Gemma norm offset and extra norms, the activation, the window and the RoPE table
+of each layer, scales and soft-caps). The runner's forward reads only this data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vericache.errors import ModelLoadError
+
+
+@dataclass
+class Layer:
+    ln_attn_in: torch.Tensor  # [H] before attention (input_layernorm)
+    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    b_qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    w_o: torch.Tensor  # [H, Hq D]
+    ln_mlp_in: torch.Tensor  # [H] before the MLP (Llama's post_attention, Gemma's pre_feedforward)
+    w_gate_up: torch.Tensor  # [2 I, H]
+    w_down: torch.Tensor  # [H, I]
+    ln_attn_out: torch.Tensor | None = None  # [H] on the attention output (Gemma)
+    ln_mlp_out: torch.Tensor | None = None  # [H] on the MLP output (Gemma)
+    qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D] per-head RMSNorm of q then k, before RoPE
+    window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
+    rope: int = 0  # index into Weights.ropes
+
+
+@dataclass
+class Weights:
+    layers: list[Layer]
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [P, R] each, R <= D (partial)
+    head_dim: int
+    activation: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None  # Gemma: sqrt(hidden), applied in the model dtype
+    norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
+    final_softcap: float | None = None  # logits = c * tanh(logits / c)
+
+
+def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.detach().to(device).contiguous()
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _rope_params(cfg) -> dict[str, dict]:
+    """RoPE parameters by layer type ("" when one set serves every layer)."""
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if rp and all(isinstance(v, dict) for v in rp.values()):
+        return dict(rp)
+    return {"": rp}
+
+
+def max_positions(cfg) -> int:
+    """The context the runner serves. Static RoPE types only: dynamic NTK is refused;
+    longrope is exact only up to its original context (past it transformers switches every
+    position to the long factors), so the context is capped there."""
+    n = cfg.max_position_embeddings
+    for params in _rope_params(cfg).values():
+        rope_type = params.get("rope_type", "default")
+        if "dynamic" in rope_type:
+            raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (its frequencies "
+                                 "change with the sequence length; positions must be static)")
+        if rope_type == "longrope":
+            orig = params.get("original_max_position_embeddings") or \
+                getattr(cfg, "original_max_position_embeddings", None) or n
+            n = min(n, orig)
+    return n
+
+
+def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | None = None):
+    positions = torch.arange(n).unsqueeze(0)
+    probe = torch.zeros(1, dtype=dtype)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+    return _t(cos[0], device), _t(sin[0], device)
+
+
+def _window(cfg, layer_idx: int) -> int | None:
+    """The layer's sliding window, or None. Layers with `layer_types` (Qwen2/3, Gemma 3) slide
+    only where marked "sliding_attention"; Mistral and Phi-3 slide on every layer."""
+    w = getattr(cfg, "sliding_window", None)
+    if not w or w >= cfg.max_position_embeddings:
+        return None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and cfg.model_type != "mistral":
+        return w if types[layer_idx] == "sliding_attention" else None
+    return w
+
+
+def _attention(a, device):
+    w_qkv = _t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), device)
+    bias = None
+    if a.q_proj.bias is not None:
+        bias = _t(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]), device)
+    return w_qkv, bias
+
+
+def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None:
+    """The q_norm weight for every query head, then k_norm's for every KV head: [Hq + Hkv, D]
+    (with `offset`, Gemma's (offset + w) in fp32)."""
+    if getattr(a, "q_norm", None) is None:
+        return None
+    q, k = a.q_norm.weight, a.k_norm.weight
+    if offset is not None:
+        q, k = offset + q.float(), offset + k.float()
+    return _t(torch.cat([q.expand(cfg.num_attention_heads, -1), k.expand(cfg.num_key_value_heads, -1)]),
+              device)
+
+
+def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
+            ropes: list | None = None, **kw) -> Weights:
+    cfg, m = hf.config, hf.model
+    embed = _t(m.embed_tokens.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    if ropes is None:
+        ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
+    kw.setdefault("activation", getattr(cfg, "hidden_act", None) or "silu")
+    return Weights(layers, embed, _t(m.norm.weight, device) if norm is None else norm, lm_head,
+                   ropes, _head_dim(cfg), **kw)
+
+
+def _llama(hf, device) -> Weights:
+    """Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before RoPE)."""
+    cfg = hf.config
+    layers = []
+    for i, lyr in enumerate(hf.model.layers):
+        a, mlp = lyr.self_attn, lyr.mlp
+        w_qkv, bias = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=bias,
+            w_o=_t(a.o_proj.weight, device), ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
+            w_down=_t(mlp.down_proj.weight, device),
+            qk_norm=_qk_norm(cfg, a, device),
+            window=_window(cfg, i)))
+    return _common(hf, device, layers)
+
+
+def _phi3(hf, device) -> Weights:
+    """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
+    partial rotary comes with the RoPE table's width."""
+    cfg = hf.config
+    layers = []
+    for i, lyr in enumerate(hf.model.layers):
+        a, mlp = lyr.self_attn, lyr.mlp
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=_t(a.qkv_proj.weight, device),
+            b_qkv=None if a.qkv_proj.bias is None else _t(a.qkv_proj.bias, device),
+            w_o=_t(a.o_proj.weight, device), ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+            w_gate_up=_t(mlp.gate_up_proj.weight, device), w_down=_t(mlp.down_proj.weight, device),
+            window=_window(cfg, i)))
+    return _common(hf, device, layers)
+
+
+def _gemma3(hf, device) -> Weights:
+    """Gemma 3 text: (1 + w) RMSNorms (stored here with the 1 added, in fp32), four norms per
+    layer, q/k norms, GeGLU, sqrt(hidden)-scaled embeddings, query_pre_attn_scalar, local
+    RoPE for sliding layers, optional final-logit soft-capping. `attn_logit_softcapping` is
+    ignored, as transformers' Gemma 3 ignores it (unlike Gemma 2's)."""
+    cfg, m = hf.config, hf.model
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ModelLoadError("Gemma 3 with bidirectional attention is not a causal LM; not supported")
+
+    def g(w):  # Gemma3RMSNorm: x_norm * (1 + w.float()), then cast
+        return _t(1.0 + w.float(), device)
+
+    kinds = sorted(set(cfg.layer_types))
+    n = max_positions(cfg)
+    dtype = m.embed_tokens.weight.dtype
+    ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a, mlp = lyr.self_attn, lyr.mlp
+        w_qkv, bias = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=g(lyr.input_layernorm.weight), w_qkv=w_qkv, b_qkv=bias,
+            w_o=_t(a.o_proj.weight, device), ln_attn_out=g(lyr.post_attention_layernorm.weight),
+            ln_mlp_in=g(lyr.pre_feedforward_layernorm.weight),
+            ln_mlp_out=g(lyr.post_feedforward_layernorm.weight),
+            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
+            w_down=_t(mlp.down_proj.weight, device),
+            qk_norm=_qk_norm(cfg, a, device, offset=1.0),
+            window=_window(cfg, i), rope=kinds.index(cfg.layer_types[i])))
+    return _common(hf, device, layers, ropes=ropes, norm=g(m.norm.weight),
+                   attn_scale=cfg.query_pre_attn_scalar ** -0.5,
+                   embed_scale=math.sqrt(cfg.hidden_size), norm_upcast=True,
+                   final_softcap=cfg.final_logit_softcapping, activation=cfg.hidden_activation)
+
+
+FAMILIES: dict[str, Callable[..., Weights]] = {
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _llama,
+    "qwen3": _llama,
+    "phi3": _phi3,
+    "gemma3_text": _gemma3,
+}
+SUPPORTED = tuple(FAMILIES)
+
+
+def extract(hf, device: torch.device) -> Weights:
+    cfg = hf.config
+    fn = FAMILIES.get(cfg.model_type)
+    if fn is None:
+        raise ModelLoadError(f"model_type {cfg.model_type!r} is not supported by the runner; "
+                             f"supported: {', '.join(SUPPORTED)}")
+    return fn(hf, device)
