@@ -1,6 +1,8 @@
 """The two-lane executor on the real model: every schedule, with and without draft-ahead,
 under memory budgets and with an offloaded full KV, emits exactly full greedy's tokens."""
 
+import dataclasses
+
 import pytest
 
 from vericache.engine.generation import Generation, GenParams
@@ -190,7 +192,7 @@ def test_the_engine_fails_only_the_requests_of_a_failed_job(lm, cases):
     engine = BatchEngine(lm, max_batch=1, backends=b)  # one request at a time: one per job
     try:
         params = GenParams(max_tokens=N, ignore_eos=True, compressor="snapkv", ratio=4, draft_len=8)
-        doomed = engine.submit(ids[0], GenParams(**{**params.__dict__, "namespace": "doomed"}))
+        doomed = engine.submit(ids[0], dataclasses.replace(params, namespace="doomed"))
         fine = engine.submit(ids[1], params)
         d_events, f_events = list(doomed), list(fine)
         after = [t for ev in engine.submit(ids[0], params) for t in ev.token_ids]
