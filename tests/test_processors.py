@@ -214,3 +214,11 @@ def test_full_with_repetition_penalty_equals_transformers(lm, prompts):
                                       repetition_penalty=1.3))
     plain = generate(lm, ids, GenParams(mode="full", max_tokens=N_TOKENS, ignore_eos=True))
     assert out[0, len(ids):].tolist() == res.token_ids != plain.token_ids
+
+
+def test_a_tiny_temperature_samples_the_argmax_not_nan():
+    """A temperature below fp32's reach (OpenAI accepts any >= 0) samples at MIN_TEMPERATURE:
+    a one-hot on the argmax, never a nan from 0 / 0 (found by the HTTP fuzz test)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    probs = target(logits, Processing(temperature=9.8e-150))
+    assert not probs.isnan().any() and probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+
 from vericache.bench.grid import Grid, takes_ratio
 from vericache.bench.project import MACHINES, measured_round, project_run
 from vericache.bench.prompts import shared_document_prompts
@@ -45,7 +47,7 @@ def weight_bytes(runner) -> int:
     seen, n = set(), 0
     tensors = [runner.embed, runner.norm, runner.lm_head]
     for lyr in runner.layers:
-        tensors += [t for t in vars(lyr).values() if t is not None]
+        tensors += [t for t in vars(lyr).values() if isinstance(t, torch.Tensor)]
     for t in tensors:
         if id(t) not in seen:
             seen.add(id(t))

@@ -98,6 +98,7 @@ class Processing:
 
 
 GREEDY = Processing()
+MIN_TEMPERATURE = 1e-6  # sampling below it samples at it (one-hot but for near-ties)
 
 
 class TokenHistory:
@@ -156,7 +157,10 @@ def penalize(logits: torch.Tensor, p: Processing, counts: torch.Tensor,
 def target(logits: torch.Tensor, p: Processing) -> torch.Tensor:
     """The target distribution [R, V] from processed logits [R, V] (temperature > 0)."""
     x = logits.float()
-    x = (x - x.max(dim=-1, keepdim=True).values) / p.temperature  # finite for any temperature
+    # finite for any temperature: the max goes first, and fp32 cannot divide by less than
+    # MIN_TEMPERATURE (a smaller one would round to 0: 0 / 0 = nan)
+    t = max(p.temperature, MIN_TEMPERATURE)
+    x = (x - x.max(dim=-1, keepdim=True).values) / t
     if p.min_p > 0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < p.min_p * probs.max(dim=-1, keepdim=True).values, -math.inf)
