@@ -26,7 +26,7 @@ def lm_bf16():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bitwise_verify_pass_equals_decode_steps(lm, lm_bf16, dtype):
     model = lm if dtype == "float32" else lm_bf16
-    prompt = long_code_prompt(model, 600)
+    prompt = long_code_prompt(model, 400)
     d = measure(model.runner, [prompt], rows=16, k=7)
     bit, fast = d["bitwise"], d["fast"]
     print(dtype, "fast:", fast.as_dict(), "bitwise:", bit.as_dict())

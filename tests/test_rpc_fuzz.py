@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # real-model services: scheduled first
 TOKEN = "fuzz-internal-token"
 ENV = {"OMP_NUM_THREADS": "1", "LMCACHE_TRACK_USAGE": "false", "VERICACHE_INTERNAL_TOKEN": TOKEN}
 AUTH = [("authorization", f"Bearer {TOKEN}")]
-CASES = 40  # random messages per method
+CASES = 24  # random messages per method
 TYPED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
          grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED}
