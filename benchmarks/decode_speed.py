@@ -11,6 +11,11 @@ model chooses k, starting from nothing: it explores its first rounds) and `warm`
 request again with the cost model the cold run trained, as in a server that has been up).
 Reported per run: the k histogram (rounds at each k; 0 = plain decode steps), the model's
 predicted and measured tokens/s, and the rounds it took to leave exploration.
+
+Sequential runs on a shared CPU vary by several percent, so `full` and `warm` alternate
+--repeats times (full, warm, full, warm, ...) and each ratio is against the median of the
+`full` runs (one before each warm run); the warm rows report the median of their repeats
+(`warm_runs` lists each).
 """
 
 from __future__ import annotations
@@ -73,6 +78,23 @@ def profile_step(lm, ids: list[int], steps: int = 8) -> dict:
             "roofline_steps_per_s_at_27GBps": 27e9 / (w_bytes + kv_bytes)}
 
 
+def describe(res, ref, spec: str, run: str, costs: CostModel | None) -> dict:
+    """One vericache run's figures (ratios against full are filled in by the caller)."""
+    s = res.stats
+    d = res.seconds - s.prefill_s - s.compress_s
+    snap = costs.snapshot() if costs is not None else {}
+    return {"compressor": spec, "run": run, "identical": res.token_ids == ref.token_ids,
+            "k_hist": dict(sorted(s.k_hist.items())), "plain_share": s.k_hist.get(0, 0) / max(1, s.rounds),
+            "predicted_tps": snap.get("predicted_tps"), "measured_tps": snap.get("measured_tps"),
+            "explore_rounds": snap.get("explore_rounds"),
+            "decode_tokens_per_s": len(res.token_ids) / d,
+            "tau": s.tokens_per_round, "acceptance": s.acceptance_rate, "draft_s": s.draft_s,
+            "verify_s": s.verify_s, "draft_steps": s.draft_steps, "verify_tokens": s.verify_tokens,
+            "rounds": s.rounds, "verify_s_per_round": s.verify_s / max(1, s.rounds),
+            "draft_s_per_step": s.draft_s / max(1, s.draft_steps),
+            "compression": s.full_kv_bytes / max(1, s.draft_kv_bytes)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,7168")
@@ -81,6 +103,8 @@ def main() -> int:
                     help="compressors as NAME@RATIO, comma-separated (default: snapkv@4,streamingllm@8)")
     ap.add_argument("--draft-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="full and warm runs, alternated; ratios use the median full run (default 3)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     if a.threads:
@@ -91,35 +115,40 @@ def main() -> int:
     ok = True
     for ctx in [int(c) for c in a.contexts.split(",")]:
         ids = builtin_prompts(lm.tokenizer, 1, ctx)[0].ids
-        ref = generate(lm, ids, GenParams(mode="full", max_tokens=a.max_tokens, ignore_eos=True))
-        dec = ref.seconds - ref.stats.prefill_s
-        row = {"context": len(ids), "prefill_tokens_per_s": len(ids) / ref.stats.prefill_s,
-               "full_decode_tokens_per_s": len(ref.token_ids) / dec, "vericache": []}
-        for spec, run in [(s, r) for s in specs for r in ("fixed", "cold", "warm")]:
+        def full_run():
+            r = generate(lm, ids, GenParams(mode="full", max_tokens=a.max_tokens, ignore_eos=True))
+            return r, len(r.token_ids) / (r.seconds - r.stats.prefill_s)
+
+        ref, tps = full_run()
+        full_tps = [tps]
+        row = {"context": len(ids), "prefill_tokens_per_s": len(ids) / ref.stats.prefill_s, "vericache": []}
+        for spec in specs:
             name, _, ratio = spec.partition("@")
-            if run == "cold":
-                costs = CostModel()
-            res = generate(lm, ids, GenParams(mode="vericache", compressor=name, ratio=float(ratio) if ratio else None,
-                                              draft_len=a.draft_len, max_tokens=a.max_tokens, ignore_eos=True,
-                                              adaptive=run != "fixed"),
-                           costs=costs if run != "fixed" else None)
-            s = res.stats
-            d = res.seconds - s.prefill_s - s.compress_s
-            same = res.token_ids == ref.token_ids
-            ok &= same
-            snap = costs.snapshot() if run != "fixed" else {}
-            row["vericache"].append({
-                "compressor": spec, "run": run, "identical": same,
-                "k_hist": dict(sorted(s.k_hist.items())), "plain_share": s.k_hist.get(0, 0) / max(1, s.rounds),
-                "predicted_tps": snap.get("predicted_tps"), "measured_tps": snap.get("measured_tps"),
-                "explore_rounds": snap.get("explore_rounds"),
-                "decode_tokens_per_s": len(res.token_ids) / d,
-                "speed_vs_full": (len(res.token_ids) / d) / row["full_decode_tokens_per_s"],
-                "tau": s.tokens_per_round, "acceptance": s.acceptance_rate, "draft_s": s.draft_s,
-                "verify_s": s.verify_s, "draft_steps": s.draft_steps, "verify_tokens": s.verify_tokens,
-                "rounds": s.rounds, "verify_pass_in_steps": (s.verify_s / s.rounds) / (dec / len(ref.token_ids)),
-                "draft_step_vs_full_step": (s.draft_s / max(1, s.draft_steps)) / (dec / len(ref.token_ids)),
-                "compression": s.full_kv_bytes / max(1, s.draft_kv_bytes)})
+            costs = CostModel()
+            warm = []
+            for run in ["fixed", "cold"] + ["warm"] * a.repeats:
+                if run == "warm":
+                    full_tps.append(full_run()[1])
+                res = generate(lm, ids, GenParams(mode="vericache", compressor=name,
+                                                  ratio=float(ratio) if ratio else None,
+                                                  draft_len=a.draft_len, max_tokens=a.max_tokens,
+                                                  ignore_eos=True, adaptive=run != "fixed"),
+                               costs=costs if run != "fixed" else None)
+                ok &= res.token_ids == ref.token_ids
+                entry = describe(res, ref, spec, run, costs if run != "fixed" else None)
+                if run == "warm":
+                    warm.append(entry)
+                else:
+                    row["vericache"].append(entry)
+            mid = sorted(warm, key=lambda e: e["decode_tokens_per_s"])[len(warm) // 2]
+            row["vericache"].append(dict(mid, warm_runs=[e["decode_tokens_per_s"] for e in warm]))
+        full = sorted(full_tps)[len(full_tps) // 2]
+        row["full_decode_tokens_per_s"] = full
+        row["full_runs"] = full_tps
+        for e in row["vericache"]:
+            e["speed_vs_full"] = e["decode_tokens_per_s"] / full
+            e["verify_pass_in_steps"] = e.pop("verify_s_per_round") * full
+            e["draft_step_vs_full_step"] = e.pop("draft_s_per_step") * full
         row["runner_loop_tokens_per_s"] = runner_loop(lm, ids)
         row["profile"] = profile_step(lm, ids)
         out["rows"].append(row)

@@ -1,6 +1,8 @@
-"""`vericache` against `full` mode on one `vericache serve`, under concurrent mixed prompts.
+"""`vericache` against `full` mode on one server, under concurrent mixed prompts.
 
-Starts `vericache serve` (embedded engine, default flags unless given after `--`), warms its
+Starts `vericache serve` (embedded engine, default flags unless given after `--`), or with
+`--target services` the four services (kvstore with Redis behind it, verifier, drafter,
+gateway; default flags, the extra flags go to the gateway), warms its
 prefix cache with every prompt once per mode (full chunks, and the compressed ones), then runs the same batch of concurrent requests twice per
 mode, alternating full, vericache, full, vericache (the engine's cost model keeps what it
 learned from one batch to the next, as a server does). Prompts are chat prompts of mixed
@@ -11,13 +13,14 @@ Also reported from /metrics after each batch: rounds at each k, the plain-step s
 cost model's predicted and measured tokens/s.
 
     .venv/bin/python benchmarks/serve_mixed.py --lengths 200,600,1000,1800,2600,3400,4200,5000 \\
-        --max-tokens 128 --json out.json [-- --schedule staggered]
+        --max-tokens 128 --json out.json [--target services] [-- --schedule staggered]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -28,7 +31,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from services_compare import start, wait_http  # noqa: E402
+from services_compare import start, wait_grpc, wait_http  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 from service_process import free_port  # noqa: E402
@@ -86,16 +89,38 @@ def batch(base: str, texts: list[str], mode: str, max_tokens: int) -> dict:
             "tokens_per_s": round(tokens / wall, 3), "results": res}
 
 
+def start_target(target: str, port: int, extra: list[str], prefix: str) -> list:
+    """The server under test, listening on `port`: `vericache serve`, or the four services
+    (their processes, the gateway last)."""
+    if target == "serve":
+        return [start(["vericache", "serve", *extra], port, threads=2)]
+    ports = {k: free_port() for k in ("kv", "ver", "dra")}
+    procs = [start(["services.kvstore", "--backend", f"redis://127.0.0.1:6379/0?prefix={prefix}"],
+                   ports["kv"], threads=2)]
+    wait_grpc(ports["kv"])
+    kv = f"127.0.0.1:{ports['kv']}"
+    procs.append(start(["services.verifier", "--kvstore", kv], ports["ver"], threads=2))
+    procs.append(start(["services.drafter", "--kvstore", kv], ports["dra"], threads=2))
+    wait_grpc(ports["ver"], timeout=600)
+    wait_grpc(ports["dra"], timeout=600)
+    procs.append(start(["services.gateway", "--kvstore", kv, "--drafter", f"127.0.0.1:{ports['dra']}",
+                        "--verifier", f"127.0.0.1:{ports['ver']}", *extra], port, threads=2))
+    return procs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="200,600,1000,1800,2600,3400,4200,5000")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="batches per mode (default: 2)")
+    ap.add_argument("--target", choices=("serve", "services"), default="serve",
+                    help="the embedded `vericache serve` (default) or the four services")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("serve_args", nargs="*", help="extra `vericache serve` flags, after --")
+    ap.add_argument("serve_args", nargs="*", help="extra `vericache serve` (or gateway) flags, after --")
     a = ap.parse_args()
     port = free_port()
-    proc = start(["vericache", "serve", *a.serve_args], port, threads=2)
+    prefix = f"vericache-mixed-{os.getpid()}:"
+    procs = start_target(a.target, port, a.serve_args, prefix)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(port)
@@ -117,7 +142,7 @@ def main() -> int:
         identical = all(v["results"][j]["text"] == full[0]["results"][j]["text"]
                         for v in vc for j in range(len(texts)))
         last = {"full": full[-1]["tokens_per_s"], "vericache": vc[-1]["tokens_per_s"]}
-        summary = {"lengths": a.lengths, "max_tokens": a.max_tokens, "serve_args": a.serve_args,
+        summary = {"target": a.target, "lengths": a.lengths, "max_tokens": a.max_tokens, "serve_args": a.serve_args,
                    "identical": identical, "tokens_per_s_last": last,
                    "ratio_last": round(last["vericache"] / last["full"], 4),
                    "ratio_all": round(sum(r["tokens"] for r in vc) / sum(r["wall_s"] for r in vc)
@@ -130,8 +155,16 @@ def main() -> int:
             Path(a.json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
         return 0 if identical else 1
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(timeout=60)
+        if a.target == "services":
+            import redis
+
+            r = redis.Redis(host="127.0.0.1", port=6379, db=0)
+            keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
+            if keys:
+                r.delete(*keys)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,40 @@ from vericache.spec.costmodel import EXPLORE, AcceptanceProfile, CostModel, Line
 def test_linear_fit_recovers_a_linear_cost():
     import numpy as np
 
-    f = LinearFit(3, forget=1.0)
+    f = LinearFit(3)
     for b in range(1, 9):
         for c in (1.0, 2.0, 4.0):
             x = np.array([1.0, b, c])
-            f.observe(x, 0.01 + 0.002 * b + 0.003 * c, b)
+            f.observe(x, 0.01 + 0.002 * b + 0.003 * c, b, bucket=(b, c))
     assert f.ready()
     assert f.predict(np.array([1.0, 16, 8.0])) == pytest.approx(0.01 + 0.032 + 0.024, rel=1e-3)
+
+
+def test_long_runs_of_one_shape_keep_the_other_shapes_priced():
+    """A server on plain steps for hundreds of rounds, its context growing, must still price a
+    multi-row verify pass from what exploration saw (recursive least squares with forgetting
+    priced a 9-row pass at a tenth of its time here, and drafting looked cheap)."""
+    import numpy as np
+
+    from vericache.spec.costmodel import _verify_x
+
+    def seconds(tokens, ctx_sum, work):  # a machine: a one-row pass is cheap, rows cost extra
+        return 0.05 + 0.004 * tokens + 0.08 * (tokens > 1) + 0.02 * ctx_sum / 1e4 + 0.001 * work / 1e5
+
+    rng = np.random.default_rng(1)
+    for trial in range(3):
+        costs, ctx = CostModel(), 18800
+        for k in EXPLORE:
+            ctx += 8 * (k + 1)
+            costs.observe_verify(8 * (k + 1), ctx, (k + 1) * ctx,
+                                 seconds(8 * (k + 1), ctx, (k + 1) * ctx) * rng.uniform(0.8, 1.2))
+        for _ in range(600):  # 8 requests on plain steps, times noisy by +-30%
+            ctx += 8
+            costs.observe_verify(8, ctx, ctx, seconds(8, ctx, ctx) * rng.uniform(0.7, 1.3))
+        for k in (1, 3, 8):
+            truth = seconds(8 * (k + 1), ctx, (k + 1) * ctx)
+            predicted = costs.verify.predict(_verify_x(8 * (k + 1), ctx, (k + 1) * ctx))
+            assert 0.75 < predicted / truth < 1.33, (trial, k, predicted / truth)
 
 
 def test_expected_tokens_follow_the_profile():

@@ -225,7 +225,7 @@ class Verifier:
         for s, c, (_, drafts, _) in zip(sess, caches, batch):
             toks = s.pending + list(drafts)
             pos0 = c.length
-            votes = s.selection is not None and s.selection.policy.needs_votes
+            votes = bool(drafts) and s.selection is not None and s.selection.policy.needs_votes
             items.append(SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)),
                                       c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)

@@ -18,9 +18,10 @@ context (KV read, or loaded from an offloaded tier) and tokens × context (atten
 also carry a step for a pass of more than one row: a one-row pass is a matrix-vector product,
 and on a CPU the first few extra rows cost far more than their share (measured here: 2-16
 rows read the weights at 4-18 GB/s against ~40 for one), so a straight line through 1, 3 and
-9 rows would price a short draft's verify pass too cheaply. Each is a recursive least-squares
-fit with forgetting, so it follows the machine and the load. Until
-both fits have seen enough distinct shapes the plan explores a fixed cycle of k values.
+9 rows would price a short draft's verify pass too cheaply. Each is a least-squares fit over
+running estimates per shape bucket (`LinearFit`), so it follows the machine and the load
+without forgetting the shapes it has not seen lately. Until both fits have seen enough
+distinct shapes the plan explores a fixed cycle of k values.
 This module is bookkeeping: no tensors, no clocks (callers pass seconds in).
 """
 
@@ -42,26 +43,77 @@ PROBE_EVERY = 32  # a request on plain steps drafts once this often, to refresh 
 PROBE_K = 2  # ... this many tokens
 
 
-class LinearFit:
-    """y ≈ θ·x by recursive least squares with exponential forgetting (λ per observation)."""
+def nonnegative_lstsq(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |Aθ - b| over θ >= 0 (each cost grows with its feature), by trying every set of
+    free coefficients (fine for the few features here), with a light ridge for directions
+    the rows do not span yet."""
+    d = A.shape[1]
+    G, h = A.T @ A, A.T @ b
+    G = G + 1e-9 * max(float(np.trace(G)), 1.0) * np.eye(d)
+    best, best_r = np.zeros(d), float(b @ b)
+    for mask in range(1, 1 << d):
+        free = [i for i in range(d) if mask >> i & 1]
+        t = np.linalg.solve(G[np.ix_(free, free)], h[free])
+        if (t < 0).any():
+            continue
+        theta = np.zeros(d)
+        theta[free] = t
+        r = float(np.sum((A @ theta - b) ** 2))
+        if r < best_r:
+            best, best_r = theta, r
+    return best
 
-    def __init__(self, dims: int, forget: float = 0.98):
+
+class LinearFit:
+    """y ≈ θ·x, fitted by least squares over shape buckets.
+
+    A bucket holds the observations of one shape (the caller's key): the running means of
+    their x and y, a plain mean over its first observations, then an exponential one that
+    gives the newest `recency` of the weight, so the bucket follows the machine and its load.
+    θ is refitted over the buckets, each weighted by its observations (at most CAP_WEIGHT),
+    with every coefficient kept >= 0 (no feature makes a pass cheaper). A shape not seen for a while
+    keeps its last estimate. (Recursive least squares with forgetting did not: hundreds of
+    rounds of nearly one shape, the context growing, wound its covariance up and let noise
+    move the prediction for every other shape; a simulated 9-row pass was predicted at 0.08
+    of its time after 600 plain steps, and a server drafted where it did not pay.) At most
+    `max_buckets`, the least recently seen dropped first.
+    """
+
+    CAP_WEIGHT = 8
+
+    def __init__(self, dims: int, recency: float = 0.1, max_buckets: int = 64):
+        self.dims, self.recency, self.max_buckets = dims, recency, max_buckets
         self.theta = np.zeros(dims)
-        self.P = np.eye(dims) * 1e4
-        self.forget = forget
         self.n = 0
         self.shapes: set = set()
         self.floor = float("inf")  # a tenth of the smallest y seen: predictions stay above it
+        self._buckets: dict = {}  # bucket -> [observations, mean x, mean y]; oldest first
 
-    def observe(self, x: np.ndarray, y: float, shape=None) -> None:
-        Px = self.P @ x
-        gain = Px / (self.forget + x @ Px)
-        self.theta = self.theta + gain * (y - x @ self.theta)
-        self.P = (self.P - np.outer(gain, Px)) / self.forget
+    def observe(self, x: np.ndarray, y: float, shape=None, bucket=None) -> None:
+        """One observation; `shape` counts towards `ready`, `bucket` (default: `shape`) is
+        the bucket it joins."""
+        key = shape if bucket is None else bucket
+        b = self._buckets.pop(key, None)
+        if b is None:
+            b = [0, np.zeros(self.dims), 0.0]
+            if len(self._buckets) >= self.max_buckets:
+                del self._buckets[next(iter(self._buckets))]
+        b[0] += 1
+        a = max(1.0 / b[0], self.recency)
+        b[1] = b[1] + a * (np.asarray(x, dtype=float) - b[1])
+        b[2] += a * (y - b[2])
+        self._buckets[key] = b  # now the most recently seen
         self.n += 1
         self.floor = min(self.floor, 0.1 * y)
         if shape is not None and len(self.shapes) < 64:
             self.shapes.add(shape)
+        self._refit()
+
+    def _refit(self) -> None:
+        X = np.stack([b[1] for b in self._buckets.values()])
+        y = np.array([b[2] for b in self._buckets.values()])
+        w = np.minimum([b[0] for b in self._buckets.values()], self.CAP_WEIGHT).astype(float)
+        self.theta = nonnegative_lstsq(X * np.sqrt(w)[:, None], y * np.sqrt(w))
 
     def ready(self, shapes: int = 1) -> bool:
         """Whether the fit has seen MIN_FIT observations of at least `shapes` shapes."""
@@ -123,9 +175,10 @@ class CostModel:
     """The engine's running cost estimates and the per-round choice of k (see the module
     docstring). Thread-safe: the staggered lanes observe from two threads."""
 
-    def __init__(self, forget: float = 0.98):
-        self.verify = LinearFit(5, forget)
-        self.draft = LinearFit(4, forget)
+    def __init__(self, recency: float = 0.1):
+        """`recency`: the weight of a shape's newest time in its running estimate."""
+        self.verify = LinearFit(5, recency)
+        self.draft = LinearFit(4, recency)
         self._lock = threading.Lock()
         self._explore = 0
         self.pooled = [0, 0]  # accepted, reached over every request: the prior of new ones
@@ -146,7 +199,8 @@ class CostModel:
         """A verify pass of `tokens` new tokens over caches of `ctx_sum` tokens in all;
         `work` = sum over requests of new tokens × context."""
         with self._lock:
-            self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens)
+            self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens,
+                                (tokens, round(ctx_sum, -3)))
 
     def observe_round(self, emitted: int, seconds: float, profiles: list[tuple[int, int]]) -> None:
         """A group's round emitted `emitted` tokens in `seconds`; (drafted, accepted) per request."""
