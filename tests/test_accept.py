@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from vericache.spec import DraftLength, greedy_accept, speculative_accept
+from vericache.spec.costmodel import PROBE_EVERY
 
 CASES = {
     # name: (draft, target, accepted, bonus)
@@ -41,6 +42,20 @@ def test_draft_length_follows_the_plan_only_when_adaptive():
     assert d.probe  # plain steps for a while: its profile is stale
     d.update(4, 1)
     assert not d.probe and d.profile.reached[:3] == [1, 1, 0] and d.profile.accepted[:2] == [1, 0]
+    e, gaps, streak = DraftLength(k_max=16), [], 0
+    for _ in range(3000):  # probes that the plan follows with plain steps come ever less often
+        if e.probe:
+            gaps.append(streak)
+            e.update(2, 0)
+            streak = 0
+        else:
+            e.update(0, 0)
+            streak += 1
+    assert gaps[:5] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, 16 * PROBE_EVERY]
+    assert set(gaps[5:]) == {16 * PROBE_EVERY}
+    e.update(2, 2)  # drafting again (not a probe): probes start over at PROBE_EVERY
+    e.update(2, 2)
+    assert e.probe_every == PROBE_EVERY
     fixed = DraftLength(k_max=8, adaptive=False)
     fixed.choose(2)
     assert fixed.k == 8
