@@ -10,6 +10,7 @@ from vericache.spec.processors import Processing
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_DRAFT_TOKENS = 256  # draft tokens per request per round (k)
+MAX_PLAIN_TOKENS = 1 << 16  # plain-step tokens one Draft item may carry
 MAX_BATCH_ITEMS = 1024  # requests in one Draft or Verify call
 MAX_ID_CHARS = 256  # request ids
 MAX_NAME_CHARS = 256  # compressor specs, namespaces

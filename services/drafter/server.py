@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from services.common.convert import (MAX_DRAFT_TOKENS, batch_items, bounded_int, bounded_str,
-                                     chunk_size, request_id, sampling, token_list)
+from services.common.convert import (MAX_DRAFT_TOKENS, MAX_PLAIN_TOKENS, batch_items, bounded_int,
+                                     bounded_str, chunk_size, request_id, sampling, token_list)
+from vericache.errors import InvalidArgument
 from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
@@ -46,7 +47,17 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         items = batch_items(req.items)
         for it in items:
             bounded_int(it.k, "k", MAX_DRAFT_TOKENS)
+            if len(it.plain_tokens) > MAX_PLAIN_TOKENS:
+                raise InvalidArgument(f"{len(it.plain_tokens)} plain_tokens, at most {MAX_PLAIN_TOKENS}",
+                                      "plain_tokens")
+            token_list(it.plain_tokens, self.vocab, "plain_tokens")
         return [(it.request_id, it.k) for it in items]
+
+    def _feed_plain(self, req) -> None:
+        """Queue each item's plain-step tokens, as Commits without drafts would (under the lock)."""
+        for it in req.items:
+            for tok in it.plain_tokens:
+                self.core.commit(it.request_id, 0, tok)
 
     def _touch(self, orders: list[tuple[str, int]]) -> None:
         now = time.monotonic()
@@ -57,6 +68,7 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         orders = self._orders(req)
         t = time.perf_counter()
         with self.svc.lock:
+            self._feed_plain(req)
             outs = self.core.draft(orders)
         self._touch(orders)
         return pb.DraftResponse(results=[pb.DraftResult(tokens=o.tokens, probs=probs_to_bytes(o.q))
@@ -66,6 +78,7 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         orders = self._orders(req)
         t = time.perf_counter()
         with self.svc.lock:
+            self._feed_plain(req)
             drafted = self.core.draft_ahead(orders)
         self._touch(orders)
         return pb.DraftAheadResponse(drafted=drafted, seconds=time.perf_counter() - t)

@@ -38,8 +38,12 @@ def call(fn, request, timeout: float, what: str):
         raise STATUS_ERRORS.get(e.code(), VeriCacheError)(f"{what}: {e.code().name}: {e.details()}") from None
 
 
-def _orders(batch: list[tuple[Generation, int]]):
-    return dpb.DraftRequest(items=[dpb.DraftItem(request_id=g.rid, k=k) for g, k in batch])
+def _orders(batch: list[tuple[Generation, int]], plain: dict[str, list[int]] | None = None):
+    """Draft orders; with `plain`, each request's unsent plain-step tokens go with its order
+    (and leave `plain`)."""
+    return dpb.DraftRequest(items=[
+        dpb.DraftItem(request_id=g.rid, k=k, plain_tokens=plain.pop(g.rid, []) if plain else [])
+        for g, k in batch])
 
 
 def _sampling(p: Processing):
@@ -69,6 +73,13 @@ class RemoteBackends(Backends):
         self.drafter = dpb_grpc.DrafterStub(with_token(self._channels[0], token))
         self.verifier = vpb_grpc.VerifierStub(with_token(self._channels[1], token))
         self._moved: dict[str, bool] = {}  # rid -> the last Verify left a selection delta
+        # Rounds without drafts (k = 0: plain decode steps) cost the drafter nothing but the
+        # bonus to queue, so they make no drafter call: their bonuses wait here and go with
+        # the request's next Draft order (`DraftItem.plain_tokens`), and the verifier keeps
+        # no exact KV for them (the drafter has nothing of that round to refresh).
+        self._plain: dict[str, list[int]] = {}  # rid -> plain-step bonuses not yet sent
+        self._drafted: dict[str, bool] = {}  # rid -> this round carried drafts
+        self._refresh: dict[str, bool] = {}  # rid -> this round's Verify kept exact KV
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
@@ -103,9 +114,15 @@ class RemoteBackends(Backends):
                        [_logprob(out.first_logprob)] if out.HasField("first_logprob") else None)
 
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
-        res = call(self.drafter.Draft, _orders(batch), self.timeout, "drafter Draft")
-        return [DraftOut(list(r.tokens), probs_from_bytes(r.probs, len(r.tokens), self.vocab))
-                for r in res.results]
+        out = {g.rid: DraftOut([], None) for g, _ in batch}
+        orders = [(g, k) for g, k in batch if k > 0]
+        if orders:
+            res = call(self.drafter.Draft, _orders(orders, self._plain), self.timeout, "drafter Draft")
+            for (g, _), r in zip(orders, res.results):
+                out[g.rid] = DraftOut(list(r.tokens), probs_from_bytes(r.probs, len(r.tokens), self.vocab))
+        for g, _ in batch:
+            self._drafted[g.rid] = bool(out[g.rid].tokens)
+        return [out[g.rid] for g, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
         return call(self.drafter.DraftAhead, _orders(batch), self.timeout,
@@ -114,9 +131,10 @@ class RemoteBackends(Backends):
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
         res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
             vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
-                           refresh_draft=g.refreshes_draft)
+                           refresh_draft=g.refreshes_draft and bool(d.tokens))
             for g, d in batch]), self.timeout, "verifier Verify")
-        for (g, _), r in zip(batch, res.results):
+        for (g, d), r in zip(batch, res.results):
+            self._refresh[g.rid] = g.refreshes_draft and bool(d.tokens)
             self._moved[g.rid] = r.selection_deltas > 0
             _record_selection(g, r.selection)
         return [Verdict(r.accepted, r.bonus, [_logprob(m) for m in r.logprobs]
@@ -124,16 +142,24 @@ class RemoteBackends(Backends):
                 for (g, _), r in zip(batch, res.results)]
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
-        req = dpb.CommitRequest(request_id=g.rid, accepted=accepted,
-                                refresh_draft=g.refreshes_draft and bonus is not None,
-                                apply_selection=self._moved.pop(g.rid, False))
+        moved = self._moved.pop(g.rid, False)
+        refresh = self._refresh.pop(g.rid, False) and bonus is not None
+        if bonus is not None and not self._drafted.get(g.rid, True) and not moved:
+            self._plain.setdefault(g.rid, []).append(bonus)  # sent with the next Draft order
+            return
+        for tok in self._plain.pop(g.rid, []):  # (none after a Draft: it took them)
+            call(self.drafter.Commit, dpb.CommitRequest(request_id=g.rid, accepted=0, bonus=tok),
+                 self.timeout, "drafter Commit")
+        req = dpb.CommitRequest(request_id=g.rid, accepted=accepted, refresh_draft=refresh,
+                                apply_selection=moved)
         if bonus is not None:
             req.bonus = bonus
         call(self.drafter.Commit, req, self.timeout, "drafter Commit")
 
     def release(self, g: Generation) -> None:
         """Free both sides; never raises (a lost service frees its sessions by TTL)."""
-        self._moved.pop(g.rid, None)
+        for state in (self._moved, self._plain, self._drafted, self._refresh):
+            state.pop(g.rid, None)
         for stub in (self.drafter, self.verifier):
             try:
                 stub.Release(vpb.ReleaseRequest(request_id=g.rid), timeout=10)

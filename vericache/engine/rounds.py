@@ -138,7 +138,7 @@ class LocalBackends(Backends):
 
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch],
-                                    refresh=[g.rid for g, _ in batch if g.refreshes_draft])
+                                    refresh=[g.rid for g, d in batch if g.refreshes_draft and d.tokens])
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         if g.rid in self._attaching:  # no drafter yet: a plain decode step; feed it later
