@@ -28,10 +28,12 @@ GRAMMARS = {"json_schema": GrammarSpec.json_schema(PERSON).source(),
             "json_object": GrammarSpec("json_object").source()}
 
 
-# the vericache runs, batched: (grammar, k, extra params); the last drafts from a KV that
+# the vericache runs, batched: (grammar, k, extra params); ROLLBACK drafts from a KV that
 # drops most of the prompt (streamingllm at ratio 8 over 16-token chunks), so drafts are rejected
-ROLLBACK = ("json_schema", 8, {"compressor": "streamingllm", "ratio": 8, "chunk_size": 16})
-RUNS = [(name, k, {}) for name in GRAMMARS for k in (4, 16)] + [ROLLBACK]
+ROLLBACK = 1
+RUNS = [("json_schema", 4, {}),
+        ("json_schema", 16, {"compressor": "streamingllm", "ratio": 8, "chunk_size": 16}),
+        ("json_object", 4, {}), ("json_object", 16, {})]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def test_bad_grammars_are_named():
         GenParams(grammar="not a grammar")
 
 
-@pytest.mark.parametrize("i", range(len(RUNS) - 1), ids=[f"{n}-k{k}" for n, k, _ in RUNS[:-1]])
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=[f"{n}-k{k}" for n, k, _ in RUNS])
 def test_constrained_vericache_equals_constrained_full(full, constrained, i):
     name, k, _ = RUNS[i]
     ref, got = full[name], constrained[i]
@@ -112,8 +114,8 @@ def test_constrained_vericache_equals_constrained_full(full, constrained, i):
 def test_rejected_drafts_roll_back_and_stay_exact(full, constrained):
     """The drafter that drops most of the prompt (ROLLBACK) has drafts rejected under the
     grammar; the matchers roll back and the output is still constrained full greedy's."""
-    got = constrained[-1]
+    got = constrained[ROLLBACK]
     s = got.stats
     print(f"rollback case: acceptance {s.acceptance_rate:.3f}, tau {s.tokens_per_round:.2f}")
     assert s.accepted < s.drafted  # drafts were rejected
-    assert got.output_ids == full[ROLLBACK[0]].output_ids
+    assert got.output_ids == full[RUNS[ROLLBACK][0]].output_ids

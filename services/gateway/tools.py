@@ -61,10 +61,10 @@ def render(messages: list[dict], tools: list[dict] | None, template_takes_tools:
     out = []
     for m in messages:
         content = m.get("content") or ""
-        if m.get("tool_calls"):
-            content += "".join(OPEN + json.dumps({"name": c["function"]["name"],
-                                                  "arguments": json.loads(c["function"]["arguments"] or "{}")})
-                               + CLOSE for c in m["tool_calls"])
+        for c in m.get("tool_calls") or []:
+            args = c["function"]["arguments"] or "{}"
+            content += (OPEN + f'{{"name": {json.dumps(c["function"]["name"])}, '
+                        f'"arguments": {args}}}' + CLOSE)
         if m["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": m["role"], "content": content})

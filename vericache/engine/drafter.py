@@ -275,4 +275,3 @@ class Drafter:
     def release(self, rid: str) -> None:
         self.sessions.pop(rid, None)
         self.ledger.refund(rid)
-

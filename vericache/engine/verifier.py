@@ -42,8 +42,8 @@ from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
 from vericache.select.base import SelectionDelta, SelectionPolicy, SelectionState
 from vericache.spec.accept import greedy_accept, speculative_accept
-from vericache.spec.logprobs import TokenLogprob, token_logprobs
 from vericache.spec.grammar import Grammars, GrammarState, start_matcher
+from vericache.spec.logprobs import TokenLogprob, token_logprobs
 from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose, process, target
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ class GrammarSpec:
         try:
             g = xgr.Grammar.from_json_schema(schema, any_whitespace=False,
                                              separators=SEPARATORS)
-        except RuntimeError as e:  # xgrammar reports bad or unsupported schemas this way
-            raise InvalidArgument(f"unsupported JSON schema: {str(e).splitlines()[0][-300:]}",
+        except Exception as e:  # noqa: BLE001 -- xgrammar reports bad schemas as RuntimeError
+            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", (str(e).strip() or "?").splitlines()[0])
+            raise InvalidArgument(f"unsupported JSON schema: {why[:300]}",
                                   "response_format") from None
         parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (self.prefix,)
                  if t] + [g] + [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}")
@@ -96,11 +98,14 @@ def parse(source: str) -> GrammarSpec:
     return spec
 
 
-def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int, eos: int) -> torch.Tensor:
     """[R, V] bool from xgrammar's int32 bitmask [R, ceil(V / 32)] (bit j of word w: token
-    32 w + j)."""
+    32 w + j). A row that allows nothing (a schema no value satisfies) allows `eos`: the
+    answer ends there."""
     bits = (bitmask[..., None] >> torch.arange(32, dtype=torch.int32)) & 1  # [R, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    out = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    out[~out.any(dim=-1), eos] = True
+    return out
 
 
 class Grammars:
@@ -159,7 +164,7 @@ class GrammarState:
         """[1, V] bool: the mask at the matcher's position."""
         t = time.perf_counter()
         self._fill(self._bitmask, 0)
-        out = allowed_from_bitmask(self._bitmask, self.owner.vocab)
+        out = allowed_from_bitmask(self._bitmask, self.owner.vocab, self.owner.eos[0])
         self.owner.seconds += time.perf_counter() - t
         return out
 
@@ -200,7 +205,7 @@ class GrammarState:
                     and self.matcher.accept_token(int(drafts[i])):
                 taken += 1
         self.matcher.rollback(taken)
-        out = allowed_from_bitmask(bitmask, self.owner.vocab)
+        out = allowed_from_bitmask(bitmask, self.owner.vocab, self.owner.eos[0])
         self.owner.seconds += time.perf_counter() - t
         return out
 
