@@ -43,7 +43,7 @@ from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        merge_usage)
 from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
 from services.gateway.ready import NotReady, Readiness
-from services.gateway.tools import call_grammar, parse_calls, render
+from services.gateway.tools import call_grammar, parse_calls, render, text_besides_calls
 from vericache.model.tokenize import apply_chat, encode_text, template_takes_tools
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
@@ -144,7 +144,7 @@ class OpenAIServing:
         calls = parse_calls(text, self._tools(req)) if req.tool_mode != "none" else []
         if not calls or finish == "length":
             return AssistantMessage(content=text), finish
-        return AssistantMessage(content=None, tool_calls=[ToolCallOut(
+        return AssistantMessage(content=text_besides_calls(text), tool_calls=[ToolCallOut(
             id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
             for c in calls]), "tool_calls"
 

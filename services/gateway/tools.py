@@ -95,6 +95,13 @@ def call_grammar(tools: list[dict], name: str | None = None) -> str:
     return source
 
 
+def text_besides_calls(text: str) -> str | None:
+    """The text of an answer with calls outside its `<tool_call>` blocks (None when there is
+    none, or when the whole answer was one call's JSON object)."""
+    rest = _BLOCK.sub("", text).strip()
+    return rest if rest and rest != text.strip() else None
+
+
 def parse_calls(text: str, tools: list[dict]) -> list[ToolCall]:
     """The calls in an answer: each `<tool_call>` block, or the whole answer when it is one
     JSON object, that names one of `tools` with object arguments; [] when there is none."""

@@ -18,8 +18,9 @@ Words (besides those of `vericache.spec.processors` and `vericache.spec.accept`)
   so a matcher never holds a token that is not verified or a live draft.
 
 Why xgrammar (benchmarks/grammar.py measures both engines on the model's tokenizer): its
-mask costs ~10 us a token against llguidance's ~150 us, and a mask is computed per draft
-step and per verify row; its compile (~15 ms a schema against ~4 ms) happens once a request.
+mask costs ~16 us a token against llguidance's ~110 us (p99 0.2 ms against 2.5 ms), and a
+mask is computed per draft step and per verify row; its compile (~30 ms a schema against
+~1 ms) happens once a request, and compiled grammars are cached by source.
 """
 
 from __future__ import annotations
