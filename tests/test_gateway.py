@@ -218,7 +218,7 @@ def test_response_format_json_schema(client):
     def ask(mode: str):
         return client.chat.completions.create(
             model=MODEL, messages=PERSON_ASK, max_tokens=N, temperature=0,
-            extra_body={"vericache": {"mode": mode}},
+            extra_body={"vericache": {"mode": mode, "draft_len": 4, "adaptive": False}},
             response_format={"type": "json_schema",
                              "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
 

@@ -67,16 +67,17 @@ class GrammarSpec:
 
         schema = self.schema if self.kind == "json_schema" else '{"type": "object"}'
         try:
-            g = xgr.Grammar.from_json_schema(schema, any_whitespace=False,
-                                             separators=SEPARATORS)
-        except Exception as e:  # noqa: BLE001 -- xgrammar reports bad schemas as RuntimeError
+            parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                                  separators=SEPARATORS)]
+            if self.prefix:
+                parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(self.prefix)}"))
+            if self.suffix:
+                parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(self.suffix)}"))
+        except Exception as e:  # noqa: BLE001 -- xgrammar reports bad input as RuntimeError
             why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", (str(e).strip() or "?").splitlines()[0])
             raise InvalidArgument(f"unsupported JSON schema: {why[:300]}",
                                   "response_format") from None
-        parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (self.prefix,)
-                 if t] + [g] + [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}")
-                                for t in (self.suffix,) if t]
-        return xgr.Grammar.concat(*parts) if len(parts) > 1 else g
+        return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
 
 
 @functools.lru_cache(maxsize=256)
