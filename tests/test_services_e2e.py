@@ -339,3 +339,33 @@ def test_penalties_and_logprobs_through_the_services(lm, client):
         extra_body={**proc, "top_k": 1, "ignore_eos": True,
                     "vericache": {"compressor": "snapkv", "draft_len": 4, "adaptive": False}})
     assert s.choices[0].text == ref.text
+
+
+def test_structured_output_through_the_services(client):
+    """The grammar (Sampling.grammar) reaches the drafter and the verifier: a json_schema
+    answer validates and equals the services' constrained full greedy answer (asked at the
+    same time). Tools are the gateway's (tests/test_gateway.py); a required call's grammar
+    travels the same way."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+
+    def ask(mode: str):
+        return client.chat.completions.create(
+            model="smollm2-135m-instruct", max_tokens=N, temperature=0,
+            messages=[{"role": "user", "content": "Give a person's name and age as a JSON object."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+            extra_body={"vericache": {"mode": mode, "compressor": "snapkv", "draft_len": 4,
+                                      "adaptive": False}})
+
+    with ThreadPoolExecutor(2) as pool:
+        r, full = pool.map(ask, ["vericache", "full"])
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), person)
+    assert text == full.choices[0].message.content
+    assert (r.usage.model_extra or {})["tokens_per_round"] > 1

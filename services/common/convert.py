@@ -5,6 +5,7 @@ lengths): a call over a limit is INVALID_ARGUMENT before any model work or alloc
 from __future__ import annotations
 
 from vericache.errors import InvalidArgument
+from vericache.spec.grammar import MAX_SOURCE_CHARS
 from vericache.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from vericache.spec.processors import Processing
 
@@ -69,7 +70,8 @@ def sampling(temperature: float, msg, vocab_size: int) -> Processing:
     p = Processing(temperature, msg.top_k, msg.top_p if msg.HasField("top_p") else 1.0,
                    msg.min_p, msg.presence_penalty, msg.frequency_penalty,
                    msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-                   dict(msg.logit_bias))
+                   dict(msg.logit_bias),
+                   bounded_str(msg.grammar, "grammar", MAX_SOURCE_CHARS))
     p.check_vocab(vocab_size)
     return p
 

@@ -12,6 +12,7 @@ from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.drafter import Drafter
+from vericache.spec.grammar import Grammars
 from vericache.store.codec import decode_deltas, decode_full, probs_to_bytes
 from vericache.store.keys import refresh_key, select_key
 
@@ -22,7 +23,7 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
         self.core = Drafter(svc.lm.runner, svc.lm.eos_token_ids, svc.store, svc.lm.model_id,
-                            svc.ledger)
+                            svc.ledger, Grammars.of(svc.lm))
         self.vocab = svc.lm.runner.vocab_size
 
     def Attach(self, req, context):

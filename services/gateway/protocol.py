@@ -6,10 +6,12 @@ acceptance_rate). Unknown request fields are ignored, as OpenAI-compatible serve
 Sampling: temperature, top_p, and vLLM's top_k, min_p, presence / frequency / repetition
 penalties and logit_bias (`vericache.spec.processors`), each range-checked (a 400 names the
 field); logprobs / top_logprobs are the raw model distribution's (vLLM's default), from
-full-KV logits. n (up to 8) runs n requests, choice i with seed + i. The OpenAI (and vLLM)
-fields this gateway does not implement yet (`NOT_YET`: response_format, tools, best_of, ...)
-are accepted only at their neutral values; any other value gets a 400 naming the field,
-never a 200 that silently ignored it.
+full-KV logits. n (up to 8) runs n requests, choice i with seed + i. response_format
+(json_object, json_schema) constrains the output to a grammar (`vericache.spec.grammar`);
+chat's tools and tool_choice follow `services.gateway.tools`. The OpenAI (and vLLM) fields
+this gateway does not implement yet (`NOT_YET`: functions, best_of, echo, ...; tools on
+completions) are accepted only at their neutral values; any other value gets a 400 naming the
+field, never a 200 that silently ignored it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from vericache.spec.grammar import GrammarSpec
 from vericache.spec.logprobs import MAX_TOP_LOGPROBS
 from vericache.spec.processors import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
 
@@ -33,16 +36,73 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str = Field("{}", description="the arguments, JSON text")
+
+
+class ToolCallMessage(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="a tool message's call")
 
     def text(self) -> str:
         """The content as one string (text parts are joined)."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(p.text for p in self.content)
+
+
+class JSONSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema",
+                                           description="the JSON schema; absent: any object")
+    strict: bool | None = Field(None, description="accepted either way: the schema is always "
+                                                  "enforced")
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def grammar(self) -> str:
+        """The grammar source (`vericache.spec.grammar`) it asks for ("": none)."""
+        if self.type == "text":
+            return ""
+        if self.type == "json_schema" and self.json_schema is not None \
+                and self.json_schema.schema_ is not None:
+            return GrammarSpec.json_schema(self.json_schema.schema_).source()
+        return GrammarSpec("json_object").source()
+
+
+class FunctionDef(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class StreamOptions(OpenAIModel):
@@ -76,10 +136,10 @@ MAX_CHOICES = 8  # n at most
 
 # field -> the values that ask for nothing (what clients send when the feature is off)
 NOT_YET: dict[str, tuple] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
     "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
+COMPLETIONS_NOT_YET: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",)}
 
 
 def _neutral(v, neutral: tuple) -> bool:
@@ -118,11 +178,12 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM's extension, 0..1: drop "
                                                              "tokens under min_p x the best's "
                                                              "probability")
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema"}}: the output follows the grammar (compact JSON)')
     # not implemented yet (see NOT_YET): only their neutral values are accepted
-    response_format: Any = Field(None, description='not supported yet: absent or {"type": "text"}')
-    tools: Any = Field(None, description="not supported yet: absent or []")
-    tool_choice: Any = Field(None, description='not supported yet: absent or "none"')
-    parallel_tool_calls: Any = Field(None, description="accepted (no tools are supported yet)")
+    parallel_tool_calls: Any = Field(None, description="accepted either way: at most one "
+                                                       "call per answer")
     functions: Any = Field(None, description="not supported yet: absent or []")
     function_call: Any = Field(None, description='not supported yet: absent or "none"')
     best_of: Any = Field(None, description="not supported yet: absent or 1")
@@ -174,6 +235,8 @@ class SamplingFields(OpenAIModel):
                                              "logit_bias") if getattr(self, n) is not None}
         if self.top_k is not None:
             out["top_k"] = max(0, self.top_k)  # -1 (vLLM) and 0 are both off
+        if self.response_format is not None:
+            out["grammar"] = self.response_format.grammar()
         return out
 
 
@@ -199,8 +262,33 @@ class ChatCompletionRequest(SamplingFields):
                                      description="0..20 most likely alternatives per token; "
                                                  "needs logprobs true")
     top_p: float | None = Field(None, gt=0, le=1, description="(0, 1]: nucleus sampling")
+    tools: list[Tool] | None = Field(None, description="functions the model may call "
+                                                       "(services.gateway.tools)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='none, auto (the default with tools), required, or {"type": '
+                          '"function", "function": {"name"}}: required and named calls are '
+                          "generated under the tool's parameters schema")
     user: str | None = None
     vericache: VeriCacheOptions | None = Field(None, description="VeriCache decoding settings")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if isinstance(v, NamedToolChoice) and v.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {v.function.name!r}, which is not in tools")
+        if v in ("auto", "required") and not tools:
+            raise ValueError(f"{v!r} needs tools")
+        return v
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named (the tool_choice in effect)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -247,6 +335,16 @@ class CompletionRequest(SamplingFields):
     top_p: float | None = Field(None, gt=0, le=1, description="(0, 1]: nucleus sampling")
     user: str | None = None
     vericache: VeriCacheOptions | None = Field(None, description="VeriCache decoding settings")
+    # chat only: on completions only their neutral values are accepted
+    tools: Any = Field(None, description="chat only: absent or []")
+    tool_choice: Any = Field(None, description='chat only: absent or "none"')
+
+    @field_validator(*COMPLETIONS_NOT_YET)
+    @classmethod
+    def _chat_only(cls, v, info: ValidationInfo):
+        if not _neutral(v, COMPLETIONS_NOT_YET[info.field_name]):
+            raise ValueError(f"{info.field_name} is supported on chat completions only")
+        return v
 
     def limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
@@ -299,9 +397,21 @@ def merge_usage(usages: list[UsageInfo]) -> UsageInfo:
         draft_len_mean=drafted / rounds if rounds else 0.0)
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -334,9 +444,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

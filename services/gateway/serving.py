@@ -9,6 +9,12 @@ that carries output tokens also carries VeriCache's extension `"vericache": {"to
 vericache/engine/generation.py; text: the token decoded alone, which may differ from the
 chunk's content where a character spans tokens or a stop string was cut). OpenAI clients
 ignore the extra field.
+
+Tools (`services.gateway.tools`): with tool_choice other than none, an answer that holds a
+call comes back as `message.tool_calls` with finish_reason "tool_calls". A stream with tools
+holds a choice's text back until it ends, then sends the call as OpenAI does (a delta with
+`tool_calls[index]` carrying id, type and name, then one with the arguments) or, when the
+answer holds no call, the text as one content delta.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
                                        CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, Delta, ErrorInfo, ModelCard,
-                                       ModelList, TopLogprob, UsageInfo, merge_usage)
+                                       ModelList, ToolCallDelta, ToolCallDeltaFunction,
+                                       ToolCallFunction, ToolCallOut, TopLogprob, UsageInfo,
+                                       merge_usage)
 from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
 from services.gateway.ready import NotReady, Readiness
-from vericache.model.tokenize import apply_chat, encode_text
+from services.gateway.tools import call_grammar, parse_calls, render, text_besides_calls
+from vericache.model.tokenize import apply_chat, encode_text, template_takes_tools
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
 from vericache.errors import (ContextTooLong, InvalidArgument, NotFound, ResourceExhausted,
@@ -85,6 +94,11 @@ def error_json(status: int, message: str, kind: str = "invalid_request_error",
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def chunks(c: dict | list[dict] | None) -> list[dict]:
+    """A chunk callback's answer as a list (it may hold one back, or send several)."""
+    return [] if c is None else c if isinstance(c, list) else [c]
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -112,8 +126,27 @@ class OpenAIServing:
                                 f"`{self.model_name}`")
 
     def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return apply_chat(self.engine.tokenizer, messages)
+        tok = self.engine.tokenizer
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] \
+            if req.tool_mode != "none" else None
+        messages = render([{"role": m.role, "content": m.text(),
+                            "tool_calls": [c.model_dump() for c in m.tool_calls or []]}
+                           for m in req.messages], tools, template_takes_tools(tok))
+        return apply_chat(tok, messages, tools)
+
+    @staticmethod
+    def _tools(req) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or []]
+
+    def _answer(self, req, text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
+        """A chat choice's message and finish reason: its tool call, when tools are on and
+        the answer holds one (see services.gateway.tools), else its text."""
+        calls = parse_calls(text, self._tools(req)) if req.tool_mode != "none" else []
+        if not calls or finish == "length":
+            return AssistantMessage(content=text), finish
+        return AssistantMessage(content=text_besides_calls(text), tool_calls=[ToolCallOut(
+            id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+            for c in calls]), "tool_calls"
 
     def _completion_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -148,6 +181,13 @@ class OpenAIServing:
         if req.ignore_eos is not None:
             over["ignore_eos"] = req.ignore_eos
         over.update(req.sampling_overrides())
+        mode = getattr(req, "tool_mode", "none")
+        if mode in ("required", "named"):
+            if over.get("grammar"):
+                raise InvalidArgument("response_format and a required tool call each fix the "
+                                      "output's grammar; send one", "tool_choice")
+            over["grammar"] = call_grammar(self._tools(req), req.tool_choice.function.name
+                                           if mode == "named" else None)
         over["logprobs"] = req.logprobs_n()
         if req.vericache is not None:
             over.update(req.vericache.model_dump(exclude_none=True))
@@ -309,10 +349,12 @@ class OpenAIServing:
             async with contextlib.aclosing(self._merged(streams, arrival)) as events:
                 async for i, ev in events:
                     if ev.text or ev.token_ids or ev.logprobs:  # logprobs go out with their token
-                        yield sse({**chunk(i, ev.text, None, ev.logprobs),
-                                   "vericache": {"tokens": self._tokens(ev)}})
+                        c = chunk(i, ev.text, None, ev.logprobs)
+                        if c is not None:  # None: held back (a chat stream with tools)
+                            yield sse({**c, "vericache": {"tokens": self._tokens(ev)}})
                     if ev.finish_reason:
-                        yield sse(chunk(i, "", ev.finish_reason, None))
+                        for c in chunks(chunk(i, "", ev.finish_reason, None)):
+                            yield sse(c)
                         usages[i] = UsageInfo(**(ev.usage or {}))
             if usage_chunk is not None:
                 yield sse(usage_chunk(merge_usage([usages[i] for i in sorted(usages)])))
@@ -337,25 +379,50 @@ class OpenAIServing:
         if not req.stream:
             outs, usage = await self._collect(streams, arrival, request)
             return ChatCompletionResponse(**head, usage=usage, choices=[
-                ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish,
+                ChatChoice(index=i, **dict(zip(("message", "finish_reason"),
+                                               self._answer(req, text, finish))),
                            logprobs=None if lps is None else self.chat_logprobs(lps))
                 for i, (text, finish, lps) in enumerate(outs)])
         extra = {"usage": None} if req.include_usage else {}
+        held: dict[int, tuple[list[str], list]] = {}  # with tools: per choice, text and logprobs
 
-        def chunk(i: int, text: str, finish: str | None, lps: list | None = None,
-                  delta: Delta | None = None) -> dict:
+        def tool_chunk(i: int, text: str, finish: str | None, lps: list | None = None):
+            """With tools: hold the choice's text back; at its end, its call or its text."""
+            got = held.setdefault(i, ([], []))
+            got[0].append(text)
+            got[1].extend(lps or [])
+            if finish is None:
+                return None
+            message, finish = self._answer(req, "".join(got[0]), finish)
+            lps = got[1] if req.logprobs else None
+            if message.tool_calls is None:
+                return [plain_chunk(i, message.content, None, lps), plain_chunk(i, "", finish)]
+            out = []
+            for n, c in enumerate(message.tool_calls):
+                out.append(plain_chunk(i, "", None, lps if n == 0 else None, Delta(tool_calls=[
+                    ToolCallDelta(index=n, id=c.id, type="function",
+                                  function=ToolCallDeltaFunction(name=c.function.name,
+                                                                 arguments=""))])))
+                out.append(plain_chunk(i, "", None, None, Delta(tool_calls=[ToolCallDelta(
+                    index=n, function=ToolCallDeltaFunction(arguments=c.function.arguments))])))
+            return out + [plain_chunk(i, "", finish)]
+
+        def plain_chunk(i: int, text: str, finish: str | None, lps: list | None = None,
+                        delta: Delta | None = None) -> dict:
             c = ChatCompletionChunk(**head, choices=[ChatChunkChoice(
                 index=i, delta=delta or Delta(content=text if text or not finish else None),
                 logprobs=None if lps is None else self.chat_logprobs(lps), finish_reason=finish)])
-            d = c.model_dump(exclude={"usage"})
-            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items()
-                                        if v is not None}
+            d = c.model_dump(exclude={"usage"}, exclude_none=True)
+            d["choices"][0].setdefault("finish_reason", None)
+            d["choices"][0].setdefault("logprobs", None)
             return {**d, **extra}
+
+        chunk = tool_chunk if req.tool_mode != "none" else plain_chunk
 
         def usage_chunk(u: UsageInfo) -> dict:
             return ChatCompletionChunk(**head, choices=[], usage=u).model_dump()
 
-        first = [chunk(i, "", None, None, Delta(role="assistant", content=""))
+        first = [plain_chunk(i, "", None, None, Delta(role="assistant", content=""))
                  for i in range(len(streams))]
         return self._streaming(self._sse(streams, arrival, first, chunk,
                                          usage_chunk if req.include_usage else None))

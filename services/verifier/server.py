@@ -14,6 +14,7 @@ from vericache.compress import make_compressor
 from vericache.engine.generation import EXACT
 from vericache.engine.verifier import Verifier
 from vericache.select import make_selection
+from vericache.spec.grammar import Grammars
 from vericache.store.codec import encode_deltas, encode_full, probs_from_bytes
 from vericache.store.keys import refresh_key, select_key
 from vericache.errors import InvalidArgument
@@ -24,7 +25,8 @@ pb, pb_grpc = load("verifier")
 class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
     def __init__(self, svc: ModelService):
         self.svc = svc
-        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id, svc.tier, svc.ledger)
+        self.core = Verifier(svc.lm.runner, svc.store, svc.lm.model_id, svc.tier, svc.ledger,
+                             Grammars.of(svc.lm))
         self.vocab = svc.lm.runner.vocab_size
 
     def Prefill(self, req, context):

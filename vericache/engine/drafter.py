@@ -6,7 +6,8 @@ Methods and when they are called:
 - `draft(batch)`: once per round for every drafting request together: k steps, one forward
   pass per step over all requests still drafting. A request stops early at EOS. Each step's
   logits are processed as the verifier will process that row (`vericache.spec.processors`:
-  the context holds the verified tokens and the drafts before it).
+  the context holds the verified tokens and the drafts before it; with a grammar, the mask
+  at the request's matcher, which takes each draft, `vericache.spec.grammar`).
 - `draft_ahead(batch)`: optional, while the round's drafts are being verified (staggered
   lanes): go on drafting after them as if every draft will be accepted, the drafter's own
   next token standing in for the verifier's bonus token. `commit` keeps these tokens as the
@@ -14,7 +15,7 @@ Methods and when they are called:
   guess, and throws them (and their KV) away otherwise. Greedy requests only.
 - `commit(rid, accepted, bonus, exact)`: once per round after verification: crop to the
   accepted tokens (and overwrite their KV with the exact KV when `exact` is given), queue
-  the unfed verified tokens.
+  the unfed verified tokens; roll the grammar's matcher back past the rejected drafts.
 - `apply_delta(rid, delta)`: when the verifier moved the request's kept set
   (`vericache.select`): overwrite the named slots of the prompt region with the entering
   tokens' K/V. Any time between rounds; the region is never cropped, so it touches no draft.
@@ -32,6 +33,7 @@ from vericache.engine.budget import Ledger
 from vericache.errors import InvalidArgument, NotFound
 from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
+from vericache.spec.grammar import Grammars, GrammarState, start_matcher
 from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
@@ -44,6 +46,7 @@ class DraftSession:
     seq_len: int  # verified tokens of the sequence, pending included
     sampling: Processing = GREEDY
     history: TokenHistory | None = None  # verified tokens the penalties read (None: none)
+    grammar: GrammarState | None = None  # matcher: verified tokens, then drafts (None: none)
     gen: torch.Generator = field(default_factory=torch.Generator)
     drafts: list[int] = field(default_factory=list)
     q: list[torch.Tensor | None] = field(default_factory=list)
@@ -63,10 +66,13 @@ class DraftOut:
 
 class Drafter:
     def __init__(self, runner: Runner, eos_token_ids: tuple[int, ...], store: ChunkStore | None = None,
-                 model_id: str = "", ledger: Ledger | None = None):
+                 model_id: str = "", ledger: Ledger | None = None,
+                 grammars: Grammars | None = None):
         """With a store, `attach_from_store` loads compressed chunks and the exact tail. With
-        a ledger, each session's cache (kept tokens + room) is charged to it on attach."""
+        a ledger, each session's cache (kept tokens + room) is charged to it on attach.
+        `grammars`: compiles the grammars of structured-output requests (None: refused)."""
         self.runner, self.eos = runner, eos_token_ids
+        self.grammars = grammars
         self.store, self.model_id = store, model_id
         self.ledger = ledger or Ledger(None, "")
         self.sessions: dict[str, DraftSession] = {}
@@ -100,8 +106,10 @@ class Drafter:
         if sampling.penalized:
             history = TokenHistory(prompt or [], self.runner.vocab_size, sampling)
             history.extend(pending)
+        matcher = start_matcher(self.grammars, sampling.grammar, pending)
         self.sessions[rid] = DraftSession(cache, list(pending), seq_len, sampling, history,
-                                          torch.Generator().manual_seed(seed), region=region)
+                                          matcher, torch.Generator().manual_seed(seed),
+                                          region=region)
 
     def apply_delta(self, rid: str, delta) -> None:
         """Write a `vericache.select.SelectionDelta` into the request's prompt region."""
@@ -168,7 +176,10 @@ class Drafter:
             logits = self.runner.forward([it for _, it in items if it is not None])
             for i, lg in zip(live, logits):
                 s = sess[i]
-                tok, q = choose(lg[-1], s.sampling, s.history, s.drafts + s.ahead, s.gen)
+                allowed = s.grammar.allowed() if s.grammar is not None else None
+                tok, q = choose(lg[-1], s.sampling, s.history, s.drafts + s.ahead, s.gen, allowed)
+                if s.grammar is not None:
+                    s.grammar.accept([tok])
                 getattr(s, into).append(tok)
                 if into == "drafts":
                     s.q.append(q)
@@ -184,6 +195,8 @@ class Drafter:
                 keep = s.carry[:k]
                 # the cache holds the carried drafts but the last; drop KV of those past k
                 s.cache.crop(s.len_before + max(0, len(keep) - 1))
+                if s.grammar is not None:
+                    s.grammar.rollback(len(s.carry) - len(keep))
                 s.drafts, s.carry = keep, []
                 s.q = [None] * len(keep)
             else:
@@ -231,6 +244,9 @@ class Drafter:
             s.drafts, s.q, s.ahead = [], [], []
             return
         s.ahead_wasted += len(s.ahead)
+        if s.grammar is not None:  # it took every draft and ahead draft; keep the verified
+            s.grammar.rollback(k + len(s.ahead) - accepted)
+            s.grammar.accept([] if bonus is None else [bonus])
         s.ahead = []
         if k:
             keep = min(accepted, k - 1)

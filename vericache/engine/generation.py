@@ -40,6 +40,7 @@ class GenParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str = ""  # structured output: a vericache.spec.grammar.GrammarSpec source ("": none)
     logprobs: int | None = None  # None: none; n: each token's logprob and its n top alternatives
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -68,7 +69,8 @@ class GenParams:
         self.sampling = Processing(self.temperature, self.top_k, self.top_p, self.min_p,
                                    self.presence_penalty, self.frequency_penalty,
                                    self.repetition_penalty,
-                                   {int(t): float(b) for t, b in self.logit_bias.items()})
+                                   {int(t): float(b) for t, b in self.logit_bias.items()},
+                                   self.grammar)
         if self.logprobs is not None:
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidArgument(f"logprobs asks for 0..{MAX_TOP_LOGPROBS} alternatives "

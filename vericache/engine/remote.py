@@ -50,7 +50,8 @@ def _sampling(p: Processing):
     """The `Sampling` message of a request's processing (the temperature travels apart)."""
     return vpb.Sampling(top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias))
+                        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
+                        grammar=p.grammar)
 
 
 def _logprob(m) -> TokenLogprob:

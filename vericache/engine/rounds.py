@@ -12,6 +12,7 @@ from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verdict, Verifier
 from vericache.spec.costmodel import CostModel
+from vericache.spec.grammar import Grammars
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.keys import select_key
 
@@ -31,8 +32,10 @@ class LocalBackends(Backends):
         `vericache.engine.kvtier.OffloadedTier`: offloaded). `drafter_store`: the drafter's
         view of the store when it differs from the verifier's (another link)."""
         self.lm, self.store, self.tier = lm, store, tier
-        self.verifier = Verifier(lm.runner, store, lm.model_id, tier)
-        self.drafter = Drafter(lm.runner, lm.eos_token_ids, drafter_store or store, lm.model_id)
+        self.grammars = Grammars.of(lm)  # both sides' (structured output)
+        self.verifier = Verifier(lm.runner, store, lm.model_id, tier, grammars=self.grammars)
+        self.drafter = Drafter(lm.runner, lm.eos_token_ids, drafter_store or store, lm.model_id,
+                               grammars=self.grammars)
         self._drafter_link = drafter_store is not None and store is not None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-attach") if async_attach else None
         self._attaching: dict[str, tuple[Future, list[int]]] = {}  # rid -> (load, tokens verified)

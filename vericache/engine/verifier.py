@@ -7,7 +7,9 @@ Methods and when they are called:
   and returns the first token (from full-KV logits) with the new compressed chunks.
 - `verify(batch)`: once per round for every verifying request together: ONE forward pass of
   [x_0, d_1..d_k] per request over its full KV; processes each row's logits
-  (`vericache.spec.processors`: row i's context is the generated tokens and d_1..d_i);
+  (`vericache.spec.processors`: row i's context is the generated tokens and d_1..d_i; with
+  a grammar, row i is masked at the matcher's position after d_1..d_i, `vericache.spec.grammar`,
+  and the matcher then takes only the emitted tokens);
   accepts by `vericache.spec.accept`; crops the cache to the accepted tokens. Returns a
   `Verdict` per request: (accepted, bonus) and, when the request asked, the raw logprobs of
   the emitted tokens (`vericache.spec.logprobs`).
@@ -40,6 +42,7 @@ from vericache.model.kvcache import KVCache
 from vericache.model.runner import Runner, SeqBatchItem
 from vericache.select.base import SelectionDelta, SelectionPolicy, SelectionState
 from vericache.spec.accept import greedy_accept, speculative_accept
+from vericache.spec.grammar import Grammars, GrammarState, start_matcher
 from vericache.spec.logprobs import TokenLogprob, token_logprobs
 from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose, process, target
 
@@ -70,6 +73,7 @@ class VerifySession:
     pending: list[int]  # [x_0]
     sampling: Processing = GREEDY
     history: TokenHistory | None = None  # what the penalties read (None: no penalties)
+    grammar: GrammarState | None = None  # matcher over the emitted tokens (None: no grammar)
     top_logprobs: int | None = None  # None: no logprobs; n: each emitted token's and n more
     gen: torch.Generator = field(default_factory=torch.Generator)
     selection: SelectionRecord | None = None
@@ -100,12 +104,15 @@ class PrefillOut:
 
 class Verifier:
     def __init__(self, runner: Runner, store: ChunkStore | None = None, model_id: str = "",
-                 tier: OffloadedTier | None = None, ledger: Ledger | None = None):
+                 tier: OffloadedTier | None = None, ledger: Ledger | None = None,
+                 grammars: Grammars | None = None):
         """With a store, prefill reuses cached prefixes and writes new chunks back. With a
         tier, the full KV is offloaded between rounds (None: resident). With a ledger, a
         resident session's full KV is charged to it before prefill allocates (an offloaded
-        one's copies live in host memory; its working copy is the scheduler's to bound)."""
+        one's copies live in host memory; its working copy is the scheduler's to bound).
+        `grammars`: compiles the grammars of structured-output requests (None: refused)."""
         self.runner, self.store, self.model_id = runner, store, model_id
+        self.grammars = grammars
         self.tier = tier
         self.ledger = ledger or Ledger(None, "")
         self.sessions: dict[str, VerifySession] = {}
@@ -157,9 +164,13 @@ class Verifier:
         gen = torch.Generator().manual_seed(seed)
         history = (TokenHistory(prompt_ids, self.runner.vocab_size, sampling)
                    if sampling.penalized else None)
-        first, _ = choose(pre.logits, sampling, history, (), gen)
+        matcher = start_matcher(self.grammars, sampling.grammar)
+        first, _ = choose(pre.logits, sampling, history, (), gen,
+                          matcher.allowed() if matcher is not None else None)
         if history is not None:
             history.extend([first])
+        if matcher is not None:
+            matcher.accept([first])
         first_lp = (token_logprobs(pre.logits[None], [first], top_logprobs)[0]
                     if top_logprobs is not None else None)
         chunks = (compress_prompt(compressor, pre, len(prompt_ids), chunk_size, first_chunk)
@@ -180,8 +191,9 @@ class Verifier:
                                                *pre.cache.view()))
             record.seconds += time.perf_counter() - t
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
-        self.sessions[rid] = VerifySession(cache, [first], sampling, history, top_logprobs, gen,
-                                           record, len(prompt_ids) + extra_capacity)
+        self.sessions[rid] = VerifySession(cache, [first], sampling, history, matcher,
+                                           top_logprobs, gen, record,
+                                           len(prompt_ids) + extra_capacity)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
 
     def take_deltas(self, rid: str) -> list[SelectionDelta]:
@@ -232,7 +244,8 @@ class Verifier:
         out = []
         for s, c, it, (_, drafts, q), lg in zip(sess, caches, items, batch, logits):
             k, drafts = len(drafts), list(drafts)
-            x = process(lg, s.sampling, s.history, drafts)  # [k + 1, V] processed logits
+            allowed = s.grammar.row_masks(drafts) if s.grammar is not None else None
+            x = process(lg, s.sampling, s.history, drafts, allowed)  # [k + 1, V] processed logits
             if s.sampling.greedy:
                 a, bonus = greedy_accept(drafts, x.argmax(dim=-1).tolist())
             else:
@@ -241,6 +254,8 @@ class Verifier:
             emitted = drafts[:a] + [bonus]
             if s.history is not None:
                 s.history.extend(emitted)
+            if s.grammar is not None:
+                s.grammar.accept(emitted)
             if s.selection is not None and k:
                 rec, t = s.selection, time.perf_counter()
                 rec.add(rec.policy.after_verify(rec.state, it.attn_votes, len(it.tokens), a, k,

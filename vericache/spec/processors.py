@@ -15,6 +15,9 @@ Words, defined once:
   under min_p x the largest probability), top_k (keep the k largest logits, ties kept),
   top_p (keep the most likely tokens whose mass reaches top_p), renormalised. A filter
   never drops the most likely token, so greedy (temperature 0) ignores the filters.
+- grammar mask: with a grammar (`Processing.grammar`, structured output), the tokens it allows
+  at the row (`vericache.spec.grammar`); `constrain` sets the processed logits of the others
+  to -inf, last, so greedy and the target distribution only ever choose allowed tokens.
 
 The drafter (its q) and the verifier (its p) process each row with its own context, so the
 speculative accept rule (`vericache.spec.accept`, itself unchanged) emits tokens distributed
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.errors import InvalidArgument
+from vericache.spec import grammar as grammars
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
@@ -48,6 +52,7 @@ class Processing:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    grammar: str = ""  # "": none; else a `vericache.spec.grammar.GrammarSpec` source
 
     def __post_init__(self):
         def bad(name: str, rule: str):
@@ -75,6 +80,8 @@ class Processing:
                 raise InvalidArgument(f"logit_bias maps token ids >= 0 to values in "
                                       f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] "
                                       f"(got {tok!r}: {b!r})", "logit_bias")
+        if self.grammar:
+            grammars.parse(self.grammar)  # an unknown or unsupported grammar fails here, named
 
     @property
     def greedy(self) -> bool:
@@ -175,23 +182,33 @@ def target(logits: torch.Tensor, p: Processing) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def constrain(x: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Processed logits [R, V] under a grammar mask (allowed [R, V] bool; None: no grammar)."""
+    if allowed is None:
+        return x
+    return x.masked_fill(~allowed.to(x.device), -math.inf)
+
+
 def process(logits: torch.Tensor, p: Processing, history: TokenHistory | None,
-            drafts: Sequence[int] = ()) -> torch.Tensor:
+            drafts: Sequence[int] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Processed logits of the raw logits [len(drafts) + 1, V] of a verify pass of
-    [x_0, d_1..d_k]: row i's context holds the generated tokens and d_1..d_i."""
+    [x_0, d_1..d_k]: row i's context holds the generated tokens and d_1..d_i; `allowed`: the
+    rows' grammar masks [k + 1, V] (`GrammarState.row_masks`)."""
     if not p.penalized or history is None:
-        return logits.float()
-    return penalize(logits, p, history.row_counts(drafts), history.prompt_mask)
+        return constrain(logits.float(), allowed)
+    return constrain(penalize(logits, p, history.row_counts(drafts), history.prompt_mask), allowed)
 
 
 def choose(logits: torch.Tensor, p: Processing, history: TokenHistory | None,
-           drafts: Sequence[int], gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+           drafts: Sequence[int], gen: torch.Generator,
+           allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
     """One position's token from its raw logits [V], its context holding every draft in
-    `drafts`: the argmax of the processed logits (greedy), or a sample of the target
-    distribution, returned with that distribution."""
+    `drafts` (and `allowed`: its grammar mask [1, V]): the argmax of the processed logits
+    (greedy), or a sample of the target distribution, returned with that distribution."""
     x = logits[None].float()
     if p.penalized and history is not None:
         x = penalize(x, p, history.counts_after(drafts)[None], history.prompt_mask)
+    x = constrain(x, allowed)
     if p.greedy:
         return int(torch.argmax(x[0])), None
     probs = target(x, p)[0]
