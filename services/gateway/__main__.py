@@ -17,7 +17,8 @@ from services.gateway.app import serve
 from services.gateway.ready import Readiness
 from vericache.cli.common import add_gen_args, add_model_args, env
 from services.common.auth import add_token_arg
-from vericache.cli.serve import access_policy, add_server_args, default_params, embedded_engine
+from vericache.cli.serve import (access_policy, add_server_args, default_params, embedded_engine,
+                                 quota_limits)
 from vericache.engine.api import Engine
 from vericache.errors import InvalidArgument, VeriCacheError
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         defaults = default_params(args)
         policy = access_policy(args)
+        quota = quota_limits(args)
         store = None
         if args.kvstore:
             from vericache.store.grpc_store import GrpcStore
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             store = GrpcStore.from_url(f"grpc://{args.kvstore}", token=args.internal_token or None)
         engine, readiness = build_engine(args)
         serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level,
-              store, policy, readiness)
+              store, policy, readiness, quota)
     except VeriCacheError as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2
