@@ -171,7 +171,21 @@ class SessionServicer:
             had = rid in self.core.sessions
             self.core.release(rid)
         self.svc.clock.forget(rid)
+        self.drop_request_keys(rid)
         return vpb.ReleaseResponse(released=had)
+
+    def drop_request_keys(self, rid: str) -> None:
+        """Delete the per-request values the verifier leaves for the drafter (the exact KV
+        of the last verified tokens, moves of the drafter's set): a request that ends between
+        the put and the read would leave them in the kvstore until its scratch TTL. Both
+        services do it on Release (either may be the one that answers last); never raises."""
+        from vericache.store.keys import refresh_key, select_key
+
+        for key in (refresh_key, select_key):
+            try:
+                self.svc.store.delete(key(rid))
+            except Exception:  # noqa: BLE001 -- releasing never fails on the store
+                pass
 
     def Health(self, req, context):
         from vericache._proto import load

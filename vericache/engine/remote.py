@@ -1,10 +1,14 @@
 """`Backends` over gRPC: the engine's rounds (`vericache.engine.rounds`) run against the
 drafter and verifier services exactly as against the in-process ones. Every call has a
-deadline; a failed call surfaces as the core's typed error."""
+deadline (`timeout_s`; Release and Health shorter ones of their own, at most `timeout_s`); a
+failed call surfaces as the core's typed error. Only Release and Health are retried (once, on
+UNAVAILABLE): Prefill, Attach, Draft, Verify and Commit change a session's state, so one that
+may have run is never sent twice — the request fails instead, and its sessions are released."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -24,6 +28,7 @@ vpb, vpb_grpc = load("verifier")
 dpb, dpb_grpc = load("drafter")
 # a Verify or Draft message with sampled distributions carries k x vocab float32s
 MODEL_MESSAGE_BYTES = 256 << 20
+RELEASE_TIMEOUT_S = 10.0
 # A restarted drafter or verifier is found again within 5 s (gRPC's default backoff grows
 # to 120 s, and calls fail fast as UNAVAILABLE until the next reconnect attempt).
 _OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
@@ -69,6 +74,7 @@ class RemoteBackends(Backends):
         self.drafter = dpb_grpc.DrafterStub(with_token(self._channels[0], token))
         self.verifier = vpb_grpc.VerifierStub(with_token(self._channels[1], token))
         self._moved: dict[str, bool] = {}  # rid -> the last Verify left a selection delta
+        self._releaser = ThreadPoolExecutor(4, thread_name_prefix="release")
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
@@ -132,13 +138,23 @@ class RemoteBackends(Backends):
         call(self.drafter.Commit, req, self.timeout, "drafter Commit")
 
     def release(self, g: Generation) -> None:
-        """Free both sides; never raises (a lost service frees its sessions by TTL)."""
+        """Free both sides, off the caller's thread (the engine ends the request at once; a
+        service that does not answer holds only a releaser thread, for its deadline); never
+        raises (a lost service frees its sessions by TTL)."""
         self._moved.pop(g.rid, None)
+        self._releaser.submit(self._release, g.rid)
+
+    def _release(self, rid: str) -> None:
+        """Release is idempotent: tried once more on UNAVAILABLE (a reset connection)."""
+        timeout = min(RELEASE_TIMEOUT_S, self.timeout)
         for stub in (self.drafter, self.verifier):
-            try:
-                stub.Release(vpb.ReleaseRequest(request_id=g.rid), timeout=10)
-            except grpc.RpcError:
-                pass
+            for attempt in (0, 1):
+                try:
+                    stub.Release(vpb.ReleaseRequest(request_id=rid), timeout=timeout)
+                    break
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        break
 
     def health(self, timeout_s: float = 2.0) -> dict[str, bool]:
         """Whether each service answers its Health now (never raises)."""
@@ -184,5 +200,6 @@ class RemoteBackends(Backends):
                  "verifier Release")
 
     def close(self) -> None:
+        self._releaser.shutdown(wait=True)
         for ch in self._channels:
             ch.close()
