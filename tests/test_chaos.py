@@ -141,6 +141,7 @@ def test_link_blackholed_then_reset(stack, refs, link):
     assert t0, "the link was never cut"
     _judge(o, ref)
     assert not o.completed, "a black-holed link still answered"
+    cut_error = o.errors[0]["error"]["message"] if o.errors else ""
     assert hang <= deadline + MARGIN_S, f"hung {hang:.1f} s past a {deadline} s deadline"
     after_blackhole = _until_success(stack, text, ref)
 
@@ -156,7 +157,7 @@ def test_link_blackholed_then_reset(stack, refs, link):
     left = wait_drained(stack)
     assert not any(left.values()), left
     print(f"\n{link}: black-holed, the request ended after {hang:.1f} s (deadline {deadline} s): "
-          f"{o.errors[:1] if o.errors else 'completed'}; success on attempt {after_blackhole} "
+          f"{cut_error!r}; success on attempt {after_blackhole} "
           f"after healing; reset {resets} connections: "
           f"{'completed' if o.completed else 'failed cleanly'}, success on attempt {after_reset}")
 

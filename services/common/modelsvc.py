@@ -31,7 +31,9 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
     p.add_argument("--host", default=env.get(f"VERICACHE_{up}_HOST", "0.0.0.0"),
                    help=f"address to bind (env VERICACHE_{up}_HOST, default 0.0.0.0)")
     p.add_argument("--kvstore", default=env.get("VERICACHE_KVSTORE", "127.0.0.1:50051"),
-                   help="kvstore service HOST:PORT, or a store URL such as memory:// "
+                   help="kvstore service HOST:PORT, or a store URL such as memory:// or "
+                        "grpc://HOST:PORT?timeout_s=S (the deadline of each kvstore call, "
+                        "default 60; idempotent, retried once on UNAVAILABLE) "
                         "(env VERICACHE_KVSTORE, default 127.0.0.1:50051)")
     p.add_argument("--link-gbps", type=float, default=float(env.get(f"VERICACHE_{up}_LINK_GBPS", 0)),
                    help=f"bandwidth of the link to the kvstore in Gbit/s, 0 = unlimited "

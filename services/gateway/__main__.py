@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kvstore", default=env("KVSTORE", None),
                    help="kvstore service HOST:PORT, for store metrics ($VERICACHE_KVSTORE)")
     g.add_argument("--rpc-timeout-s", type=float, default=float(env("RPC_TIMEOUT_S", 300)),
-                   help="deadline of each drafter/verifier call (default 300; $VERICACHE_RPC_TIMEOUT_S)")
+                   help="deadline of each drafter/verifier call, in seconds (Release and Health: at "
+                        "most 10 and 2); only the idempotent Release and Health are retried, "
+                        "once (default 300; $VERICACHE_RPC_TIMEOUT_S)")
     add_token_arg(g)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"),
                    help="logging level (default: WARNING; $VERICACHE_LOG_LEVEL)")
