@@ -190,7 +190,8 @@ def main(argv=None) -> int:
                 time.sleep(a.down_s)
                 stack.restart(kind)
                 t_up = time.monotonic()
-                rec = first_success_after(load, t_up, max(a.after_s, 60.0))
+                rec = first_success_after(load, t_up, max(a.after_s, min(
+                    60.0, a.budget_s - 60.0 * (len(kinds) - j) - (time.monotonic() - t_start))))
                 cycles.append({"restart_s": t_up - t_kill, "recovery_s": rec})
                 time.sleep(max(0.0, a.after_s - (rec or 0.0)))
             load.pause()
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
             recs = [(t, o) for ph, t, o in load.records if ph == kind]
             results.append(summarise(kind, recs, refs, cycles, leaked))
             print(json.dumps(results[-1]), flush=True)
+            _write(a, t_start, results, {})  # what is done so far, should the run be cut
     finally:
         if load is not None:
             load.stop()
@@ -207,18 +209,24 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 -- reported, the stack still stops
             stats = {"error": str(e)}
         stack.stop()
-    out = {"clients": a.clients, "max_tokens": a.max_tokens, "kills_per_fault": a.kills,
-           "down_s": a.down_s, "redis_maxmemory_mb": a.redis_maxmemory_mb,
-           "seconds": round(time.monotonic() - t_start, 1), "faults": results,
-           "kvstore_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
+    out = _write(a, t_start, results, stats, complete=True)
     print(_table(results))
     print(f"total {out['seconds']} s")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1))
     bad = sum(r["wrong_tokens"] + r["unverified_tokens"] + r["failed_unclean"] + r["leaked_sessions"]
               for r in results)
     return 1 if bad else 0
+
+
+def _write(a, t_start: float, results: list[dict], stats: dict, complete: bool = False) -> dict:
+    out = {"clients": a.clients, "max_tokens": a.max_tokens, "kills_per_fault": a.kills,
+           "down_s": a.down_s, "redis_maxmemory_mb": a.redis_maxmemory_mb,
+           "seconds": round(time.monotonic() - t_start, 1), "complete": complete,
+           "faults": results,
+           "kvstore_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return out
 
 
 def _table(results: list[dict]) -> str:

@@ -116,39 +116,44 @@ class Stack:
     session_ttl_s: float = 600.0
     gateway_args: list[str] = field(default_factory=list)
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
     net: dict[str, NetProxy] = field(default_factory=dict)
     redis: RedisServer | None = None
 
     def start(self) -> "Stack":
+        """Redis, then the four services side by side (each connects to the others lazily; the
+        gateway serves once the drafter and the verifier answer), up once /ready says so."""
         self.redis = RedisServer(self.redis_maxmemory_mb)
-        self._start("kvstore")
-        kv_port = self.procs["kvstore"].port
+        self.ports = {name: free_port() for name in ("kvstore", *MODEL_SERVICES)}
         if self.proxies:
-            self.net["kvstore"] = NetProxy(kv_port)
-        with ThreadPoolExecutor(2) as pool:  # the two models load side by side
-            for f in [pool.submit(self._start, name) for name in MODEL_SERVICES]:
+            for name in ("kvstore", *MODEL_SERVICES):
+                self.net[name] = NetProxy(self.ports[name])
+        with ThreadPoolExecutor(4) as pool:
+            for f in [pool.submit(self._start, name, self.ports.get(name))
+                      for name in ("kvstore", *MODEL_SERVICES, "gateway")]:
                 f.result()
-        if self.proxies:
-            for name in MODEL_SERVICES:
-                self.net[name] = NetProxy(self.procs[name].port)
-        self._start("gateway")
+        deadline = time.monotonic() + 300
+        while httpx.get(f"{self.gateway}/ready", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway is not ready:\n{self.logs()}")
+            time.sleep(0.5)
         return self
 
     def _args(self, name: str) -> tuple[list[str], object, float]:
+        def via(n: str) -> int:  # the port a client of service n connects to
+            return self.net[n].port if n in self.net else self.ports[n]
+
         if name == "kvstore":
             return (["--backend", f"redis://127.0.0.1:{self.redis.port}/0?prefix=chaos:&timeout_s=5"],
-                    _kvstore_ready, 30)
+                    _kvstore_ready, 60)
         if name in MODEL_SERVICES:
-            kv = self.net["kvstore"].port if "kvstore" in self.net else self.procs["kvstore"].port
-            return (["--kvstore", f"grpc://127.0.0.1:{kv}?timeout_s={self.store_timeout_s}",
+            return (["--kvstore", f"grpc://127.0.0.1:{via('kvstore')}?timeout_s={self.store_timeout_s}",
                      "--session-ttl-s", str(self.session_ttl_s), "--node-cache-mb", "0"],
-                    _model_ready(name), 180)
-        target = {n: (self.net[n].port if n in self.net else self.procs[n].port) for n in MODEL_SERVICES}
-        return (["--drafter", f"127.0.0.1:{target['drafter']}",
-                 "--verifier", f"127.0.0.1:{target['verifier']}",
-                 "--kvstore", f"127.0.0.1:{self.procs['kvstore'].port}",
+                    _model_ready(name), 300)
+        return (["--drafter", f"127.0.0.1:{via('drafter')}", "--verifier", f"127.0.0.1:{via('verifier')}",
+                 "--kvstore", f"127.0.0.1:{self.ports['kvstore']}",
                  "--max-tokens", str(self.max_tokens), "--rpc-timeout-s", str(self.rpc_timeout_s),
-                 "--schedule", "staggered", *self.gateway_args], _http_ready, 180)
+                 "--schedule", "staggered", *self.gateway_args], _http_ready, 300)
 
     def _start(self, name: str, port: int | None = None) -> ServiceProcess:
         args, ready, timeout = self._args(name)
