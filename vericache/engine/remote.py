@@ -3,10 +3,14 @@ drafter and verifier services exactly as against the in-process ones. Every call
 deadline (`timeout_s`; Release and Health shorter ones of their own, at most `timeout_s`); a
 failed call surfaces as the core's typed error. Only Release and Health are retried (once, on
 UNAVAILABLE): Prefill, Attach, Draft, Verify and Commit change a session's state, so one that
-may have run is never sent twice — the request fails instead, and its sessions are released."""
+may have run is never sent twice — the request fails instead, and its sessions are released.
+An Attach that finds a chunk evicted from the store (NOT_FOUND) does not fail the request: the
+verifier decodes it alone, in plain full-KV steps, so it still ends with the same tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,13 +21,14 @@ from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verdict
-from vericache.errors import Unavailable, VeriCacheError
+from vericache.errors import NotFound, Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
 from vericache.spec.logprobs import TokenLogprob
 from vericache.spec.processors import Processing
 from vericache.store.codec import probs_from_bytes, probs_to_bytes
 from vericache.store.grpc_store import RECONNECT_OPTIONS, STATUS_ERRORS
 
+log = logging.getLogger(__name__)
 vpb, vpb_grpc = load("verifier")
 dpb, dpb_grpc = load("drafter")
 # a Verify or Draft message with sampled distributions carries k x vocab float32s
@@ -92,12 +97,23 @@ class RemoteBackends(Backends):
         s.store_hits, s.store_bytes_read = out.store_hits, out.bytes_read
         s.store_bytes_written, s.store_s = out.bytes_written, out.store_seconds
         if spec:
-            att = call(self.drafter.Attach, dpb.AttachRequest(
-                request_id=g.rid, token_ids=g.prompt, first_token=out.first_token, compressor=spec,
-                chunk_size=p.chunk_size, tail_start=out.tail_start, temperature=p.temperature,
-                seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace,
-                apply_selection=out.selection_deltas > 0, sampling=_sampling(g.sampling)),
-                self.timeout, "drafter Attach")
+            try:
+                att = call(self.drafter.Attach, dpb.AttachRequest(
+                    request_id=g.rid, token_ids=g.prompt, first_token=out.first_token,
+                    compressor=spec, chunk_size=p.chunk_size, tail_start=out.tail_start,
+                    temperature=p.temperature, seed=g.seed + 1, extra_capacity=g.extra_capacity,
+                    namespace=p.namespace, apply_selection=out.selection_deltas > 0,
+                    sampling=_sampling(g.sampling)), self.timeout, "drafter Attach")
+            except NotFound as e:
+                if p.mode != "vericache":
+                    raise
+                # the store evicted a chunk the drafter needs (between the verifier's write
+                # and this read): the verifier alone decodes the request, plain full-KV steps
+                # (what `full` mode does), so it still completes with the same tokens
+                log.warning("%s: %s; decoding without drafts", g.rid, e)
+                g.params = dataclasses.replace(p, mode="full")
+                return Verdict(0, out.first_token, [_logprob(out.first_logprob)]
+                               if out.HasField("first_logprob") else None)
             s.store_hits += att.store_hits
             s.store_bytes_read += att.bytes_read
             s.store_s += att.seconds
