@@ -124,19 +124,23 @@ class Stack:
         """Redis, then the four services side by side (each connects to the others lazily; the
         gateway serves once the drafter and the verifier answer), up once /ready says so."""
         self.redis = RedisServer(self.redis_maxmemory_mb)
-        self.ports = {name: free_port() for name in ("kvstore", *MODEL_SERVICES)}
-        if self.proxies:
-            for name in ("kvstore", *MODEL_SERVICES):
-                self.net[name] = NetProxy(self.ports[name])
-        with ThreadPoolExecutor(4) as pool:
-            for f in [pool.submit(self._start, name, self.ports.get(name))
-                      for name in ("kvstore", *MODEL_SERVICES, "gateway")]:
-                f.result()
-        deadline = time.monotonic() + 300
-        while httpx.get(f"{self.gateway}/ready", timeout=10).status_code != 200:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway is not ready:\n{self.logs()}")
-            time.sleep(0.5)
+        try:
+            self.ports = {name: free_port() for name in ("kvstore", *MODEL_SERVICES)}
+            if self.proxies:
+                for name in ("kvstore", *MODEL_SERVICES):
+                    self.net[name] = NetProxy(self.ports[name])
+            with ThreadPoolExecutor(4) as pool:
+                for f in [pool.submit(self._start, name, self.ports.get(name))
+                          for name in ("kvstore", *MODEL_SERVICES, "gateway")]:
+                    f.result()
+            deadline = time.monotonic() + 300
+            while httpx.get(f"{self.gateway}/ready", timeout=10).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the gateway is not ready:\n{self.logs()}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _args(self, name: str) -> tuple[list[str], object, float]:
