@@ -31,7 +31,9 @@ def add_args(p: argparse.ArgumentParser, name: str, port: int) -> None:
     p.add_argument("--host", default=env.get(f"VERICACHE_{up}_HOST", "0.0.0.0"),
                    help=f"address to bind (env VERICACHE_{up}_HOST, default 0.0.0.0)")
     p.add_argument("--kvstore", default=env.get("VERICACHE_KVSTORE", "127.0.0.1:50051"),
-                   help="kvstore service HOST:PORT, or a store URL such as memory:// "
+                   help="kvstore service HOST:PORT, or a store URL such as memory:// or "
+                        "grpc://HOST:PORT?timeout_s=S (the deadline of each kvstore call, "
+                        "default 60; idempotent, retried once on UNAVAILABLE) "
                         "(env VERICACHE_KVSTORE, default 127.0.0.1:50051)")
     p.add_argument("--link-gbps", type=float, default=float(env.get(f"VERICACHE_{up}_LINK_GBPS", 0)),
                    help=f"bandwidth of the link to the kvstore in Gbit/s, 0 = unlimited "
@@ -171,7 +173,21 @@ class SessionServicer:
             had = rid in self.core.sessions
             self.core.release(rid)
         self.svc.clock.forget(rid)
+        self.drop_request_keys(rid)
         return vpb.ReleaseResponse(released=had)
+
+    def drop_request_keys(self, rid: str) -> None:
+        """Delete the per-request values the verifier leaves for the drafter (the exact KV
+        of the last verified tokens, moves of the drafter's set): a request that ends between
+        the put and the read would leave them in the kvstore until its scratch TTL. Both
+        services do it on Release (either may be the one that answers last); never raises."""
+        from vericache.store.keys import refresh_key, select_key
+
+        for key in (refresh_key, select_key):
+            try:
+                self.svc.store.delete(key(rid))
+            except Exception:  # noqa: BLE001 -- releasing never fails on the store
+                pass
 
     def Health(self, req, context):
         from vericache._proto import load

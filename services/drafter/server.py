@@ -84,15 +84,6 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         self._touch(orders)
         return pb.DraftAheadResponse(drafted=drafted, seconds=time.perf_counter() - t)
 
-    def Release(self, req, context):
-        out = super().Release(req, context)
-        for key in (refresh_key, select_key):
-            try:  # a request that ended right after a verification leaves its exact KV unread
-                self.svc.store.delete(key(request_id(req.request_id)))
-            except Exception:  # noqa: BLE001 -- releasing never fails on the store
-                pass
-        return out
-
     def _apply_selection(self, rid: str) -> None:
         """Apply the moves of the kept set the verifier left in the store (an evicted key
         only leaves the set where it was: drafting stays lossless either way)."""

@@ -17,7 +17,8 @@ from services.gateway.app import serve
 from services.gateway.ready import Readiness
 from vericache.cli.common import add_gen_args, add_model_args, env
 from services.common.auth import add_token_arg
-from vericache.cli.serve import access_policy, add_server_args, default_params, embedded_engine
+from vericache.cli.serve import (access_policy, add_server_args, default_params, embedded_engine,
+                                 quota_limits)
 from vericache.engine.api import Engine
 from vericache.errors import InvalidArgument, VeriCacheError
 
@@ -43,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kvstore", default=env("KVSTORE", None),
                    help="kvstore service HOST:PORT, for store metrics ($VERICACHE_KVSTORE)")
     g.add_argument("--rpc-timeout-s", type=float, default=float(env("RPC_TIMEOUT_S", 300)),
-                   help="deadline of each drafter/verifier call (default 300; $VERICACHE_RPC_TIMEOUT_S)")
+                   help="deadline of each drafter/verifier call, in seconds (Release and Health: at "
+                        "most 10 and 2); only the idempotent Release and Health are retried, "
+                        "once (default 300; $VERICACHE_RPC_TIMEOUT_S)")
     add_token_arg(g)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"),
                    help="logging level (default: WARNING; $VERICACHE_LOG_LEVEL)")
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         defaults = default_params(args)
         policy = access_policy(args)
+        quota = quota_limits(args)
         store = None
         if args.kvstore:
             from vericache.store.grpc_store import GrpcStore
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             store = GrpcStore.from_url(f"grpc://{args.kvstore}", token=args.internal_token or None)
         engine, readiness = build_engine(args)
         serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level,
-              store, policy, readiness)
+              store, policy, readiness, quota)
     except VeriCacheError as e:
         print(f"gateway: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.auth import AccessMiddleware, AccessPolicy
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.quota import QuotaLimits, QuotaMiddleware, Quotas
 from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
 from services.gateway.ready import Readiness
 from services.gateway.serving import OpenAIServing, error_json, error_response
@@ -71,11 +72,13 @@ class _CountResponses:
 def create_app(engine: Engine, served_model_name: str | None = None,
                defaults: GenParams | None = None, store=None,
                policy: AccessPolicy | None = None,
-               readiness: Readiness | None = None) -> FastAPI:
+               readiness: Readiness | None = None,
+               quota: QuotaLimits | None = None) -> FastAPI:
     """The gateway over `engine`; the engine itself is closed by whoever created it. With a
     `store` (the kvstore client), /metrics also shows the store's own counters. `policy`:
     API keys, tenant namespaces and the body limit (default: no keys, 2 MiB bodies).
-    `readiness`: started with the app and stopped with it (default: one over `engine`)."""
+    `readiness`: started with the app and stopped with it (default: one over `engine`).
+    `quota`: per-API-key limits (`services.gateway.quota`; default: none)."""
     readiness = readiness or Readiness(engine)
     metrics = GatewayMetrics(engine, store)
     serving = OpenAIServing(engine, served_model_name, defaults, metrics, readiness)
@@ -92,6 +95,9 @@ def create_app(engine: Engine, served_model_name: str | None = None,
                   description="OpenAI-compatible API over lossless compressed-KV speculative "
                               "decoding", lifespan=lifespan)
     app.state.serving, app.state.metrics, app.state.readiness = serving, metrics, readiness
+    app.state.quotas = Quotas(quota or QuotaLimits())
+    if app.state.quotas.limits.enabled:  # inside the access check: the key is authenticated
+        app.add_middleware(QuotaMiddleware, quotas=app.state.quotas)
     app.add_middleware(AccessMiddleware, policy=policy or AccessPolicy())
     app.add_middleware(_CountResponses, metrics=metrics)
     app.add_exception_handler(RequestValidationError, lambda r, e: _validation_error(e))
@@ -172,9 +178,10 @@ class _Server(uvicorn.Server):
 
 def serve(engine: Engine, host: str, port: int, served_model_name: str | None = None,
           defaults: GenParams | None = None, log_level: str = "warning", store=None,
-          policy: AccessPolicy | None = None, readiness: Readiness | None = None) -> None:
+          policy: AccessPolicy | None = None, readiness: Readiness | None = None,
+          quota: QuotaLimits | None = None) -> None:
     """Run the gateway until SIGINT/SIGTERM, then close the engine."""
-    app = create_app(engine, served_model_name, defaults, store, policy, readiness)
+    app = create_app(engine, served_model_name, defaults, store, policy, readiness, quota)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=5)
     try:

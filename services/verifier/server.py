@@ -50,6 +50,8 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                     bitwise=req.exact == "bitwise")
             deltas = self.core.take_deltas(rid)
         moved = self._put_deltas(rid, deltas)
+        if moved and rid not in self.core.sessions:  # released while the put ran
+            self.drop_request_keys(rid)
         self.svc.clock.touch(rid, time.monotonic())
         tr = out.transfer
         return pb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
@@ -87,6 +89,9 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         for rid, sp in spans.items():  # outside the lock: the store's link may be slow
             self.svc.store.put(refresh_key(rid), encode_full(sp.k, sp.v, start=sp.start))
         moved = {rid: self._put_deltas(rid, d) for rid, d in deltas.items()}
+        for rid, _, _ in batch:  # released while this put ran: Release's delete may be past
+            if rid not in self.core.sessions and (rid in spans or moved[rid]):
+                self.drop_request_keys(rid)
         now = time.monotonic()
         for rid, _, _ in batch:
             self.svc.clock.touch(rid, now)

@@ -57,6 +57,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", 2 << 20)),
                    help="largest HTTP request body; larger ones get 413 "
                         "(default: 2097152; $VERICACHE_MAX_BODY_BYTES)")
+    q = p.add_argument_group("quotas per API key (see services/gateway/quota.py; 429 with "
+                             "Retry-After past them; without API keys all callers share one)")
+    q.add_argument("--max-concurrent-per-key", type=int,
+                   default=int(env("MAX_CONCURRENT_PER_KEY", 0)),
+                   help="completion requests one key may have in flight; 0 = unlimited "
+                        "(default: 0; $VERICACHE_MAX_CONCURRENT_PER_KEY)")
+    q.add_argument("--tokens-per-minute-per-key", type=int,
+                   default=int(env("TOKENS_PER_MINUTE_PER_KEY", 0)),
+                   help="prompt + completion tokens one key may use in any 60 s; 0 = unlimited "
+                        "(default: 0; $VERICACHE_TOKENS_PER_MINUTE_PER_KEY)")
 
 
 def add_parser(sub) -> None:
@@ -92,6 +102,18 @@ def access_policy(args):
         raise InvalidArgument(str(e), "api_key") from None
 
 
+def quota_limits(args):
+    """The gateway's per-key QuotaLimits from the quota flags (bad ones fail before the model
+    loads)."""
+    from services.gateway.quota import QuotaLimits
+    from vericache.errors import InvalidArgument
+
+    try:
+        return QuotaLimits(args.max_concurrent_per_key, args.tokens_per_minute_per_key)
+    except ValueError as e:
+        raise InvalidArgument(str(e), "max_concurrent_per_key") from None
+
+
 def embedded_engine(args):
     """Load the model and start a BatchEngine over it."""
     from vericache.engine.batch import BatchEngine
@@ -120,7 +142,8 @@ def run(args) -> int:
 
     defaults = default_params(args)
     policy = access_policy(args)
+    quota = quota_limits(args)
     engine = embedded_engine(args)
     serve(engine, args.host, args.port, args.served_model_name, defaults, args.log_level,
-          policy=policy)
+          policy=policy, quota=quota)
     return 0

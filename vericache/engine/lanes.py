@@ -40,7 +40,7 @@ from vericache.engine.generation import Generation
 from vericache.engine.rounds import commit_outcomes, draft_phase, start, verify_phase
 from vericache.engine.scheduler import (DONE, DRAFT_LANE, DRAFTING, PREFILL, VERIFY_LANE, VERIFYING,
                                         WAITING, Job, Scheduler)
-from vericache.errors import VeriCacheError
+from vericache.errors import Unavailable, VeriCacheError
 from vericache.spec.costmodel import CostModel
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,9 @@ class LaneRunner:
         self._running: dict[Future, Job] = {}
         self._overlapped: dict[Job, bool] = {}  # running verify job -> a draft job overlapped it
         self._ending: dict[str, str | None] = {}  # ends waiting for an ahead job on the rid
+        # rid -> why: its ahead job found the drafter unavailable (or past its deadline); its
+        # next draft job fails it at once instead of waiting out a second deadline
+        self._doomed: dict[str, str] = {}
         self.waiting = 0  # requests not admitted yet (read from any thread)
         self.admitted = 0
         self.kv_in_use = (0, 0)  # (drafter, verifier) bytes charged to the budgets
@@ -223,6 +226,8 @@ class LaneRunner:
         if job.kind == "ahead":  # it changes no state; ends it held back go ahead now
             if e is not None:
                 log.warning("drafting ahead failed (the next draft job reports it): %s", e)
+                if isinstance(e, Unavailable):
+                    self._doomed.update({rid: failure_reason(e) for rid in job.rids})
             self.sched.done(job)
             for rid, why in [(r, w) for r, w in self._ending.items() if r in job.rids]:
                 del self._ending[rid]
@@ -246,7 +251,7 @@ class LaneRunner:
             self.sched.remove(rid)
         self.sched.forget(rid)
         self._cancelled.discard(rid)
-        for d in (self._drafts, self._outcomes, self._drafted):
+        for d in (self._drafts, self._outcomes, self._drafted, self._doomed):
             d.pop(rid, None)
         self.backends.release(g)
         self._count()
@@ -278,8 +283,12 @@ class LaneRunner:
                     res.failed[g.rid] = (str(e) if isinstance(e, VeriCacheError)
                                          else f"internal error: {type(e).__name__}")
         elif job.kind == "draft":
+            for g in gens:
+                if g.rid in self._doomed:
+                    res.failed[g.rid] = self._doomed.pop(g.rid)
+            gens = [g for g in gens if g.rid not in res.failed]
             commit_outcomes(self.backends, gens, self._outcomes)
-            out = draft_phase(self.backends, gens, self.costs)
+            out = draft_phase(self.backends, gens, self.costs) if gens else {}
             self._drafted.update({rid: len(d.tokens) for rid, d in out.items()})
             self._drafts.update(out)
         elif job.kind == "ahead":

@@ -1,10 +1,18 @@
 """`Backends` over gRPC: the engine's rounds (`vericache.engine.rounds`) run against the
 drafter and verifier services exactly as against the in-process ones. Every call has a
-deadline; a failed call surfaces as the core's typed error."""
+deadline (`timeout_s`; Release and Health shorter ones of their own, at most `timeout_s`); a
+failed call surfaces as the core's typed error. Only Release and Health are retried (once, on
+UNAVAILABLE): Prefill, Attach, Draft, Verify and Commit change a session's state, so one that
+may have run is never sent twice — the request fails instead, and its sessions are released.
+An Attach that finds a chunk evicted from the store (NOT_FOUND) does not fail the request: the
+verifier decodes it alone, in plain full-KV steps, so it still ends with the same tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -13,17 +21,19 @@ from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verdict
-from vericache.errors import Unavailable, VeriCacheError
+from vericache.errors import NotFound, Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
 from vericache.spec.logprobs import TokenLogprob
 from vericache.spec.processors import Processing
 from vericache.store.codec import probs_from_bytes, probs_to_bytes
 from vericache.store.grpc_store import RECONNECT_OPTIONS, STATUS_ERRORS
 
+log = logging.getLogger(__name__)
 vpb, vpb_grpc = load("verifier")
 dpb, dpb_grpc = load("drafter")
 # a Verify or Draft message with sampled distributions carries k x vocab float32s
 MODEL_MESSAGE_BYTES = 256 << 20
+RELEASE_TIMEOUT_S = 10.0
 # A restarted drafter or verifier is found again within 5 s (gRPC's default backoff grows
 # to 120 s, and calls fail fast as UNAVAILABLE until the next reconnect attempt).
 _OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
@@ -81,6 +91,7 @@ class RemoteBackends(Backends):
         self._plain: dict[str, list[int]] = {}  # rid -> plain-step bonuses not yet sent
         self._drafted: dict[str, bool] = {}  # rid -> this round carried drafts
         self._refresh: dict[str, bool] = {}  # rid -> this round's Verify kept exact KV
+        self._releaser = ThreadPoolExecutor(4, thread_name_prefix="release")
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
@@ -98,12 +109,23 @@ class RemoteBackends(Backends):
         s.store_hits, s.store_bytes_read = out.store_hits, out.bytes_read
         s.store_bytes_written, s.store_s = out.bytes_written, out.store_seconds
         if spec:
-            att = call(self.drafter.Attach, dpb.AttachRequest(
-                request_id=g.rid, token_ids=g.prompt, first_token=out.first_token, compressor=spec,
-                chunk_size=p.chunk_size, tail_start=out.tail_start, temperature=p.temperature,
-                seed=g.seed + 1, extra_capacity=g.extra_capacity, namespace=p.namespace,
-                apply_selection=out.selection_deltas > 0, sampling=_sampling(g.sampling)),
-                self.timeout, "drafter Attach")
+            try:
+                att = call(self.drafter.Attach, dpb.AttachRequest(
+                    request_id=g.rid, token_ids=g.prompt, first_token=out.first_token,
+                    compressor=spec, chunk_size=p.chunk_size, tail_start=out.tail_start,
+                    temperature=p.temperature, seed=g.seed + 1, extra_capacity=g.extra_capacity,
+                    namespace=p.namespace, apply_selection=out.selection_deltas > 0,
+                    sampling=_sampling(g.sampling)), self.timeout, "drafter Attach")
+            except NotFound as e:
+                if p.mode != "vericache":
+                    raise
+                # the store evicted a chunk the drafter needs (between the verifier's write
+                # and this read): the verifier alone decodes the request, plain full-KV steps
+                # (what `full` mode does), so it still completes with the same tokens
+                log.warning("%s: %s; decoding without drafts", g.rid, e)
+                g.params = dataclasses.replace(p, mode="full")
+                return Verdict(0, out.first_token, [_logprob(out.first_logprob)]
+                               if out.HasField("first_logprob") else None)
             s.store_hits += att.store_hits
             s.store_bytes_read += att.bytes_read
             s.store_s += att.seconds
@@ -158,14 +180,24 @@ class RemoteBackends(Backends):
         call(self.drafter.Commit, req, self.timeout, "drafter Commit")
 
     def release(self, g: Generation) -> None:
-        """Free both sides; never raises (a lost service frees its sessions by TTL)."""
+        """Free both sides, off the caller's thread (the engine ends the request at once; a
+        service that does not answer holds only a releaser thread, for its deadline); never
+        raises (a lost service frees its sessions by TTL)."""
         for state in (self._moved, self._plain, self._drafted, self._refresh):
             state.pop(g.rid, None)
+        self._releaser.submit(self._release, g.rid)
+
+    def _release(self, rid: str) -> None:
+        """Release is idempotent: tried once more on UNAVAILABLE (a reset connection)."""
+        timeout = min(RELEASE_TIMEOUT_S, self.timeout)
         for stub in (self.drafter, self.verifier):
-            try:
-                stub.Release(vpb.ReleaseRequest(request_id=g.rid), timeout=10)
-            except grpc.RpcError:
-                pass
+            for attempt in (0, 1):
+                try:
+                    stub.Release(vpb.ReleaseRequest(request_id=rid), timeout=timeout)
+                    break
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        break
 
     def health(self, timeout_s: float = 2.0) -> dict[str, bool]:
         """Whether each service answers its Health now (never raises)."""
@@ -211,5 +243,6 @@ class RemoteBackends(Backends):
                  "verifier Release")
 
     def close(self) -> None:
+        self._releaser.shutdown(wait=True)
         for ch in self._channels:
             ch.close()

@@ -25,8 +25,10 @@ loads it layer by layer while computing, then writes the accepted tokens' KV bac
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +37,7 @@ from vericache.compress.base import CompressedChunk, Compressor, KVSpan
 from vericache.engine.budget import Ledger
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
-from vericache.errors import InvalidArgument, NotFound
+from vericache.errors import InvalidArgument, NotFound, VeriCacheError
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
 from vericache.model.kvcache import KVCache
@@ -45,6 +47,8 @@ from vericache.spec.accept import greedy_accept, speculative_accept
 from vericache.spec.grammar import Grammars, GrammarState, start_matcher
 from vericache.spec.logprobs import TokenLogprob, token_logprobs
 from vericache.spec.processors import GREEDY, Processing, TokenHistory, choose, process, target
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +106,13 @@ class PrefillOut:
     first_logprob: TokenLogprob | None = None  # when asked for (top_logprobs set)
 
 
+def _drop_quietly(store: ChunkStore, key: str) -> None:
+    try:
+        store.delete(key)
+    except VeriCacheError as e:  # its TTL drops it then
+        log.info("could not drop %s: %s", key, e)
+
+
 class Verifier:
     def __init__(self, runner: Runner, store: ChunkStore | None = None, model_id: str = "",
                  tier: OffloadedTier | None = None, ledger: Ledger | None = None,
@@ -117,6 +128,12 @@ class Verifier:
         self.ledger = ledger or Ledger(None, "")
         self.sessions: dict[str, VerifySession] = {}
         self._exact: dict[str, KVSpan] = {}  # rid -> exact KV of its last verified tokens
+        # rid -> the store key of the exact tail its prefill wrote for the drafter: a drafter
+        # attach reads and deletes it; a request that ends before that (its drafter down or
+        # never reached) would leave it in the store until a TTL, so release deletes it too
+        self._tails: dict[str, str] = {}
+        self._dropper = (ThreadPoolExecutor(1, thread_name_prefix="tail-drop")
+                         if store is not None else None)
 
     def _get(self, rid: str) -> VerifySession:
         try:
@@ -177,6 +194,8 @@ class Verifier:
                   if compressor else [])
         if pc is not None:
             pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, rid if save_tail else None, stats)
+            if save_tail:
+                self._tails[rid] = pc.tail_key(rid)
         record = None
         if selection is not None:
             t = time.perf_counter()
@@ -278,6 +297,11 @@ class Verifier:
         return self._exact.pop(rid, None)
 
     def release(self, rid: str) -> None:
+        """Free the request's session; its exact tail, if a drafter never read it, leaves the
+        store off this thread (a store that does not answer must not hold the caller)."""
         self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
+        tail = self._tails.pop(rid, None)
+        if tail is not None:
+            self._dropper.submit(_drop_quietly, self.store, tail)
         self.ledger.refund(rid)

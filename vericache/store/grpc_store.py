@@ -8,6 +8,12 @@ link's: link_bytes_sent, link_bytes_received, link_seconds (time inside transfer
 link_wait_seconds (of it, time the bandwidth cap slept), link_pieces_sent/received and
 link_max_piece_bytes. gRPC status codes map back to the core's typed errors here, once.
 `token` (the services' internal token, never part of the URL) goes with every call.
+
+Every call has a deadline (`timeout_s`, default 60). Every KVStore call is idempotent (a key
+names its value: a Put of a key writes the same bytes again, a Delete of a gone key is a
+no-op), so a call that fails UNAVAILABLE — the connection was reset, or the kvstore had just
+restarted — is tried once more with a fresh deadline; DEADLINE_EXCEEDED is not retried (the
+time is spent), so a link that does not answer holds a caller at most `timeout_s`.
 """
 
 from __future__ import annotations
@@ -70,11 +76,17 @@ class GrpcStore(ChunkStore):
         return cls(f"{parts.hostname}:{parts.port}", gbps=p.get("gbps"),
                    timeout_s=p.get("timeout_s", 60.0), token=token)
 
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise typed_error(e, self.target) from None
+    def _call(self, method, request, make_request=None):
+        """`method(request)` under the deadline, once more on UNAVAILABLE (`make_request`
+        builds the request again where it is an iterator)."""
+        for attempt in (0, 1):
+            try:
+                return method(request, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise typed_error(e, self.target) from None
+                if make_request is not None:
+                    request = make_request()
 
     def _piece(self, nbytes: int, sent: bool) -> None:
         if self.bucket is not None:
@@ -101,7 +113,7 @@ class GrpcStore(ChunkStore):
 
         t0 = time.perf_counter()
         try:
-            self._call(self._stub.Put, requests())
+            self._call(self._stub.Put, requests(), requests)
         finally:
             self._spent(t0)
 
@@ -109,15 +121,18 @@ class GrpcStore(ChunkStore):
         check_key(key)
         t0 = time.perf_counter()
         try:
-            parts = []
-            for reply in self._stub.Get(self._pb.GetRequest(key=key), timeout=self.timeout_s):
-                self._piece(len(reply.data), sent=False)
-                parts.append(reply.data)
-            return parts[0] if len(parts) == 1 else b"".join(parts)  # one copy, not two
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise typed_error(e, self.target) from None
+            for attempt in (0, 1):
+                try:
+                    parts = []
+                    for reply in self._stub.Get(self._pb.GetRequest(key=key), timeout=self.timeout_s):
+                        self._piece(len(reply.data), sent=False)
+                        parts.append(reply.data)
+                    return parts[0] if len(parts) == 1 else b"".join(parts)  # one copy, not two
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        return None
+                    if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise typed_error(e, self.target) from None
         finally:
             self._spent(t0)
 
