@@ -50,6 +50,10 @@ class KVCache:
             return
         cap = max(need, 2 * self.capacity)
         self.pool = None
+        with torch.inference_mode(False):  # a normal tensor, whoever grows it
+            self._grow(cap)
+
+    def _grow(self, cap: int) -> None:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
@@ -108,6 +112,12 @@ class KVPool:
     [S, Hkv, capacity, D], the batch of keys one attention call reads."""
 
     def __init__(self, caches: list[KVCache], capacity: int):
+        # the runner pools inside its inference mode: the pool must stay a normal tensor, one
+        # the engine may write in place later (a drafter's refresh)
+        with torch.inference_mode(False):
+            self._fill(caches, capacity)
+
+    def _fill(self, caches: list[KVCache], capacity: int) -> None:
         c0 = caches[0]
         layers, hkv, d = c0.num_layers, c0.k.shape[1], c0.k.shape[3]
         self.size = len(caches)
