@@ -6,8 +6,13 @@ over them, so that
 - the KV cache is preallocated and written in place (`KVCache`), never concatenated;
 - a pass of L > 1 new tokens (prefill, verification) reads each layer's cache once for all
   L queries and all query heads of a KV group (GQA folded into the query rows);
-- several sequences run in one pass: projections and MLPs over the concatenated tokens,
-  attention per sequence over its own cache (sequences of any length, no padding);
+- several sequences run in one pass: projections and MLPs over the concatenated tokens, and
+  one attention call (torch SDPA) per layer for all of them: their caches sit side by side
+  in a `KVPool` (made when the pass's set of caches changes, so a steady batch is copied
+  once), each sequence's rows padded to the longest (decode 1, verify k + 1, a prefill
+  chunk), masks for the ragged lengths. Items that ask for votes take the explicit-score
+  path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
+  call of their own per layer;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
   before keys are stored, so dropped tokens leave no gap to fix;
 - a sliding-window layer masks keys older than pos - window + 1: by slot in a dense cache
