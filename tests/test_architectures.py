@@ -340,26 +340,28 @@ def test_one_pass_for_a_ragged_batch(name, positions, tmp_path):
         k, v = c.view()
         return KVCache.from_tensors(k.clone(), v.clone(), 2, pos=torch.arange(c.length))
 
-    def items(caches, lens):
-        return [SeqBatchItem(s[c.length: c.length + n], torch.arange(c.length, c.length + n), c, "all")
-                for s, c, n in zip(seqs, caches, lens)]
+    def items(caches, order, lens):
+        return [SeqBatchItem(seqs[i][caches[i].length: caches[i].length + n],
+                             torch.arange(caches[i].length, caches[i].length + n), caches[i], "all")
+                for i, n in zip(order, lens)]
 
     ref = [cache(s[:p]) for s, p in zip(seqs, pasts)]
     got = [cache(s[:p]) for s, p in zip(seqs, pasts)]
-    for lens in (news, [1, 1, 1, 1], [1, 3, 2]):  # the last: sequence 3 finished
-        n = len(lens)
-        want = [r.forward([it])[0] for it in items(ref[:n], lens)]
-        out = r.forward(items(got[:n], lens))
-        assert len({id(c.pool) for c in got[:n]}) == 1 and got[0].pool.size == n
-        for w, o, a, b in zip(want, out, ref, got):
-            assert o.shape == w.shape and a.length == b.length
-            assert float((o - w).abs().max()) <= 1e-4 * float(w.abs().max()), (name, lens)
-            assert torch.allclose(a.view()[0], b.view()[0], atol=1e-5)
-            assert torch.allclose(a.view()[1], b.view()[1], atol=1e-5)
+    # (sequences in pass order, their new tokens): the same set reversed reads the same pool;
+    # the last pass, sequence 3 finished, pools anew
+    for order, lens in (([0, 1, 2, 3], news), ([3, 2, 1, 0], [2, 1, 1, 1]), ([0, 1, 2], [1, 3, 2])):
+        want = [r.forward([it])[0] for it in items(ref, order, lens)]
+        out = r.forward(items(got, order, lens))
+        assert len({id(got[i].pool) for i in order}) == 1 and got[0].pool.size == len(order)
+        for i, w, o in zip(order, want, out):
+            assert o.shape == w.shape and ref[i].length == got[i].length
+            assert float((o - w).abs().max()) <= 1e-4 * float(w.abs().max()), (name, order, lens)
+            assert torch.allclose(ref[i].view()[0], got[i].view()[0], atol=1e-5)
+            assert torch.allclose(ref[i].view()[1], got[i].view()[1], atol=1e-5)
         got[1].k[:, :, :2] = got[1].k[:, :, :2].clone()  # written in place (a drafter's refresh)
         if lens == news:
             first = got[0].pool
-        elif n == 4:
+        elif len(order) == 4:
             assert got[0].pool is first  # the same batch: no copy
         else:
             assert got[0].pool is not first  # another batch: a pool of its own
