@@ -9,8 +9,10 @@ exported with `git archive` to a temporary folder and run in a subprocess of thi
 `after` is this checkout. Both run the same measurement, one after the other:
 
 - a decode step: B sequences, one new token each, in one pass (the pass full decoding runs
-  for B requests), caches of `ctx` tokens (copies of one prefilled cache of a built-in
-  prompt) and of `--short` tokens; time per step = the median of --steps greedy steps;
+  for B requests), caches of `ctx` tokens (copies of one cache: a built-in prompt's first 512
+  tokens prefilled, their KV tiled to `ctx`; a real 8k prefill takes minutes here and the
+  step's time does not depend on the values) and of `--short` tokens; time per step = the
+  median of --steps greedy steps (the first dropped);
 - decode attention's KV read rate = B * (ctx - short) * KV bytes per token / (step at ctx -
   step at short): the time the step spends on the context it reads;
 - full decode tokens/s = B / step at ctx;
@@ -55,14 +57,25 @@ def read_bandwidth(threads: int) -> float:
         torch.set_num_threads(before)
 
 
-def _caches(lm, ids: list[int], batch: int, room: int) -> list:
+def _prefill(lm, ids: list[int], real: int = 512):
+    """A cache of len(ids) tokens: the KV of the first `real` tokens (prefilled), tiled. A
+    step's time does not depend on the values it reads, and a real 8k prefill costs minutes
+    on this CPU; every point's caches are copies of this one's prefix."""
     from vericache.model.kvcache import KVCache
 
     r = lm.runner
-    c = r.new_cache(len(ids))
-    for s in range(0, len(ids), 1024):
-        r.step(ids[s:s + 1024], s, c, logits="none")
+    c = r.new_cache(real)
+    r.step(ids[:real], 0, c, logits="none")
     k, v = c.view()
+    reps = -(-len(ids) // real)
+    return KVCache.from_tensors(k.repeat(1, 1, reps, 1)[:, :, :len(ids)],
+                                v.repeat(1, 1, reps, 1)[:, :, :len(ids)])
+
+
+def _caches(base, n: int, batch: int, room: int) -> list:
+    from vericache.model.kvcache import KVCache
+
+    k, v = base.view(0, n)
     return [KVCache.from_tensors(k, v, room) for _ in range(batch)]
 
 
@@ -80,19 +93,13 @@ def _steps(lm, caches: list, first: list[int], steps: int) -> list[float]:
     return times
 
 
-def measure(batch: int, ctx: int, short: int, steps: int, one_thread_attention: bool = False) -> dict:
-    from vericache.bench.prompts import builtin_prompts
-    from vericache.model import load_model
-
-    lm = load_model(None, dtype="float32")
-    if one_thread_attention:  # a small pass's attention keeps the pass's one thread
-        lm.runner.attn_threads_bytes = 1 << 62
-    ids = builtin_prompts(lm.tokenizer, 1, ctx + 64)[0].ids[:ctx]
+def measure(lm, base, ids: list[int], batch: int, ctx: int, short: int, steps: int) -> dict:
+    """One point: `batch` sequences at `ctx` and at `short` tokens (copies of `base`)."""
     kvt = lm.runner.kv_bytes_per_token()
     bw = {t: read_bandwidth(t) for t in (1, 2)}
     per = {}
     for n in (short, ctx):
-        caches = _caches(lm, ids[:n], batch, steps + 1)
+        caches = _caches(base, n, batch, steps + 1)
         per[n] = statistics.median(_steps(lm, caches, [ids[n - 1]] * batch, steps)[1:])
         del caches
     bw_after = {t: read_bandwidth(t) for t in (1, 2)}
@@ -103,34 +110,35 @@ def measure(batch: int, ctx: int, short: int, steps: int, one_thread_attention: 
             "step_s": per[ctx], "step_s_short": per[short], "kv_bytes_read": kv,
             "kv_read_gb_s": kv / attn_s / 1e9, "read_gb_s": {"before": bw, "after": bw_after},
             "peak_read_gb_s": peak, "kv_read_share_of_peak": kv / attn_s / 1e9 / peak,
-            "decode_tok_s": batch / per[ctx], "torch_threads": torch.get_num_threads(),
-            "one_thread_attention": one_thread_attention}
+            "decode_tok_s": batch / per[ctx], "torch_threads": torch.get_num_threads()}
 
 
-def profile(ctx: int, batch: int = 16) -> None:
+def profile(lm, base, ids: list[int], ctx: int, batch: int = 16) -> str:
+    """A torch.profiler table of one batch-`batch` decode step at `ctx`, and its call counts."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
+    caches = _caches(base, ctx, batch, 4)
+    _steps(lm, caches, [ids[-1]] * batch, 1)  # pools the caches
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        _steps(lm, caches, [ids[-1]] * batch, 1)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    return (prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14) +
+            f"\none batch-{batch} decode step at {ctx}: "
+            f"{calls.get('aten::scaled_dot_product_attention', 0)} SDPA calls, "
+            f"{calls.get('aten::mm', 0)} mm, {calls.get('aten::linear', 0)} linear "
+            f"({lm.runner.num_layers} layers)")
+
+
+def _worker(args, variants: bool = False) -> list[dict]:
     from vericache.bench.prompts import builtin_prompts
     from vericache.model import load_model
 
     lm = load_model(None, dtype="float32")
-    ids = builtin_prompts(lm.tokenizer, 1, ctx + 64)[0].ids[:ctx]
-    caches = _caches(lm, ids, batch, 4)
-    _steps(lm, caches, [ids[-1]] * batch, 1)  # pools the caches
-    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
-        _steps(lm, caches, [ids[-1]] * batch, 1)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
-    calls = {e.key: e.count for e in prof.key_averages()}
-    print(f"one batch-{batch} decode step at {ctx}: "
-          f"{calls.get('aten::scaled_dot_product_attention', 0)} SDPA calls, "
-          f"{calls.get('aten::mm', 0)} mm, {calls.get('aten::linear', 0)} linear "
-          f"({lm.runner.num_layers} layers)")
-
-
-def _worker(args, variants: bool = False) -> list[dict]:
-    out = [measure(b, args.ctx, args.short, args.steps) for b in args.batches]
-    if variants and args.compare_threads:
-        out += [measure(b, args.ctx, args.short, args.steps, True) for b in args.batches]
+    ids = builtin_prompts(lm.tokenizer, 1, args.ctx + 64)[0].ids[:args.ctx]
+    base = _prefill(lm, ids)
+    out = [measure(lm, base, ids, b, args.ctx, args.short, args.steps) for b in args.batches]
+    if variants and args.profile:
+        print(profile(lm, base, ids, args.ctx))
     return out
 
 
@@ -148,13 +156,12 @@ def _baseline_dir(ref: str, tmp: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16", help="comma list of batch sizes (default 1,16)")
-    ap.add_argument("--ctx", type=int, default=8192, help="context tokens of each sequence")
+    ap.add_argument("--ctx", type=int, default=8000, help="context tokens of each sequence "
+                    "(default 8000: 8k, with room for the steps in the default model's 8192)")
     ap.add_argument("--short", type=int, default=64, help="the short context the step is taken off")
     ap.add_argument("--steps", type=int, default=6, help="decode steps per point (the first is dropped)")
     ap.add_argument("--baseline", default=None, help="git ref of the 'before' runner "
                     "(default: merge base of HEAD and main); 'none' skips it")
-    ap.add_argument("--compare-threads", action="store_true", help="also measure the after "
-                    "side with a small pass's attention on one thread (ATTN_THREADS_BYTES off)")
     ap.add_argument("--profile", action="store_true", help="profile a batch-16 step (after)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -172,7 +179,9 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker", "--batches", ",".join(map(str, args.batches)),
                    "--ctx", str(args.ctx), "--short", str(args.short), "--steps", str(args.steps)]
             env = {**os.environ, "PYTHONPATH": tmp}
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"the baseline worker failed:\n{res.stderr[-4000:]}")
             line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")][-1]
             out["before"] = {"ref": sha, "points": json.loads(line[7:])}
     head = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "HEAD"], text=True).strip()
@@ -180,19 +189,15 @@ def main() -> None:
     print(f"{'':8}{'batch':>6}{'ctx':>6}{'step s':>9}{'KV GB/s':>9}{'peak GB/s':>10}{'share':>7}{'tok/s':>8}")
     for side in ("before", "after"):
         for p in out.get(side, {}).get("points", []):
-            label = side + ("/1t" if p.get("one_thread_attention") else "")
-            print(f"{label:8}{p['batch']:>6}{p['ctx']:>6}{p['step_s']:>9.4f}{p['kv_read_gb_s']:>9.2f}"
+            print(f"{side:8}{p['batch']:>6}{p['ctx']:>6}{p['step_s']:>9.4f}{p['kv_read_gb_s']:>9.2f}"
                   f"{p['peak_read_gb_s']:>10.2f}{p['kv_read_share_of_peak']:>7.0%}{p['decode_tok_s']:>8.2f}")
     if "before" in out:
         out["speedup"] = {str(a["batch"]): a["decode_tok_s"] / b["decode_tok_s"]
-                          for a, b in zip(out["after"]["points"], out["before"]["points"])
-                          if not a["one_thread_attention"]}
+                          for a, b in zip(out["after"]["points"], out["before"]["points"])}
         print("decode tok/s after / before:", {k: round(v, 2) for k, v in out["speedup"].items()})
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2))
-    if args.profile:
-        profile(args.ctx)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,6 @@ __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # CI machine from a lane thread, 1 thread took 59 / 127 / 183 / 293 ms at 1 / 4 / 16 / 33
 # tokens against 87 / 206 / 266 / 312 ms with 2, and 2 threads win from 64 tokens on.
 SMALL_PASS_ROWS = 48
-# ... but its attention call takes the caller's threads back when one layer's call reads at
-# least this many bytes of K and V: reading the KV is bound by memory, not by the skinny
-# products, and (measured, benchmarks/attention.py) two threads read it faster.
-ATTN_THREADS_BYTES = 8 << 20
 
 
 @dataclass
@@ -78,8 +74,6 @@ class _Plan:
     positions: torch.Tensor | None  # [B, Lq] rows' positions (caches with positions)
     write_slot: torch.Tensor | None  # [Tp] the batch row each new K/V goes to (a pool)
     write_pos: torch.Tensor  # [Tp] the cache slot it goes to
-    kv_bytes: int = 0  # K and V bytes one layer's call reads
-    threads: int | None = None  # intra-op threads for the attention call (None: the pass's)
 
 
 def _activation(name: str):
@@ -114,7 +108,6 @@ class Runner:
         self.final_softcap = w.final_softcap
         self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
         self.windowed = bool(self.windows)  # caches with positions matter only then
-        self.attn_threads_bytes = ATTN_THREADS_BYTES
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -254,7 +247,7 @@ class Runner:
             return self._forward(items)
         torch.set_num_threads(1)
         try:
-            return self._forward(items, attn_threads=threads)
+            return self._forward(items)
         finally:
             torch.set_num_threads(threads)
 
@@ -313,15 +306,12 @@ class Runner:
             for w in self.windows:
                 lo = max(0, int((past_t[slot_t] - w + 1).min()))
                 masks[w] = (lo, mask_for(lo, w))
-        kv_bytes = 2 * B * (hi - min(lo for lo, _ in masks.values())) * self.num_kv_heads * \
-            self.head_dim * self.embed.element_size()
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
         return _Plan(group, pool, caches[0] if pool is None else None, B, lq, slot_t, src, pad,
                      in_order, hi, masks, positions,
                      slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
-                     torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev),
-                     kv_bytes)
+                     torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev))
 
     def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
@@ -354,22 +344,14 @@ class Runner:
             old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
-        if p.threads:
-            torch.set_num_threads(p.threads)
-        try:
-            out = F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi], cv[:, :, lo: p.hi],
-                                                 attn_mask=mask, scale=self.scale)
-        finally:
-            if p.threads:
-                torch.set_num_threads(1)
+        out = F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi], cv[:, :, lo: p.hi],
+                                             attn_mask=mask, scale=self.scale)
         out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)
         return out if p.in_order else out[p.pad]
 
     @torch.inference_mode()
-    def _forward(self, items: list[SeqBatchItem], attn_threads: int | None = None
-                 ) -> list[torch.Tensor | None]:
-        """The pass (`attn_threads`: the intra-op threads a small pass's attention may take back
-        when it reads at least ATTN_THREADS_BYTES of KV; its matrix products keep one). Attention: the items whose caches one pool can hold (plain caches, no
+    def _forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        """The pass. Attention: the items whose caches one pool can hold (plain caches, no
         votes asked) in one call per layer (`_batch_plan`); any other cache (the offloaded
         tier's working copies) in a call of its own per layer; items that ask for votes on the
         explicit-score path (`_attend`), which returns each key's attention mass."""
@@ -401,9 +383,6 @@ class Runner:
         rest = [i for i in range(len(items)) if not items[i].votes]
         groups = [rest] if rest and KVPool.poolable([items[i].cache for i in rest]) else [[i] for i in rest]
         plans = [self._batch_plan(gr, items, lens, pasts, starts) for gr in groups]
-        for p in plans:
-            if attn_threads and p.kv_bytes >= self.attn_threads_bytes:
-                p.threads = attn_threads
         masks = {i: self._masks(items[i], lens[i], pasts[i]) for i in explicit}
         captures = [(it, s0, L) for it, s0, L in zip(items, starts, lens) if it.capture_q is not None]
         one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
