@@ -4,8 +4,7 @@ gateway -> verifier, drafter and verifier -> kvstore). The contract everywhere: 
 completes with the full-greedy tokens, or emits a prefix of them and then fails cleanly (an
 OpenAI error, or an SSE error chunk then [DONE]); no token is unverified; no session is left.
 
-- chaos: 4 streaming clients while the drafter, then the verifier, is SIGKILLed and started
-  again (benchmarks/chaos.py is the long run: 16 clients, every service and Redis, repeatedly);
+- chaos: 4 streaming clients while the drafter is SIGKILLed and started again (benchmarks/chaos.py is the long run: 16 clients, every service and Redis, repeatedly);
 - degraded links: each link black-holed and reset mid-stream. Deadlines (short here, through
   the existing flags: the gateway's --rpc-timeout-s, the store URL's timeout_s) bound the
   longest hang: a stream ends within its deadline plus MARGIN_S (a correctness bound: the
@@ -79,7 +78,9 @@ def _until_success(stack, text, ref, within_s: float = 60.0) -> int:
         time.sleep(0.5)
 
 
-def test_chaos_drafter_and_verifier_killed_under_load(stack, refs):
+def test_chaos_drafter_killed_under_load(stack, refs):
+    """The drafter SIGKILLed and started again under 4 streaming clients (the verifier's
+    restart is tests/test_faults.py's; benchmarks/chaos.py kills every service, repeatedly)."""
     outcomes, stop = [], threading.Event()
 
     def client(i):
@@ -96,7 +97,7 @@ def test_chaos_drafter_and_verifier_killed_under_load(stack, refs):
     for t in threads:
         t.start()
     try:
-        for victim in ("drafter", "verifier"):
+        for victim in ("drafter",):
             time.sleep(1.0)
             stack.kill(victim)
             stack.restart(victim)

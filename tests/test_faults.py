@@ -122,7 +122,7 @@ def test_redis_flushed_answers_stay_identical(lm, stack):
     assert stream(gw.port, LONG, n=16) == (ref, [], True)
 
 
-@pytest.mark.parametrize("victim", ["verifier", "drafter", "kvstore"])
+@pytest.mark.parametrize("victim", ["verifier", "kvstore"])  # the drafter: tests/test_chaos.py, under load
 def test_service_killed_mid_stream_then_restarted(lm, stack, victim):
     gw, dead = stack["gateway"], stack[victim]
     ref = _ref(lm, QUESTION)

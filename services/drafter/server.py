@@ -51,7 +51,8 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
             if len(it.plain_tokens) > MAX_PLAIN_TOKENS:
                 raise InvalidArgument(f"{len(it.plain_tokens)} plain_tokens, at most {MAX_PLAIN_TOKENS}",
                                       "plain_tokens")
-            token_list(it.plain_tokens, self.vocab, "plain_tokens")
+            if it.plain_tokens:
+                token_list(it.plain_tokens, self.vocab, "plain_tokens")
         return [(it.request_id, it.k) for it in items]
 
     def _feed_plain(self, req) -> None:

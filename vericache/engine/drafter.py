@@ -123,12 +123,15 @@ class Drafter:
         if valid.any() and int(delta.slots[valid].max()) >= s.region:
             raise InvalidArgument(f"selection delta writes slot {int(delta.slots[valid].max())} "
                                   f"outside the prompt region ({s.region} slots)", "selection")
-        row = (torch.arange(L)[:, None, None] * H + torch.arange(H)[None, :, None]) * cap
-        lin = (row + delta.slots)[valid].to(c.k.device)
-        c.k.view(L * H * cap, D)[lin] = delta.k[valid].to(c.k.device, c.k.dtype)
-        c.v.view(L * H * cap, D)[lin] = delta.v[valid].to(c.v.device, c.v.dtype)
+        # (layer, head, slot) indices, not a flattened view: a pooled cache is a strided view
+        # (`vericache.model.kvcache.KVPool`)
+        layer = torch.arange(L)[:, None, None].expand_as(delta.slots)[valid].to(c.k.device)
+        head = torch.arange(H)[None, :, None].expand_as(delta.slots)[valid].to(c.k.device)
+        slot = delta.slots[valid].to(c.k.device)
+        c.k[layer, head, slot] = delta.k[valid].to(c.k.device, c.k.dtype)
+        c.v[layer, head, slot] = delta.v[valid].to(c.v.device, c.v.dtype)
         if c.pos is not None:
-            c.pos.view(L * H * cap)[lin] = delta.positions[valid].to(c.pos.device)
+            c.pos[layer, head, slot] = delta.positions[valid].to(c.pos.device)
 
     def load_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
                         tail_start: int, namespace: str = ""
