@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from chaos_stack import Stack, references, stream_chat, wait_drained  # noqa: E402
+from chaos_stack import Stack, deleting_keys, references, stream_chat, wait_drained  # noqa: E402
 
 MODULES = ("json/decoder.py", "argparse.py", "textwrap.py", "json/encoder.py", "csv.py",
            "string.py")
@@ -42,28 +41,12 @@ def phase(stack: Stack, name: str, texts: list[str], refs: dict, rounds: int, cl
     r = stack.redis.client()
     r.config_resetstat()
     before = stack.store_stats()
-    stop, rng = threading.Event(), random.Random(0)
-
-    def evictor():
-        while not stop.is_set():
-            keys = list(r.scan_iter(count=1000))
-            if keys:
-                r.delete(*rng.sample(keys, max(1, len(keys) // 2)))
-            time.sleep(0.05)
-
-    t = threading.Thread(target=evictor, daemon=True)
-    if evict:
-        t.start()
     order = [text for _ in range(rounds) for text in texts]
     t0 = time.monotonic()
-    try:
+    with deleting_keys(r) if evict else nullcontext():
         with ThreadPoolExecutor(clients) as pool:
             outs = list(pool.map(lambda text: (text, stream_chat(stack.gateway, text, max_tokens,
                                                                  timeout=300)), order))
-    finally:
-        stop.set()
-        if evict:
-            t.join()
     seconds = time.monotonic() - t0
     after = stack.store_stats()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]

@@ -15,10 +15,13 @@ Used by tests/test_chaos.py and benchmarks/chaos.py (which puts tests/ on sys.pa
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -310,6 +313,28 @@ def references(lm, texts: list[str], max_tokens: int) -> dict[str, list[int]]:
 
     return {t: generate(lm, apply_chat(lm.tokenizer, [{"role": "user", "content": t}]),
                         GenParams(mode="full", max_tokens=max_tokens)).token_ids for t in texts}
+
+
+@contextmanager
+def deleting_keys(redis_client, period_s: float = 0.05, seed: int = 0):
+    """While inside: every `period_s`, half the keys of the Redis behind the kvstore, picked at
+    random, are deleted (keys vanish between longest_prefix and get, during an attach)."""
+    stop, rng = threading.Event(), random.Random(seed)
+
+    def evictor():
+        while not stop.is_set():
+            keys = list(redis_client.scan_iter(count=1000))
+            if keys:
+                redis_client.delete(*rng.sample(keys, max(1, len(keys) // 2)))
+            time.sleep(period_s)
+
+    t = threading.Thread(target=evictor, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def wait_drained(stack: Stack, timeout_s: float = 15.0) -> dict[str, int]:

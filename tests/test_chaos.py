@@ -15,14 +15,13 @@ OpenAI error, or an SSE error chunk then [DONE]); no token is unverified; no ses
 
 from __future__ import annotations
 
-import random
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from chaos_stack import Stack, references, stream_chat, wait_drained
+from chaos_stack import Stack, deleting_keys, references, stream_chat, wait_drained
 
 pytestmark = pytest.mark.slow
 N = 8
@@ -188,26 +187,10 @@ def test_store_pressure_recomputes_never_wrong(stack, refs):
     assert evicted > 0, "the store was never under pressure"
     assert r.info("memory")["used_memory"] <= 40 << 20
 
-    # keys vanish while requests run (between longest_prefix and get, during an attach)
-    stop = threading.Event()
-    rng = random.Random(0)
-
-    def evictor():
-        while not stop.is_set():
-            keys = list(r.scan_iter(count=1000))
-            if keys:
-                r.delete(*rng.sample(keys, max(1, len(keys) // 2)))
-            time.sleep(0.05)
-
-    t = threading.Thread(target=evictor, daemon=True)
-    t.start()
     outs = []
-    try:
+    with deleting_keys(r):  # keys vanish between longest_prefix and get, during an attach
         for text in LONG + LONG:
             outs.append((text, stream_chat(stack.gateway, text, N, timeout=120)))
-    finally:
-        stop.set()
-        t.join()
     for text, o in outs:
         _judge(o, refs[text])
     after = stack.store_stats()
