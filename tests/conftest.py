@@ -13,13 +13,21 @@ import pytest
 from service_process import ServiceProcess, start_service
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+# One torch thread a process: the suite runs two workers (`-n 2`) on two cores, and every
+# service it starts is a process of its own. Two threads each oversubscribe the cores: two
+# concurrent 1.2k-token generations took 21 s each at two threads, 7.7 s at one. Services
+# inherit this; OMP_NUM_THREADS=N in the environment overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
 def lm():
     """The default model (SmolLM2-135M-Instruct), fp32 on CPU: the lossless reference."""
+    import torch
+
     from vericache.model.loader import load_model
 
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     return load_model(None, dtype="float32", device="cpu")
 
 

@@ -14,7 +14,7 @@ C = 256
 
 @pytest.fixture(scope="module")
 def prefilled(lm, prompts):
-    ids = prompts["long"]
+    ids = prompts["long"][:1300]  # five chunks and a tail
     return ids, prefill(lm.runner, ids, 8, C, window=16)
 
 
@@ -91,17 +91,28 @@ def test_snapkv_kivi_combines_both(prefilled):
     assert chunks[0].nbytes() < snap.compress(KVSpan(*pre.cache.view(0, C), 0, pre.obs_q[0])).nbytes() / 4
 
 
+@pytest.fixture(scope="module")
+def two_prompts(lm, prompts):
+    """Prefills of two prompts that share the first 512 tokens and differ after, one pair per
+    observation window (compressors with the same window share it)."""
+    base = prompts["long"][:512]
+    a, b = base + prompts["code"], base + prompts["json"] + prompts["code"]
+    memo: dict[int, tuple] = {}
+
+    def get(window: int):
+        if window not in memo:
+            memo[window] = prefill(lm.runner, a, 0, C, window), prefill(lm.runner, b, 0, C, window)
+        return memo[window]
+
+    return get
+
+
 @pytest.mark.parametrize("spec", ["identity", "streamingllm", "snapkv", "kivi", "snapkv-kivi"])
-def test_prefix_causal(lm, prompts, spec):
+def test_prefix_causal(two_prompts, spec):
     """A chunk compresses the same whatever follows it: compress it from two prompts that
     share the first 512 tokens and differ after."""
-    base = prompts["long"][:512]
-    a = base + prompts["code"]
-    b = base + prompts["json"] + prompts["code"]
     comp = make_compressor(spec)
-    w = comp.observation_window
-    pa = prefill(lm.runner, a, 0, C, w)
-    pb = prefill(lm.runner, b, 0, C, w)
+    pa, pb = two_prompts(comp.observation_window)
     for i in range(2):
         ca = comp.compress(KVSpan(*pa.cache.view(i * C, (i + 1) * C), i * C, pa.obs_q.get(i)))
         cb = comp.compress(KVSpan(*pb.cache.view(i * C, (i + 1) * C), i * C, pb.obs_q.get(i)))

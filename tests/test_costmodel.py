@@ -161,7 +161,7 @@ def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends, run_round, start
 
-    ids = prompts["long"][:1200]
+    ids = prompts["long"][:700]
     ref = generate(lm, ids, GenParams(mode="full", max_tokens=40, ignore_eos=True))
     b = LocalBackends(lm)
     g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,

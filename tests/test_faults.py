@@ -29,7 +29,7 @@ from vericache.engine.local import generate
 pytestmark = pytest.mark.slow
 N = 40
 QUESTION = "Write a Python function that checks whether a number is prime, with a docstring."
-LONG = "Summarise this list in one sentence: " + ", ".join(f"item {i}" for i in range(200))
+LONG = "Summarise this list in one sentence: " + ", ".join(f"item {i}" for i in range(120))
 PREFIX = f"vericache-faults-{uuid.uuid4().hex[:8]}:"
 
 

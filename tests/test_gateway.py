@@ -237,15 +237,37 @@ def _call(message) -> tuple[str, dict]:
     return c.function.name, json.loads(c.function.arguments)
 
 
+def test_a_forced_call_is_read_as_it_arrives():
+    """`CallStream`: the name once it is complete, then the arguments' text up to the brace
+    that closes them (braces inside strings, escaped quotes and nesting included), whatever
+    the pieces; text that is no call yields nothing."""
+    from services.gateway.tools import CallStream
+
+    args = {"city": 'Pa"ris}', "x": [1, {"a": "{"}]}
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(args)}}}\n</tool_call>'
+    for step in (1, 2, 5, len(text)):
+        c, out = CallStream(), []
+        for i in range(0, len(text), step):
+            out += c.feed(text[i:i + step])
+        assert out[0] == ("name", "get_weather") and c.done, (step, out)
+        assert {k for k, _ in out[1:]} == {"arguments"}
+        assert json.loads("".join(p for _, p in out[1:])) == args
+    c = CallStream()
+    assert c.feed("The weather in Paris is") == [] and c.name is None
+
+
 def test_tools_named_required_streamed_and_auto(client):
-    """A named call and a required one (streamed: its deltas reassemble into one call) parse
-    and their arguments validate; auto answers text or a call that parses. The three are
-    asked at the same time (batched by the server)."""
+    """A named call and a required one (streamed as it is generated: a delta with id and
+    name, then the arguments in pieces, which reassemble into one call) parse and their
+    arguments validate; auto answers text or a call that parses. The three are asked at the
+    same time (batched by the server)."""
     def ask(choice):
         stream = choice == "required"
         out = client.chat.completions.create(
             model=MODEL, messages=WEATHER_ASK, max_tokens=8 if choice == "auto" else 40,
-            temperature=0, tools=TOOLS, tool_choice=choice, stream=stream)
+            temperature=0, tools=TOOLS, tool_choice=choice, stream=stream,
+            # the streamed call: at most 3 tokens a round, so its arguments span rounds
+            extra_body={"vericache": {"draft_len": 2, "adaptive": False}} if stream else None)
         return list(out) if stream else out
 
     with ThreadPoolExecutor(3) as pool:
@@ -256,13 +278,16 @@ def test_tools_named_required_streamed_and_auto(client):
     assert name == "get_weather"
     jsonschema.validate(args, WEATHER)
     parts: dict[int, dict] = {}
-    for ch in chunks:
-        for d in ch.choices[0].delta.tool_calls or []:
-            p = parts.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
-            p["id"] += d.id or ""
-            p["name"] += d.function.name or ""
-            p["arguments"] += d.function.arguments or ""
+    deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+    for d in deltas:
+        p = parts.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+        p["id"] += d.id or ""
+        p["name"] += d.function.name or ""
+        p["arguments"] += d.function.arguments or ""
     assert chunks[-1].choices[0].finish_reason == "tool_calls" and list(parts) == [0]
+    assert deltas[0].id and deltas[0].function.name and deltas[0].function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) >= 3, deltas  # the header, then the arguments over several rounds
     call = parts[0]
     assert call["id"].startswith("call_") and call["name"] in SCHEMAS
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])

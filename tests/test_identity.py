@@ -63,9 +63,15 @@ def test_full_equals_transformers_generate(lm, prompts, reference):
         assert out[0, len(ids):].tolist() == reference[name].token_ids, name
 
 
+# every compressor once, k = 4 and 16 both present, the identity drafter at both (its rounds
+# are exact: k + 1 tokens)
+GRID = [("identity", 4), ("identity", 16), ("streamingllm", 16), ("snapkv", 4), ("kivi", 16),
+        ("kivi:bits=4", 4), ("snapkv-kivi", 16)]
+assert {spec for spec, _ in GRID} == set(SPECS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [4, 16])
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec,k", GRID)
 def test_vericache_identical_to_full(lm, prompts, reference, store, spec, k):
     """The output is full-KV greedy decoding's, and drafting works. k is fixed (adaptive off:
     every round drafts k, fewer only where fewer tokens are left), so tokens per round are the
@@ -99,8 +105,8 @@ def test_vericache_identical_to_full(lm, prompts, reference, store, spec, k):
 
 
 def test_lossy_mode_runs_on_compressed_cache_only(lm, prompts, reference):
-    res = generate(lm, prompts["long"], GenParams(mode="lossy", compressor="streamingllm", ratio=8,
-                                                  max_tokens=N, ignore_eos=True))
+    res = generate(lm, prompts["long"][:1100], GenParams(mode="lossy", compressor="streamingllm",
+                                                         ratio=8, max_tokens=N, ignore_eos=True))
     assert len(res.token_ids) == N
     assert res.stats.draft_kv_bytes < res.stats.full_kv_bytes / 3
 

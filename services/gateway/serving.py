@@ -11,10 +11,11 @@ chunk's content where a character spans tokens or a stop string was cut). OpenAI
 ignore the extra field.
 
 Tools (`services.gateway.tools`): with tool_choice other than none, an answer that holds a
-call comes back as `message.tool_calls` with finish_reason "tool_calls". A stream with tools
-holds a choice's text back until it ends, then sends the call as OpenAI does (a delta with
-`tool_calls[index]` carrying id, type and name, then one with the arguments) or, when the
-answer holds no call, the text as one content delta.
+call comes back as `message.tool_calls` with finish_reason "tool_calls". Streamed, a required
+or named call goes out as OpenAI sends one: a delta with `tool_calls[0]` carrying id, type and
+name, then the arguments piece by piece as the tokens come. With "auto" (which may answer
+text) the stream holds a choice's text back until it ends, then sends the call (a delta with
+id, type and name, then one with the arguments) or the text as one content delta.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from services.gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        merge_usage)
 from services.gateway.ready import RETRY_AFTER_S as READY_RETRY_AFTER_S
 from services.gateway.ready import NotReady, Readiness
-from services.gateway.tools import call_grammar, parse_calls, render, text_besides_calls
+from services.gateway.tools import (CallStream, call_grammar, parse_calls, render,
+                                    text_besides_calls)
 from vericache.model.tokenize import apply_chat, encode_text, template_takes_tools
 from vericache.engine.api import Engine
 from vericache.engine.generation import GenParams
@@ -349,9 +351,9 @@ class OpenAIServing:
             async with contextlib.aclosing(self._merged(streams, arrival)) as events:
                 async for i, ev in events:
                     if ev.text or ev.token_ids or ev.logprobs:  # logprobs go out with their token
-                        c = chunk(i, ev.text, None, ev.logprobs)
-                        if c is not None:  # None: held back (a chat stream with tools)
-                            yield sse({**c, "vericache": {"tokens": self._tokens(ev)}})
+                        # none: held back (a chat stream with tools); several: a call's deltas
+                        for n, c in enumerate(chunks(chunk(i, ev.text, None, ev.logprobs))):
+                            yield sse({**c, "vericache": {"tokens": self._tokens(ev)}} if n == 0 else c)
                     if ev.finish_reason:
                         for c in chunks(chunk(i, "", ev.finish_reason, None)):
                             yield sse(c)
@@ -385,12 +387,32 @@ class OpenAIServing:
                 for i, (text, finish, lps) in enumerate(outs)])
         extra = {"usage": None} if req.include_usage else {}
         held: dict[int, tuple[list[str], list]] = {}  # with tools: per choice, text and logprobs
+        forced: dict[int, CallStream] = {}  # required or named: per choice, its call so far
+
+        def call_delta(i: int, c: CallStream, kind: str, piece: str, lps: list | None) -> dict:
+            first = kind == "name"
+            return plain_chunk(i, "", None, lps, Delta(tool_calls=[ToolCallDelta(
+                index=0, id=c.id if first else None, type="function" if first else None,
+                function=ToolCallDeltaFunction(name=piece if first else None,
+                                               arguments="" if first else piece))]))
 
         def tool_chunk(i: int, text: str, finish: str | None, lps: list | None = None):
-            """With tools: hold the choice's text back; at its end, its call or its text."""
+            """With tools: a forced call streams as it comes (`CallStream`); otherwise hold
+            the choice's text back and, at its end, send its call or its text."""
             got = held.setdefault(i, ([], []))
             got[0].append(text)
             got[1].extend(lps or [])
+            if req.tool_mode in ("required", "named"):
+                c = forced.setdefault(i, CallStream())
+                out = []
+                for kind, piece in c.feed(text):
+                    out.append(call_delta(i, c, kind, piece, list(got[1]) if req.logprobs and got[1] else None))
+                    got[1].clear()  # logprobs go out with the first delta after their tokens
+                if c.name is not None:
+                    if finish is not None:
+                        out.append(plain_chunk(i, "", finish if finish == "length" else "tool_calls",
+                                               got[1] if req.logprobs and got[1] else None))
+                    return out or None
             if finish is None:
                 return None
             message, finish = self._answer(req, "".join(got[0]), finish)

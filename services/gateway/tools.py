@@ -15,6 +15,10 @@ tool_choice:
   under `call_grammar`: the wrapper around a JSON object whose name is one of the tools (that
   one) and whose arguments follow that tool's `parameters` schema, so it always parses.
 One call per answer: the grammar holds one, and parallel_tool_calls is accepted either way.
+
+Streamed, a required or named call goes out as it is generated (`CallStream`): a delta with
+the call's id and name once the name is complete, then the arguments' JSON text piece by
+piece, as OpenAI streams them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ SYSTEM = ("You are a function calling AI model. You may call one of the function
           "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
           "</tool_call>")
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# a forced call's text up to its arguments (the grammar writes name, then arguments)
+_HEAD = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:')
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -43,7 +53,56 @@ class ToolCall:
     id: str = ""
 
     def __post_init__(self):
-        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+        self.id = self.id or call_id()
+
+
+class CallStream:
+    """A forced call (tool_choice required or named, generated under `call_grammar`) read as
+    its text arrives: `feed(text)` returns what became known, ("name", name) once, when the
+    name is complete, then ("arguments", piece) for each new piece of the arguments' JSON
+    text, up to the brace that closes them (`done`). Text that does not start like a call
+    yields nothing (`name` stays None: the caller sends the answer whole at its end)."""
+
+    def __init__(self):
+        self.text, self.name, self.id = "", None, call_id()
+        self.pos = 0  # the next character to scan, once the name is known
+        self.depth, self.in_string, self.escaped, self.done = 0, False, False, False
+        self.sent = False  # any of the arguments' text
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.text += text
+        out = []
+        if self.name is None:
+            m = _HEAD.match(self.text)
+            if m is None:
+                return out
+            self.name, self.pos = json.loads(m.group(1)), m.end()
+            out.append(("name", self.name))
+        begin = self.pos
+        while not self.done and self.pos < len(self.text):
+            ch = self.text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+        piece = self.text[begin:self.pos]
+        if not self.sent:
+            piece = piece.lstrip()  # the whitespace after "arguments":
+        if piece:
+            self.sent = True
+            out.append(("arguments", piece))
+        return out
 
 
 def functions(tools: list[dict]) -> dict[str, dict]:
