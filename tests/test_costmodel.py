@@ -18,6 +18,27 @@ def test_linear_fit_recovers_a_linear_cost():
     assert f.predict(np.array([1.0, 16, 8.0])) == pytest.approx(0.01 + 0.032 + 0.024, rel=1e-3)
 
 
+def test_a_seen_shape_is_priced_by_its_own_times_not_the_line():
+    """Pass times that are not linear in their rows (flat up to 64 rows, then per row, as a
+    CPU's): a shape the fit has seen is predicted near its own measured time, where the best
+    line through all of them misses it by far; an unseen shape falls back to the line."""
+    import numpy as np
+
+    def seconds(rows):  # 16 sequences, k = 0..32: rows 16 (a plain step) to 528
+        return 0.25 + 0.004 * max(0, rows - 64)
+
+    f = LinearFit(2)
+    for _ in range(8):
+        for k in (0, 1, 2, 4, 8, 16, 32):
+            rows = 16 * (k + 1)
+            f.observe(np.array([1.0, rows]), seconds(rows), rows)
+    line = lambda rows: float(np.array([1.0, rows]) @ f.theta)  # noqa: E731
+    assert abs(line(16) - seconds(16)) / seconds(16) > 0.3  # the line alone is far off
+    for rows in (16, 32, 80, 528):
+        assert f.predict(np.array([1.0, rows]), rows) == pytest.approx(seconds(rows), rel=0.05)
+    assert f.predict(np.array([1.0, 40]), 40) == pytest.approx(line(40))  # not seen: the line
+
+
 def test_long_runs_of_one_shape_keep_the_other_shapes_priced():
     """A server on plain steps for hundreds of rounds, its context growing, must still price a
     multi-row verify pass from what exploration saw (recursive least squares with forgetting
