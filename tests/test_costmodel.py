@@ -118,6 +118,22 @@ def test_explores_first_then_drafts_where_drafting_pays():
     assert snap["fitted"] and snap["plain_share"] < 0.1
 
 
+def test_drafting_must_beat_plain_steps_by_the_margin():
+    """Verify passes cost the same at any k here, so a round of k = 1 gains E(1) t_v /
+    (t_d + t_v) over a plain step: a predicted gain under DRAFT_MARGIN takes plain steps (a
+    few percent is within the model's error), one above it drafts."""
+    from vericache.spec.costmodel import DRAFT_MARGIN
+
+    assert 1.03 < DRAFT_MARGIN < 1.15
+    prof = _profile(0.6)
+    for draft_step, drafts in ((0.002, True), (0.008, True), (0.011, False), (0.013, False)):
+        costs = CostModel()
+        ks = _simulate(costs, draft_step=draft_step, verify_base=0.02, per_token=0.0, profile=prof)
+        e = prof.expected_tokens(costs.prior_rate)
+        gain = max(e[k] * 0.02 / (k * draft_step + 0.02) for k in range(17))  # 1.87 .. 1.0
+        assert (set(ks[-20:]) != {0}) == drafts == (gain >= DRAFT_MARGIN), (draft_step, gain, ks[-20:])
+
+
 def test_plain_steps_where_drafting_does_not_pay():
     costs = CostModel()
     # a draft step costs as much as a full step and drafts are rarely accepted

@@ -9,8 +9,9 @@ Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
 - round time of a group: T(k) = k * t_draft_step + t_verify(pass); with k = 0 the round is a
   plain full-KV decode step (no draft step, a verify pass of one token per request).
 - goodput: the group's expected tokens over its round time, sum_i E_i(k_i) / T. The group
-  drafts a common K (a draft step runs while any request drafts); a request whose own
-  expected gain does not pay for its verify tokens drops to k = 0 that round.
+  drafts a common K (a draft step runs while any request drafts) when its goodput beats
+  plain steps' by DRAFT_MARGIN; a request whose own expected gain does not pay for its verify
+  tokens drops to k = 0 that round.
 
 The times come from the engine's own rounds (`CostModel.observe_*`): a draft step is linear
 in the sequences drafting and their total context; a verify pass in its tokens, its total
@@ -41,6 +42,10 @@ OPTIMISTIC_RATE = 0.9  # a stale request probes only if drafting would pay at th
 MIN_FIT = 6  # observations before a fit is trusted (the verify fit: of >= 3 token counts)
 PROBE_EVERY = 32  # a request on plain steps drafts once this often, to refresh its profile
 PROBE_K = 2  # ... this many tokens
+# drafting must be predicted this much faster than plain steps before a group drafts: a
+# prediction is a few percent off (k_table.py: predicted 1.04x, measured 0.93x at 4 x 4k), and
+# a wrong draft costs where a missed one only forgoes a small gain
+DRAFT_MARGIN = 1.05
 
 
 def nonnegative_lstsq(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -283,6 +288,10 @@ class CostModel:
                 if g > best[0]:
                     best = (g, ks)
             tps, ks = best
+            plain_t, plain_ks = self._round_s(0, caps, ctxs, dctx)
+            plain_tps = sum(e[0] for e in gains) / plain_t
+            if tps < DRAFT_MARGIN * plain_tps:
+                tps, ks = plain_tps, plain_ks
             # a request whose drafts do not pay for their verify tokens takes a plain step
             for i, x in enumerate(ks):
                 if x == 0 or probes[i]:
