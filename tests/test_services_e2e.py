@@ -160,7 +160,11 @@ def test_long_prompt_goes_through_the_store_and_is_reused(lm, client, stack):
     before = httpx.get(url).text
     outs = []
     for _ in range(2):
-        r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=8)
+        # k fixed: the request drafts, so the drafter attaches (reads its compressed chunks
+        # through the kvstore); the cost model may keep an 8-token answer on plain steps,
+        # which never attach
+        r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=8,
+                                      extra_body={"vericache": {"draft_len": 4, "adaptive": False}})
         outs.append(r.choices[0].text)
         # the question-aware set reached the drafter through the kvstore (select/<id>)
         u = r.usage.model_extra or {}
@@ -400,3 +404,37 @@ def test_tools_required_and_auto_through_the_services(client):
         jsonschema.validate(args, SCHEMAS[name])
     else:
         assert choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+def test_a_request_attaches_to_the_drafter_only_when_it_drafts(lm, stack):
+    """Rounds over the services (`RemoteBackends`) with k chosen by hand: plain steps (k = 0)
+    never touch the drafter (no session, no draft KV read), the first round that drafts
+    attaches it (its plain-step tokens go with that Draft order), plain steps again, and the
+    answer is full greedy's."""
+    from vericache.engine.generation import Generation
+    from vericache.engine.remote import RemoteBackends
+    from vericache.engine.rounds import run_round, start
+
+    ids = long_code_prompt(lm, 600)
+    ref = generate(lm, ids, GenParams(mode="full", max_tokens=30, ignore_eos=True)).token_ids
+    b = RemoteBackends(stack["drafter"].address, stack["verifier"].address, lm.runner.vocab_size)
+    g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,
+                                      max_tokens=30, ignore_eos=True, namespace="lazy-attach"),
+                   request_id=f"lazy-{uuid.uuid4().hex[:8]}")
+    plan, sessions = [0] * 6 + [4, 0, 0, 8], []
+    try:
+        out = start(b, g)
+        i = 0
+        while not g.finished:
+            g.draftlen.choose(plan[i % len(plan)])
+            out += run_round(b, [g])[g.rid]
+            sessions.append(_health("drafter", stack["drafter"].address).sessions)
+            i += 1
+            if i == 6:
+                assert g.stats.draft_kv_bytes == 0 and g.stats.draft_steps == 0
+    finally:
+        b.release(g)
+        b.close()
+    assert out == ref
+    assert sessions[:6] == [0] * 6 and all(n == 1 for n in sessions[6:]), sessions
+    assert g.stats.draft_kv_bytes > 0 and g.stats.draft_steps > 0

@@ -5,7 +5,13 @@ failed call surfaces as the core's typed error. Only Release and Health are retr
 UNAVAILABLE): Prefill, Attach, Draft, Verify and Commit change a session's state, so one that
 may have run is never sent twice — the request fails instead, and its sessions are released.
 An Attach that finds a chunk evicted from the store (NOT_FOUND) does not fail the request: the
-verifier decodes it alone, in plain full-KV steps, so it still ends with the same tokens."""
+verifier decodes it alone, in plain full-KV steps, so it still ends with the same tokens.
+
+A `vericache` request attaches to the drafter when it first drafts, not at admission: until
+then its rounds are plain steps that never touch the drafter, and a request the cost model
+keeps on plain steps (short contexts, small batches on a CPU) never moves its draft KV (its
+compressed chunks and exact tail, read by the drafter through the kvstore). Its plain-step
+tokens wait here and go with its first Draft order, as any plain round's do."""
 
 from __future__ import annotations
 
@@ -92,6 +98,7 @@ class RemoteBackends(Backends):
         self._drafted: dict[str, bool] = {}  # rid -> this round carried drafts
         self._refresh: dict[str, bool] = {}  # rid -> this round's Verify kept exact KV
         self._releaser = ThreadPoolExecutor(4, thread_name_prefix="release")
+        self._unattached: dict[str, object] = {}  # rid -> its AttachRequest, sent when it drafts
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
@@ -109,36 +116,44 @@ class RemoteBackends(Backends):
         s.store_hits, s.store_bytes_read = out.store_hits, out.bytes_read
         s.store_bytes_written, s.store_s = out.bytes_written, out.store_seconds
         if spec:
-            try:
-                att = call(self.drafter.Attach, dpb.AttachRequest(
-                    request_id=g.rid, token_ids=g.prompt, first_token=out.first_token,
-                    compressor=spec, chunk_size=p.chunk_size, tail_start=out.tail_start,
-                    temperature=p.temperature, seed=g.seed + 1, extra_capacity=g.extra_capacity,
-                    namespace=p.namespace, apply_selection=out.selection_deltas > 0,
-                    sampling=_sampling(g.sampling)), self.timeout, "drafter Attach")
-            except NotFound as e:
-                if p.mode != "vericache":
-                    raise
-                # the store evicted a chunk the drafter needs (between the verifier's write
-                # and this read): the verifier alone decodes the request, plain full-KV steps
-                # (what `full` mode does), so it still completes with the same tokens
-                log.warning("%s: %s; decoding without drafts", g.rid, e)
-                g.params = dataclasses.replace(p, mode="full")
-                return Verdict(0, out.first_token, [_logprob(out.first_logprob)]
-                               if out.HasField("first_logprob") else None)
-            s.store_hits += att.store_hits
-            s.store_bytes_read += att.bytes_read
-            s.store_s += att.seconds
-            s.draft_kv_bytes = att.bytes_read
-            if p.mode == "lossy":
+            attach = dpb.AttachRequest(
+                request_id=g.rid, token_ids=g.prompt, first_token=out.first_token,
+                compressor=spec, chunk_size=p.chunk_size, tail_start=out.tail_start,
+                temperature=p.temperature, seed=g.seed + 1, extra_capacity=g.extra_capacity,
+                namespace=p.namespace, apply_selection=out.selection_deltas > 0,
+                sampling=_sampling(g.sampling))
+            if p.mode == "vericache":
+                self._unattached[g.rid] = attach  # attached when it first drafts (`_attach`)
+            else:  # lossy: the drafter decodes every token, the full KV is not used again
+                self._attach(g, attach)
                 call(self.verifier.Release, vpb.ReleaseRequest(request_id=g.rid), self.timeout,
-                      "verifier Release")
+                     "verifier Release")
         return Verdict(0, out.first_token,
                        [_logprob(out.first_logprob)] if out.HasField("first_logprob") else None)
 
+    def _attach(self, g: Generation, req) -> bool:
+        """Send a request's Attach; False where the store evicted a chunk the drafter needs
+        (between the verifier's write and this read): a `vericache` request is then decoded
+        by the verifier alone, plain full-KV steps (what `full` mode does), so it still
+        completes with the same tokens."""
+        try:
+            att = call(self.drafter.Attach, req, self.timeout, "drafter Attach")
+        except NotFound as e:
+            if g.params.mode != "vericache":
+                raise
+            log.warning("%s: %s; decoding without drafts", g.rid, e)
+            g.params = dataclasses.replace(g.params, mode="full")
+            return False
+        s = g.stats
+        s.store_hits += att.store_hits
+        s.store_bytes_read += att.bytes_read
+        s.store_s += att.seconds
+        s.draft_kv_bytes = att.bytes_read
+        return True
+
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
         out = {g.rid: DraftOut([], None) for g, _ in batch}
-        orders = [(g, k) for g, k in batch if k > 0]
+        orders = [(g, k) for g, k in batch if k > 0 and self._attached(g)]
         if orders:
             res = call(self.drafter.Draft, _orders(orders, self._plain), self.timeout, "drafter Draft")
             for (g, _), r in zip(orders, res.results):
@@ -147,7 +162,15 @@ class RemoteBackends(Backends):
             self._drafted[g.rid] = bool(out[g.rid].tokens)
         return [out[g.rid] for g, _ in batch]
 
+    def _attached(self, g: Generation) -> bool:
+        """Whether the drafter holds the request, attaching it now if it has not yet."""
+        req = self._unattached.pop(g.rid, None)
+        return req is None or self._attach(g, req)
+
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
+        batch = [(g, k) for g, k in batch if g.rid not in self._unattached]
+        if not batch:
+            return 0
         return call(self.drafter.DraftAhead, _orders(batch), self.timeout,
                     "drafter DraftAhead").drafted
 
@@ -167,7 +190,8 @@ class RemoteBackends(Backends):
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         moved = self._moved.pop(g.rid, False)
         refresh = self._refresh.pop(g.rid, False) and bonus is not None
-        if bonus is not None and not self._drafted.get(g.rid, True) and not moved:
+        if g.rid in self._unattached or (bonus is not None and not self._drafted.get(g.rid, True)
+                                         and not moved):
             self._plain.setdefault(g.rid, []).append(bonus)  # sent with the next Draft order
             return
         for tok in self._plain.pop(g.rid, []):  # (none after a Draft: it took them)
@@ -183,7 +207,7 @@ class RemoteBackends(Backends):
         """Free both sides, off the caller's thread (the engine ends the request at once; a
         service that does not answer holds only a releaser thread, for its deadline); never
         raises (a lost service frees its sessions by TTL)."""
-        for state in (self._moved, self._plain, self._drafted, self._refresh):
+        for state in (self._moved, self._plain, self._drafted, self._refresh, self._unattached):
             state.pop(g.rid, None)
         self._releaser.submit(self._release, g.rid)
 
