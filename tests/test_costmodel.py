@@ -193,14 +193,16 @@ def test_a_stale_request_probes_only_where_drafting_could_pay():
 def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
     """The per-request switch is reversible: a request on plain steps (k = 0) resumes drafting
     (its drafter feeds every token verified meanwhile in one pass) and stays identical to
-    full greedy whatever the sequence of k."""
+    full greedy whatever the sequence of k; its drafter attaches only when it first drafts."""
     from vericache.engine.generation import Generation, GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends, run_round, start
 
+    from vericache.store.memory import MemoryStore
+
     ids = prompts["long"][:700]
     ref = generate(lm, ids, GenParams(mode="full", max_tokens=40, ignore_eos=True))
-    b = LocalBackends(lm)
+    b = LocalBackends(lm, MemoryStore())  # with a store: attached when it first drafts
     g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,
                                       max_tokens=40, ignore_eos=True))
     plan = [0, 0, 0, 8, 0, 3, 8, 0, 0, 1]
@@ -211,8 +213,11 @@ def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
             g.draftlen.choose(plan[i % len(plan)])
             out += run_round(b, [g])[g.rid]
             i += 1
+            if i == 3:  # three plain steps: no draft KV yet, nothing read for it
+                assert g.rid not in b.drafter.sessions and g.stats.draft_kv_bytes == 0
     finally:
         b.release(g)
+    assert g.stats.draft_kv_bytes > 0
     assert out == ref.token_ids
     u = g.usage()
     assert u["plain_rounds"] == g.stats.k_hist[0] >= 5

@@ -47,7 +47,7 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
             out = self.core.prefill(rid, ids, req.extra_capacity, size,
                                     comp, proc, req.seed, req.namespace, req.save_tail,
                                     selection=sel, top_logprobs=top_logprobs(req),
-                                    bitwise=req.exact == "bitwise")
+                                    bitwise=req.exact == "bitwise", draft_later=req.draft_later)
             deltas = self.core.take_deltas(rid)
         moved = self._put_deltas(rid, deltas)
         if moved and rid not in self.core.sessions:  # released while the put ran
@@ -60,6 +60,20 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                   seconds=time.perf_counter() - t, store_seconds=tr.seconds,
                                   selection_deltas=moved, selection=self._selection_stats(rid),
                                   first_logprob=logprob_message(pb, out.first_logprob))
+
+    def PrepareDraft(self, req, context):
+        rid = request_id(req.request_id)
+        t = time.perf_counter()
+        with self.svc.lock:
+            tr = self.core.prepare_draft(rid)
+            deltas = self.core.take_deltas(rid)
+        moved = self._put_deltas(rid, deltas)
+        if rid not in self.core.sessions:  # released while the puts ran
+            self.drop_request_keys(rid)
+        self.svc.clock.touch(rid, time.monotonic())
+        return pb.PrefillResponse(bytes_written=tr.bytes_written, store_seconds=tr.seconds,
+                                  seconds=time.perf_counter() - t, selection_deltas=moved,
+                                  selection=self._selection_stats(rid))
 
     def _put_deltas(self, rid: str, deltas) -> int:
         """Leave moves of the drafter's set in the store for the drafter; returns how many."""

@@ -10,7 +10,9 @@ verifier decodes it alone, in plain full-KV steps, so it still ends with the sam
 A `vericache` request attaches to the drafter when it first drafts, not at admission: until
 then its rounds are plain steps that never touch the drafter, and a request the cost model
 keeps on plain steps (short contexts, small batches on a CPU) never moves its draft KV (its
-compressed chunks and exact tail, read by the drafter through the kvstore). Its plain-step
+compressed chunks and exact tail, read by the drafter through the kvstore) and the verifier
+never writes the drafter's part (its Prefill's `draft_later`: the exact tail and the
+selection's first moves wait for PrepareDraft, sent right before the Attach). Its plain-step
 tokens wait here and go with its first Draft order, as any plain round's do."""
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ class RemoteBackends(Backends):
             temperature=p.temperature, seed=g.seed, extra_capacity=g.extra_capacity,
             namespace=p.namespace, save_tail=bool(spec),
             selection=g.selection.spec if g.selection is not None else "",
-            sampling=_sampling(g.sampling), top_logprobs=p.logprobs, exact=p.exact),
-            self.timeout, "verifier Prefill")
+            sampling=_sampling(g.sampling), top_logprobs=p.logprobs, exact=p.exact,
+            draft_later=p.mode == "vericache"), self.timeout, "verifier Prefill")
         s = g.stats
         _record_selection(g, out.selection)
         s.prefill_s, s.cached_tokens = out.seconds, out.cached_tokens
@@ -122,7 +124,7 @@ class RemoteBackends(Backends):
                 temperature=p.temperature, seed=g.seed + 1, extra_capacity=g.extra_capacity,
                 namespace=p.namespace, apply_selection=out.selection_deltas > 0,
                 sampling=_sampling(g.sampling))
-            if p.mode == "vericache":
+            if p.mode == "vericache":  # its Prefill left the drafter's part for PrepareDraft
                 self._unattached[g.rid] = attach  # attached when it first drafts (`_attach`)
             else:  # lossy: the drafter decodes every token, the full KV is not used again
                 self._attach(g, attach)
@@ -163,9 +165,18 @@ class RemoteBackends(Backends):
         return [out[g.rid] for g, _ in batch]
 
     def _attached(self, g: Generation) -> bool:
-        """Whether the drafter holds the request, attaching it now if it has not yet."""
+        """Whether the drafter holds the request, attaching it now if it has not yet (the
+        verifier first writes what its Prefill left for the drafter: PrepareDraft)."""
         req = self._unattached.pop(g.rid, None)
-        return req is None or self._attach(g, req)
+        if req is None:
+            return True
+        prep = call(self.verifier.PrepareDraft, vpb.PrepareDraftRequest(request_id=g.rid),
+                    self.timeout, "verifier PrepareDraft")
+        _record_selection(g, prep.selection)
+        g.stats.store_bytes_written += prep.bytes_written
+        g.stats.store_s += prep.store_seconds
+        req.apply_selection = prep.selection_deltas > 0
+        return self._attach(g, req)
 
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
         batch = [(g, k) for g, k in batch if g.rid not in self._unattached]

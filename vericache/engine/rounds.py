@@ -25,7 +25,14 @@ class LocalBackends(Backends):
     With `async_attach` (remote prefix caching: the drafter's link is slow) the drafter loads
     a new request's compressed KV in the background; until it lands the request's rounds carry
     no drafts (each verify pass is a plain full-KV decode step), and drafting starts with the
-    first round after it lands, fed every token verified meanwhile."""
+    first round after it lands, fed every token verified meanwhile.
+
+    With a store and no `async_attach`, a `vericache` request attaches when it first drafts:
+    its prefill leaves the drafter's part (exact tail, the selection's first moves) undone
+    (`draft_later`), and its rounds until then are plain steps that touch no drafter, so a
+    request the cost model keeps on plain steps never builds draft KV. The first round that
+    drafts for it does that part, loads its draft KV and feeds it every token verified
+    meanwhile (as the services do: `vericache.engine.remote`)."""
 
     def __init__(self, lm, store=None, tier=None, drafter_store=None, async_attach: bool = False):
         """`tier`: where the verifier keeps full KV between rounds (None: resident; an
@@ -39,16 +46,18 @@ class LocalBackends(Backends):
         self._drafter_link = drafter_store is not None and store is not None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-attach") if async_attach else None
         self._attaching: dict[str, tuple[Future, list[int]]] = {}  # rid -> (load, tokens verified)
+        self._later: dict[str, list[int]] = {}  # rid -> tokens verified; attached when it drafts
         self._tail_start: dict[str, int] = {}
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
         t0 = time.perf_counter()
         via_store = self.store is not None and g.compressor is not None
+        later = via_store and self._loader is None and p.mode == "vericache"
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
                                     g.sampling, g.seed, p.namespace, save_tail=via_store,
                                     selection=g.selection, top_logprobs=p.logprobs,
-                                    bitwise=p.exact == "bitwise")
+                                    bitwise=p.exact == "bitwise", draft_later=later)
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -57,6 +66,9 @@ class LocalBackends(Backends):
                 f = self._loader.submit(self.drafter.load_from_store, g.rid, g.prompt, g.compressor,
                                         p.chunk_size, out.tail_start, p.namespace)
                 self._attaching[g.rid] = (f, [out.first_token])
+                self._tail_start[g.rid] = out.tail_start
+            elif later:
+                self._later[g.rid] = [out.first_token]
                 self._tail_start[g.rid] = out.tail_start
             elif via_store:
                 tr = self.drafter.attach_from_store(
@@ -77,7 +89,7 @@ class LocalBackends(Backends):
                                     region=k.shape[2] - tail, prompt=g.prompt, pos=pos)
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
-            if g.rid not in self._attaching:
+            if g.rid not in self._attaching and g.rid not in self._later:
                 self._apply_deltas(g)
             if p.mode == "lossy":
                 self.verifier.release(g.rid)  # the lossy baseline never uses the full KV again
@@ -85,15 +97,28 @@ class LocalBackends(Backends):
         return Verdict(0, out.first_token,
                        None if out.first_logprob is None else [out.first_logprob])
 
-    def _attached(self, g: Generation) -> bool:
-        """Whether the drafter holds the request (attaching it if its load has landed)."""
+    def _attached(self, g: Generation, drafts: bool = True) -> bool:
+        """Whether the drafter holds the request: attaching it if its load has landed, or,
+        when it `drafts` this round, if it waits to be attached until it drafts."""
+        if g.rid in self._later:
+            if not drafts:
+                return False
+            verified = self._later.pop(g.rid)
+            g.stats.record_transfer(0, self.verifier.prepare_draft(g.rid))
+            p = g.params
+            return self._attach_loaded(g, verified, self.drafter.load_from_store(
+                g.rid, g.prompt, g.compressor, p.chunk_size, self._tail_start[g.rid], p.namespace))
         if g.rid not in self._attaching:
             return True
         f, verified = self._attaching[g.rid]
         if not f.done():
             return False
         del self._attaching[g.rid]
-        k, v, pos, tr = f.result()
+        return self._attach_loaded(g, verified, f.result())
+
+    def _attach_loaded(self, g: Generation, verified: list[int], loaded) -> bool:
+        """Attach the drafter from its loaded KV, fed the tokens verified since the prompt."""
+        k, v, pos, tr = loaded
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
                             g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt,
@@ -121,13 +146,14 @@ class LocalBackends(Backends):
                                      rec.delta_bytes)
 
     def draft(self, batch: list[tuple[Generation, int]]) -> list[DraftOut]:
-        ready = [(g, k) for g, k in batch if self._attached(g)]
+        ready = [(g, k) for g, k in batch if self._attached(g, drafts=k > 0)]
         got = dict(zip([g.rid for g, _ in ready],
                        self.drafter.draft([(g.rid, k) for g, k in ready]) if ready else []))
         return [got.get(g.rid, DraftOut([], None)) for g, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
-        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch if g.rid not in self._attaching])
+        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch
+                                         if g.rid not in self._attaching and g.rid not in self._later])
 
     def close(self) -> None:
         if self._loader is not None:
@@ -147,6 +173,9 @@ class LocalBackends(Backends):
         if g.rid in self._attaching:  # no drafter yet: a plain decode step; feed it later
             self._attaching[g.rid][1].append(bonus)
             return
+        if g.rid in self._later:  # not attached yet: fed when it is
+            self._later[g.rid].append(bonus)
+            return
         exact = self.verifier.take_exact(g.rid) if bonus is not None else None
         self.drafter.commit(g.rid, accepted, bonus, exact)
         if bonus is not None:
@@ -154,6 +183,7 @@ class LocalBackends(Backends):
 
     def release(self, g: Generation) -> None:
         pending = self._attaching.pop(g.rid, None)
+        self._later.pop(g.rid, None)
         self._tail_start.pop(g.rid, None)
         if pending is not None:
             pending[0].cancel()

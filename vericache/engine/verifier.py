@@ -13,6 +13,9 @@ Methods and when they are called:
   accepts by `vericache.spec.accept`; crops the cache to the accepted tokens. Returns a
   `Verdict` per request: (accepted, bonus) and, when the request asked, the raw logprobs of
   the emitted tokens (`vericache.spec.logprobs`).
+- `prepare_draft(rid)`: for a request prefilled with `draft_later`, right before its drafter
+  attaches: what prefill left for the drafter (the exact tail into the store, the
+  selection's first moves), so a request that never drafts never pays for them.
 - `take_deltas(rid)`: after prefill and after each verification, for requests with a
   selection policy (`vericache.select`): the moves of the drafter's set made since the last
   call, in order, for the drafter to apply (`Drafter.apply_delta`).
@@ -132,6 +135,8 @@ class Verifier:
         # attach reads and deletes it; a request that ends before that (its drafter down or
         # never reached) would leave it in the store until a TTL, so release deletes it too
         self._tails: dict[str, str] = {}
+        # rid -> what its prefill left for the drafter (`draft_later`): (cache, stats) -> record
+        self._deferred: dict = {}
         self._dropper = (ThreadPoolExecutor(1, thread_name_prefix="tail-drop")
                          if store is not None else None)
 
@@ -145,24 +150,28 @@ class Verifier:
                 compressor: Compressor | None = None, sampling: Processing = GREEDY, seed: int = 0,
                 namespace: str = "", save_tail: bool = False,
                 selection: SelectionPolicy | None = None,
-                top_logprobs: int | None = None, bitwise: bool = False) -> PrefillOut:
+                top_logprobs: int | None = None, bitwise: bool = False,
+                draft_later: bool = False) -> PrefillOut:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
         anything, as with a compressor that keeps every token: the base set stays).
         `sampling`: the request's logits processing; `top_logprobs`: None, or return each
         emitted token's raw logprob with that many alternatives. `bitwise`: its verify passes
-        run row by row, each row a decode step's pass."""
+        run row by row, each row a decode step's pass. `draft_later`: the exact tail and the
+        selection wait for `prepare_draft` (with a resident KV only: an offloaded one leaves the
+        device here)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         per_token = self.runner.kv_bytes_per_token()
         resident = 0 if self.tier else (len(prompt_ids) + extra_capacity) * per_token
         with self.ledger.hold(rid, resident):
             out = self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
-                                sampling, seed, namespace, save_tail, selection, top_logprobs)
+                                sampling, seed, namespace, save_tail, selection, top_logprobs,
+                                draft_later and self.tier is None)
         self.sessions[rid].bitwise = bitwise
         return out
 
     def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, sampling,
-                 seed, namespace, save_tail, selection, top_logprobs) -> PrefillOut:
+                 seed, namespace, save_tail, selection, top_logprobs, draft_later) -> PrefillOut:
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
         if selection is not None and (compressor is None or not compressor.drops_tokens
                                       or not selection.moves or ts == 0):
@@ -193,27 +202,50 @@ class Verifier:
         chunks = (compress_prompt(compressor, pre, len(prompt_ids), chunk_size, first_chunk)
                   if compressor else [])
         if pc is not None:
-            pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, rid if save_tail else None, stats)
-            if save_tail:
+            pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, None, stats)
+        n = len(prompt_ids)
+        chunk_kept = [compressor.kept_positions(c) for c in chunks] if selection is not None else []
+        window_q, window_pos = pre.window_q, pre.window_pos
+
+        def drafter_part(cache: KVCache, stats: TransferStats) -> SelectionRecord | None:
+            """The exact tail into the store; the selection's record and first moves."""
+            if pc is not None and save_tail:
+                pc.save_tail(rid, cache, ts, n, stats)
                 self._tails[rid] = pc.tail_key(rid)
-        record = None
-        if selection is not None:
+            if selection is None:
+                return None
             t = time.perf_counter()
             # the base set: stored chunks before those computed here (a cached prefix may
             # reach past the compressed region, into the exact tail), then the new ones
             stored = min(first_chunk, ts // chunk_size)
             kept = pc.load_kept_positions(prompt_ids, compressor, stored, stats) if stored else []
-            kept += [compressor.kept_positions(c) for c in chunks]
-            state = SelectionState(torch.cat(kept, dim=2), ts)
+            state = SelectionState(torch.cat(kept + chunk_kept, dim=2), ts)
             record = SelectionRecord(selection, state, compressor)
-            record.add(selection.after_prefill(state, list(pre.window_q.unbind(0)), pre.window_pos,
-                                               *pre.cache.view()))
+            record.add(selection.after_prefill(state, list(window_q.unbind(0)), window_pos,
+                                               *cache.view(0, n)))
             record.seconds += time.perf_counter() - t
+            return record
+
+        record = None
+        if draft_later:
+            self._deferred[rid] = drafter_part
+        else:
+            record = drafter_part(pre.cache, stats)
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
         self.sessions[rid] = VerifySession(cache, [first], sampling, history, matcher,
                                            top_logprobs, gen, record,
                                            len(prompt_ids) + extra_capacity)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
+
+    def prepare_draft(self, rid: str) -> TransferStats:
+        """What the request's prefill left for its drafter (`draft_later`), done now: its
+        exact tail into the store, its selection's record and first moves (`take_deltas`).
+        Nothing where nothing was left."""
+        s, stats = self._get(rid), TransferStats()
+        part = self._deferred.pop(rid, None)
+        if part is not None:
+            s.selection = part(s.cache, stats)
+        return stats
 
     def take_deltas(self, rid: str) -> list[SelectionDelta]:
         """The moves of the drafter's set made since the last call (see the module docstring)."""
@@ -301,6 +333,7 @@ class Verifier:
         store off this thread (a store that does not answer must not hold the caller)."""
         self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
+        self._deferred.pop(rid, None)
         tail = self._tails.pop(rid, None)
         if tail is not None:
             self._dropper.submit(_drop_quietly, self.store, tail)

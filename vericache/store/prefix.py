@@ -89,10 +89,17 @@ class PrefixCache:
                 data = encode_chunk(c)
                 self.store.put(compressed_key(keys[i], c.compressor), data)
                 stats.bytes_written += len(data)
+        stats.seconds += time.perf_counter() - t
         if request_id is not None:
-            data = encode_full(*cache.view(tail_start, len(prompt)), start=tail_start)
-            self.store.put(self.tail_key(request_id), data)
-            stats.bytes_written += len(data)
+            self.save_tail(request_id, cache, tail_start, len(prompt), stats)
+
+    def save_tail(self, request_id: str, cache: KVCache, tail_start: int, end: int,
+                  stats: TransferStats) -> None:
+        """The exact KV of prompt tokens [tail_start, end), for one drafter attach."""
+        t = time.perf_counter()
+        data = encode_full(*cache.view(tail_start, end), start=tail_start)
+        self.store.put(self.tail_key(request_id), data)
+        stats.bytes_written += len(data)
         stats.seconds += time.perf_counter() - t
 
     def load_kept_positions(self, prompt: list[int], compressor: Compressor, n_chunks: int,
