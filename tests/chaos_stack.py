@@ -264,12 +264,12 @@ class Outcome:
 
 
 def stream_chat(base: str, text: str, max_tokens: int, timeout: float = 120.0,
-                headers: dict | None = None, on_first=None) -> Outcome:
+                headers: dict | None = None, on_first=None, vericache: dict | None = None) -> Outcome:
     """Stream one greedy chat completion and record what came; `on_first()` runs once the
-    first token arrived."""
+    first token arrived; `vericache`: the request's `vericache` options (e.g. a fixed k)."""
     out = Outcome(started=time.monotonic())
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, **({"vericache": vericache} if vericache else {})}
     try:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=timeout,
                           headers=headers) as r:

@@ -99,6 +99,8 @@ def test_filter_cases(name):
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # (found by the HTTP fuzz: nan)
+    ({"repetition_penalty": 1e4}, "repetition_penalty"),
     ({"logit_bias": {5: 101.0}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
 ])
 def test_out_of_range_names_the_parameter(kw, param):

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from vericache.spec.grammar import GrammarSpec
 from vericache.spec.logprobs import MAX_TOP_LOGPROBS
-from vericache.spec.processors import LOGIT_BIAS_LIMIT, PENALTY_LIMIT
+from vericache.spec.processors import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, REPETITION_LIMITS
 
 
 class OpenAIModel(BaseModel):
@@ -169,8 +169,9 @@ class SamplingFields(OpenAIModel):
         None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False,
         description="-2..2, subtracted once per occurrence in the generated tokens")
     repetition_penalty: float | None = Field(
-        None, gt=0, allow_inf_nan=False,
-        description="vLLM's extension, > 0 (1: off): HF's penalty over prompt and output")
+        None, ge=REPETITION_LIMITS[0], le=REPETITION_LIMITS[1], allow_inf_nan=False,
+        description="vLLM's extension, 0.001..1000 (1: off): HF's penalty over prompt and "
+                    "output")
     logit_bias: dict[int, float] | None = Field(
         None, description="token id -> -100..100, added to its logit before sampling")
     top_k: int | None = Field(None, ge=-1, description="vLLM's extension: keep the k most "

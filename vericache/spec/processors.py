@@ -38,6 +38,7 @@ from vericache.spec import grammar as grammars
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+REPETITION_LIMITS = (1e-3, 1e3)  # repetition_penalty's range (logits / it stay finite in fp32)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ class Processing:
         for n in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_LIMIT <= getattr(self, n) <= PENALTY_LIMIT:
                 bad(n, f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", "> 0 (1: off)")
+        if not REPETITION_LIMITS[0] <= self.repetition_penalty <= REPETITION_LIMITS[1]:
+            # logits divided by a tinier one overflow fp32 (5e-324 made them inf, then nan)
+            bad("repetition_penalty", f"in [{REPETITION_LIMITS[0]:g}, {REPETITION_LIMITS[1]:g}] (1: off)")
         for tok, b in self.logit_bias.items():
             if int(tok) < 0 or not (math.isfinite(b) and abs(b) <= LOGIT_BIAS_LIMIT):
                 raise InvalidArgument(f"logit_bias maps token ids >= 0 to values in "
