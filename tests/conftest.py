@@ -37,6 +37,25 @@ def chat_ids(lm, text: str) -> list[int]:
     return apply_chat(lm.tokenizer, [{"role": "user", "content": text}])
 
 
+def rounds_by_hand(backends, g, plan: list[int], after_round=None) -> list[int]:
+    """Run request `g` to its end over `backends` with round i's k = plan[i % len(plan)]
+    (0: a plain step), calling `after_round(i)` after round i; releases it; its tokens."""
+    from vericache.engine.rounds import run_round, start
+
+    try:
+        out = start(backends, g)
+        i = 0
+        while not g.finished:
+            g.draftlen.choose(plan[i % len(plan)])
+            out += run_round(backends, [g])[g.rid]
+            i += 1
+            if after_round is not None:
+                after_round(i)
+    finally:
+        backends.release(g)
+    return out
+
+
 def long_code_prompt(lm, tokens: int = 2100) -> list[int]:
     """A code-continuation chat prompt of about `tokens` tokens, from the standard library."""
     lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"

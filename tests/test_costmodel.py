@@ -194,10 +194,11 @@ def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
     """The per-request switch is reversible: a request on plain steps (k = 0) resumes drafting
     (its drafter feeds every token verified meanwhile in one pass) and stays identical to
     full greedy whatever the sequence of k; its drafter attaches only when it first drafts."""
+    from conftest import rounds_by_hand
+
     from vericache.engine.generation import Generation, GenParams
     from vericache.engine.local import generate
-    from vericache.engine.rounds import LocalBackends, run_round, start
-
+    from vericache.engine.rounds import LocalBackends
     from vericache.store.memory import MemoryStore
 
     ids = prompts["long"][:700]
@@ -205,18 +206,12 @@ def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
     b = LocalBackends(lm, MemoryStore())  # with a store: attached when it first drafts
     g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,
                                       max_tokens=40, ignore_eos=True))
-    plan = [0, 0, 0, 8, 0, 3, 8, 0, 0, 1]
-    try:
-        out = start(b, g)
-        i = 0
-        while not g.finished:
-            g.draftlen.choose(plan[i % len(plan)])
-            out += run_round(b, [g])[g.rid]
-            i += 1
-            if i == 3:  # three plain steps: no draft KV yet, nothing read for it
-                assert g.rid not in b.drafter.sessions and g.stats.draft_kv_bytes == 0
-    finally:
-        b.release(g)
+
+    def after(i: int) -> None:
+        if i == 3:  # three plain steps: no draft KV yet, nothing read for it
+            assert g.rid not in b.drafter.sessions and g.stats.draft_kv_bytes == 0
+
+    out = rounds_by_hand(b, g, [0, 0, 0, 8, 0, 3, 8, 0, 0, 1], after)
     assert g.stats.draft_kv_bytes > 0
     assert out == ref.token_ids
     u = g.usage()

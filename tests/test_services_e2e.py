@@ -383,7 +383,7 @@ def test_tools_required_and_auto_through_the_services(client):
     from concurrent.futures import ThreadPoolExecutor
 
     import jsonschema
-    from test_gateway import SCHEMAS, TOOLS, WEATHER_ASK, _call
+    from test_gateway import SCHEMAS, TOOLS, WEATHER_ASK, _call, check_auto_answer
 
     def ask(choice):
         return client.chat.completions.create(
@@ -397,13 +397,7 @@ def test_tools_required_and_auto_through_the_services(client):
     name, args = _call(required.choices[0].message)
     jsonschema.validate(args, SCHEMAS[name])
     assert (required.usage.model_extra or {})["tokens_per_round"] > 1
-    choice = auto.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        name, args = _call(choice.message)
-        jsonschema.validate(args, SCHEMAS[name])
-    else:
-        assert choice.message.content and choice.finish_reason in ("stop", "length")
+    check_auto_answer(auto.choices[0])
 
 
 def test_a_request_attaches_to_the_drafter_only_when_it_drafts(lm, stack):
@@ -411,9 +405,10 @@ def test_a_request_attaches_to_the_drafter_only_when_it_drafts(lm, stack):
     never touch the drafter (no session, no draft KV read), the first round that drafts
     attaches it (its plain-step tokens go with that Draft order), plain steps again, and the
     answer is full greedy's."""
+    from conftest import rounds_by_hand
+
     from vericache.engine.generation import Generation
     from vericache.engine.remote import RemoteBackends
-    from vericache.engine.rounds import run_round, start
 
     ids = long_code_prompt(lm, 600)
     ref = generate(lm, ids, GenParams(mode="full", max_tokens=30, ignore_eos=True)).token_ids
@@ -421,19 +416,16 @@ def test_a_request_attaches_to_the_drafter_only_when_it_drafts(lm, stack):
     g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,
                                       max_tokens=30, ignore_eos=True, namespace="lazy-attach"),
                    request_id=f"lazy-{uuid.uuid4().hex[:8]}")
-    plan, sessions = [0] * 6 + [4, 0, 0, 8], []
+    sessions = []
+
+    def after(i: int) -> None:
+        sessions.append(_health("drafter", stack["drafter"].address).sessions)
+        if i == 6:
+            assert g.stats.draft_kv_bytes == 0 and g.stats.draft_steps == 0
+
     try:
-        out = start(b, g)
-        i = 0
-        while not g.finished:
-            g.draftlen.choose(plan[i % len(plan)])
-            out += run_round(b, [g])[g.rid]
-            sessions.append(_health("drafter", stack["drafter"].address).sessions)
-            i += 1
-            if i == 6:
-                assert g.stats.draft_kv_bytes == 0 and g.stats.draft_steps == 0
+        out = rounds_by_hand(b, g, [0] * 6 + [4, 0, 0, 8], after)
     finally:
-        b.release(g)
         b.close()
     assert out == ref
     assert sessions[:6] == [0] * 6 and all(n == 1 for n in sessions[6:]), sessions
