@@ -45,8 +45,8 @@ class LocalBackends(Backends):
                                grammars=self.grammars)
         self._drafter_link = drafter_store is not None and store is not None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-attach") if async_attach else None
-        self._attaching: dict[str, tuple[Future, list[int]]] = {}  # rid -> (load, tokens verified)
-        self._later: dict[str, list[int]] = {}  # rid -> tokens verified; attached when it drafts
+        # rid -> (its load, or None: loaded when it first drafts; the tokens verified since)
+        self._attaching: dict[str, tuple[Future | None, list[int]]] = {}
         self._tail_start: dict[str, int] = {}
 
     def admit(self, g: Generation) -> Verdict:
@@ -68,7 +68,7 @@ class LocalBackends(Backends):
                 self._attaching[g.rid] = (f, [out.first_token])
                 self._tail_start[g.rid] = out.tail_start
             elif later:
-                self._later[g.rid] = [out.first_token]
+                self._attaching[g.rid] = (None, [out.first_token])
                 self._tail_start[g.rid] = out.tail_start
             elif via_store:
                 tr = self.drafter.attach_from_store(
@@ -89,7 +89,7 @@ class LocalBackends(Backends):
                                     region=k.shape[2] - tail, prompt=g.prompt, pos=pos)
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
-            if g.rid not in self._attaching and g.rid not in self._later:
+            if g.rid not in self._attaching:
                 self._apply_deltas(g)
             if p.mode == "lossy":
                 self.verifier.release(g.rid)  # the lossy baseline never uses the full KV again
@@ -100,24 +100,21 @@ class LocalBackends(Backends):
     def _attached(self, g: Generation, drafts: bool = True) -> bool:
         """Whether the drafter holds the request: attaching it if its load has landed, or,
         when it `drafts` this round, if it waits to be attached until it drafts."""
-        if g.rid in self._later:
-            if not drafts:
-                return False
-            verified = self._later.pop(g.rid)
-            g.stats.record_transfer(0, self.verifier.prepare_draft(g.rid))
-            p = g.params
-            return self._attach_loaded(g, verified, self.drafter.load_from_store(
-                g.rid, g.prompt, g.compressor, p.chunk_size, self._tail_start[g.rid], p.namespace))
         if g.rid not in self._attaching:
             return True
         f, verified = self._attaching[g.rid]
-        if not f.done():
+        if f is None:  # loaded when it first drafts, after the verifier's part
+            if not drafts:
+                return False
+            g.stats.record_transfer(0, self.verifier.prepare_draft(g.rid))
+            p = g.params
+            loaded = self.drafter.load_from_store(g.rid, g.prompt, g.compressor, p.chunk_size,
+                                                  self._tail_start[g.rid], p.namespace)
+        elif f.done():
+            loaded = f.result()
+        else:
             return False
         del self._attaching[g.rid]
-        return self._attach_loaded(g, verified, f.result())
-
-    def _attach_loaded(self, g: Generation, verified: list[int], loaded) -> bool:
-        """Attach the drafter from its loaded KV, fed the tokens verified since the prompt."""
         k, v, pos, tr = loaded
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
@@ -152,8 +149,7 @@ class LocalBackends(Backends):
         return [got.get(g.rid, DraftOut([], None)) for g, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
-        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch
-                                         if g.rid not in self._attaching and g.rid not in self._later])
+        return self.drafter.draft_ahead([(g.rid, k) for g, k in batch if g.rid not in self._attaching])
 
     def close(self) -> None:
         if self._loader is not None:
@@ -173,9 +169,6 @@ class LocalBackends(Backends):
         if g.rid in self._attaching:  # no drafter yet: a plain decode step; feed it later
             self._attaching[g.rid][1].append(bonus)
             return
-        if g.rid in self._later:  # not attached yet: fed when it is
-            self._later[g.rid].append(bonus)
-            return
         exact = self.verifier.take_exact(g.rid) if bonus is not None else None
         self.drafter.commit(g.rid, accepted, bonus, exact)
         if bonus is not None:
@@ -183,9 +176,8 @@ class LocalBackends(Backends):
 
     def release(self, g: Generation) -> None:
         pending = self._attaching.pop(g.rid, None)
-        self._later.pop(g.rid, None)
         self._tail_start.pop(g.rid, None)
-        if pending is not None:
+        if pending is not None and pending[0] is not None:
             pending[0].cancel()
         self.drafter.release(g.rid)
         self.verifier.release(g.rid)
