@@ -404,14 +404,17 @@ class OpenAIServing:
             got[1].extend(lps or [])
             if req.tool_mode in ("required", "named"):
                 c = forced.setdefault(i, CallStream())
-                out = []
-                for kind, piece in c.feed(text):
-                    out.append(call_delta(i, c, kind, piece, list(got[1]) if req.logprobs and got[1] else None))
-                    got[1].clear()  # logprobs go out with the first delta after their tokens
+
+                def lps_so_far() -> list | None:
+                    """The logprobs not sent yet (they go with the next delta)."""
+                    out, got[1][:] = (list(got[1]) if req.logprobs and got[1] else None), []
+                    return out
+
+                out = [call_delta(i, c, kind, piece, lps_so_far()) for kind, piece in c.feed(text)]
                 if c.name is not None:
                     if finish is not None:
                         out.append(plain_chunk(i, "", finish if finish == "length" else "tool_calls",
-                                               got[1] if req.logprobs and got[1] else None))
+                                               lps_so_far()))
                     return out or None
             if finish is None:
                 return None

@@ -49,10 +49,7 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                                     selection=sel, top_logprobs=top_logprobs(req),
                                     bitwise=req.exact == "bitwise", draft_later=req.draft_later)
             deltas = self.core.take_deltas(rid)
-        moved = self._put_deltas(rid, deltas)
-        if moved and rid not in self.core.sessions:  # released while the put ran
-            self.drop_request_keys(rid)
-        self.svc.clock.touch(rid, time.monotonic())
+        moved = self._leave_deltas(rid, deltas)
         tr = out.transfer
         return pb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
                                   tail_start=out.tail_start, store_hits=tr.hits,
@@ -67,13 +64,19 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         with self.svc.lock:
             tr = self.core.prepare_draft(rid)
             deltas = self.core.take_deltas(rid)
-        moved = self._put_deltas(rid, deltas)
-        if rid not in self.core.sessions:  # released while the puts ran
-            self.drop_request_keys(rid)
-        self.svc.clock.touch(rid, time.monotonic())
+        moved = self._leave_deltas(rid, deltas)
         return pb.PrefillResponse(bytes_written=tr.bytes_written, store_seconds=tr.seconds,
                                   seconds=time.perf_counter() - t, selection_deltas=moved,
                                   selection=self._selection_stats(rid))
+
+    def _leave_deltas(self, rid: str, deltas) -> int:
+        """After Prefill or PrepareDraft: the moves into the store for the drafter (dropped
+        again when the request was released while the put ran); how many."""
+        moved = self._put_deltas(rid, deltas)
+        if moved and rid not in self.core.sessions:
+            self.drop_request_keys(rid)
+        self.svc.clock.touch(rid, time.monotonic())
+        return moved
 
     def _put_deltas(self, rid: str, deltas) -> int:
         """Leave moves of the drafter's set in the store for the drafter; returns how many."""
