@@ -6,9 +6,11 @@ and where a decode step's time goes (torch profiler: matmuls, attention, the res
 Prompts are the built-in code prompts of `vericache bench`. Speeds are decode-only (prefill
 excluded; it is reported apart). Every vericache output is checked identical to full greedy.
 
-Each compressor runs three ways: `fixed` (k = --draft-len every round), `cold` (the cost
-model chooses k, starting from nothing: it explores its first rounds) and `warm` (the same
-request again with the cost model the cold run trained, as in a server that has been up).
+Each compressor runs four ways: `fixed` (k = --draft-len every round), `cold` (the cost
+model chooses k, starting from nothing: it explores its first rounds), `calibrated` (a new
+cost model, first calibrated as `vericache serve` does at start-up, untimed; its
+`calibration_s` is reported) and `warm` (the same request again with the cost model the cold
+run trained, as in a server that has been up).
 Reported per run: the k histogram (rounds at each k; 0 = plain decode steps), the model's
 predicted and measured tokens/s, and the rounds it took to leave exploration.
 
@@ -29,7 +31,9 @@ import torch
 
 from vericache.bench.prompts import builtin_prompts
 from vericache.engine.generation import GenParams
+from vericache.engine.calibrate import calibrate
 from vericache.engine.local import generate
+from vericache.engine.rounds import LocalBackends
 from vericache.model import load_model
 from vericache.spec.costmodel import CostModel
 
@@ -126,16 +130,21 @@ def main() -> int:
             name, _, ratio = spec.partition("@")
             costs = CostModel()
             warm = []
-            for run in ["fixed", "cold"] + ["warm"] * a.repeats:
-                if run == "warm":
+            for run in ["fixed", "cold", "calibrated"] + ["warm"] * a.repeats:
+                if run in ("calibrated", "warm"):
                     full_tps.append(full_run()[1])
-                res = generate(lm, ids, GenParams(mode="vericache", compressor=name,
-                                                  ratio=float(ratio) if ratio else None,
-                                                  draft_len=a.draft_len, max_tokens=a.max_tokens,
-                                                  ignore_eos=True, adaptive=run != "fixed"),
-                               costs=costs if run != "fixed" else None)
+                params = GenParams(mode="vericache", compressor=name,
+                                   ratio=float(ratio) if ratio else None, draft_len=a.draft_len,
+                                   max_tokens=a.max_tokens, ignore_eos=True, adaptive=run != "fixed")
+                run_costs = None if run == "fixed" else costs
+                if run == "calibrated":
+                    run_costs = CostModel()
+                    calibrate(LocalBackends(lm), lm, run_costs, params)
+                res = generate(lm, ids, params, costs=run_costs)
                 ok &= res.token_ids == ref.token_ids
-                entry = describe(res, ref, spec, run, costs if run != "fixed" else None)
+                entry = describe(res, ref, spec, run, run_costs)
+                if run == "calibrated":
+                    entry["calibration_s"] = run_costs.calibration["seconds"]
                 if run == "warm":
                     warm.append(entry)
                 else:

@@ -18,6 +18,10 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 # concurrent 1.2k-token generations took 21 s each at two threads, 7.7 s at one. Services
 # inherit this; OMP_NUM_THREADS=N in the environment overrides it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Servers the tests start skip the start-up calibration of the cost model (seconds each):
+# their cost models explore their first rounds. tests/test_calibrate.py and the services'
+# end-to-end stack turn it on and check it.
+os.environ.setdefault("VERICACHE_CALIBRATE", "off")
 
 
 @pytest.fixture(scope="session")

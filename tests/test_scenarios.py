@@ -21,9 +21,12 @@ SMALL = ["--concurrency", "2", "--context-tokens", "400", "--max-tokens", "12", 
          "--quiet"]
 
 
-def _bench(tmp_path, *args) -> dict:
+def _bench(tmp_path, *args, calibrate: bool = False) -> dict:
+    """A small scenario run's JSON; the cost model starts cold unless `calibrate` (seconds per
+    vericache variant)."""
     out = tmp_path / "run.json"
-    assert vericache_main(["bench", *args, *SMALL, "--json", str(out)]) == 0
+    flags = [] if calibrate else ["--no-calibrate"]
+    assert vericache_main(["bench", *args, *SMALL, *flags, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -41,9 +44,16 @@ def _check_common(doc: dict, names: set[str]) -> None:
 @pytest.mark.slow
 def test_remote_prefix_scenario(tmp_path):
     doc = _bench(tmp_path, "--scenario", "remote-prefix", "--drafter-link-gbps", "1",
-                 "--link-gbps", "200")
+                 "--link-gbps", "200", calibrate=True)
     _check_common(doc, {"full_near", "full_far", "lossy", "vericache_lockstep", "vericache_staggered"})
     by = {r["variant"]: r for r in doc["variants"]}
+    # each vericache variant calibrated its cost model through its own nodes before its run;
+    # the baselines have no cost model to calibrate
+    for name, row in by.items():
+        if name.startswith("vericache"):
+            assert row["calibration"]["fitted"] and row["calibration"]["seconds"] > 0, name
+        else:
+            assert row["calibration"] is None, name
     assert doc["settings"]["shared_prefix_tokens"] > 300
     # the far node read the full prefix once (shared by both requests: one load per node)
     far = by["full_far"]["link_bytes"]["far_bytes_read"]

@@ -49,7 +49,8 @@ def _kvstore_ready(port: int) -> bool:
 
 
 def _http_ready(port: int) -> bool:
-    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    """The gateway serves: the backends answer and it has calibrated through them."""
+    return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def stack(services):
                    _grpc_ready("drafter"), timeout_s=120, env=ONE_THREAD)
     gw = services("services.gateway", ["--drafter", dra.address, "--verifier", ver.address,
                                        "--kvstore", kv.address, "--max-tokens", str(N),
-                                       "--schedule", "staggered"],
+                                       "--schedule", "staggered", "--calibrate", "on"],
                   _http_ready, timeout_s=120, env=ONE_THREAD)
     yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw}
     r = redis.Redis(host="127.0.0.1", port=6379, db=0)  # shared server: drop only our keys
@@ -84,6 +85,20 @@ def _ref(lm, ids, n=N):
 
 QUESTIONS = ["Write a Python function that reverses a list.", "What is a KV cache? One sentence.",
              "List three colors as JSON.", "Write a haiku about the sea.", "Say hello."]
+
+
+def test_the_gateway_calibrated_through_the_services_before_it_was_ready(stack):
+    """Before the first request: the cost model was fitted from timed rounds through the
+    drafter and verifier services, whose calibration sessions are gone, and none of its
+    synthetic rounds count as traffic."""
+    text = httpx.get(f"http://127.0.0.1:{stack['gateway'].port}/metrics", timeout=10).text
+    assert _metric(text, "vericache_cost_model_fitted") == 1
+    assert _metric(text, "vericache_cost_model_calibration_seconds") > 0
+    assert _metric(text, "vericache_requests_total") == 0
+    assert _metric(text, "vericache_cost_model_measured_tokens_per_second") == 0
+    for name in ("verifier", "drafter"):
+        h = _health(name, stack[name].address)
+        assert h.sessions == 0 and h.kv_in_use_bytes == 0, name
 
 
 def test_chat_identical_to_full_greedy(lm, client):
@@ -130,7 +145,7 @@ def test_four_concurrent_requests_each_identical(lm, client):
             model="smollm2-135m-instruct", max_tokens=N,
             messages=[{"role": "user", "content": QUESTIONS[i]}],
             extra_body={"vericache": {"compressor": ["snapkv", "streamingllm", "kivi", "snapkv"][i],
-                                      "draft_len": [4, 8, 16, 32][i]}})
+                                      "draft_len": [4, 8, 16, 32][i], "adaptive": False}})
         results[i] = r.choices[0].message.content
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]

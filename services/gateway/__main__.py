@@ -4,7 +4,7 @@ Flags and $VERICACHE_* variables are those of `vericache serve` (a flag beats it
 which beats the default). Which engine runs the requests is decided in `build_engine`. Over
 the services the gateway listens at once and answers 503 with Retry-After until the drafter
 and the verifier answer their Health (`services.gateway.ready`); it then reads their KV tier
-and budgets.
+and budgets and calibrates the cost model through them (--calibrate) before it is ready.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from services.gateway.app import serve
 from services.gateway.ready import Readiness
 from vericache.cli.common import add_gen_args, add_model_args, env
 from services.common.auth import add_token_arg
-from vericache.cli.serve import (access_policy, add_server_args, default_params, embedded_engine,
-                                 quota_limits)
+from vericache.cli.serve import (access_policy, add_server_args, calibrate, default_params,
+                                 embedded_engine, quota_limits)
 from vericache.engine.api import Engine
 from vericache.errors import InvalidArgument, VeriCacheError
 
@@ -83,6 +83,7 @@ def build_engine(args) -> tuple[Engine, Readiness]:
         engine.set_budgets(request_cost(info.kv_bytes_per_token, tier), draft, verify)
         log.info("services answer: KV tier %s, budgets drafter %s, verifier %s", tier, draft,
                  verify)
+        calibrate(engine, args)  # through the services, before the gateway reports ready
 
     return engine, Readiness(engine, on_first_ready=learn_budgets)
 

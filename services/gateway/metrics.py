@@ -177,6 +177,9 @@ def _draft_len_families(k_hist: dict, costs: dict):
         GaugeMetricFamily("vericache_cost_model_fitted", "1 once the cost model has seen "
                           "enough rounds to choose k (0: exploring)",
                           value=1.0 if costs.get("fitted") else 0.0),
+        GaugeMetricFamily("vericache_cost_model_calibration_seconds", "how long the start-up "
+                          "calibration's timed rounds took (0: none ran)",
+                          value=(costs.get("calibration") or {}).get("seconds", 0.0)),
     ]
 
 

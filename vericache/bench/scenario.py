@@ -42,14 +42,16 @@ from dataclasses import dataclass, field, replace
 from vericache.bench.scenario_metrics import summarize, variant_measures
 from vericache.compress.registry import make_compressor
 from vericache.engine.budget import MB, request_cost
+from vericache.engine.calibrate import calibrate
 from vericache.engine.generation import Generation, GenParams
-from vericache.engine.kvtier import make_tier
+from vericache.engine.kvtier import TierStats, make_tier
 from vericache.engine.lanes import run_requests
 from vericache.engine.local import generate
 from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument
 from vericache.select import make_selection
+from vericache.spec.costmodel import CostModel
 from vericache.store.memory import MemoryStore
 from vericache.store.node import LinkedStore, NodeCache
 
@@ -92,6 +94,10 @@ class ScenarioConfig:
     # selection policies: the first is the headline (and lossy's); each other one runs the
     # `schedule` variant again, named "vericache_<schedule>:<policy>"
     selections: list[str] = field(default_factory=lambda: ["question"])
+    # each adaptive vericache variant calibrates its cost model through its own backends (and
+    # tier or links) before its timed run, as `vericache serve` does at start-up; False: it
+    # starts cold and explores its first rounds
+    calibrate: bool = True
 
     def __post_init__(self):
         if self.scenario not in SCENARIOS:
@@ -144,8 +150,10 @@ def _drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
 
 
 def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_name: str,
-         budget: int | None, namespace: str = "") -> dict:
-    """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`)."""
+         budget: int | None, namespace: str = "", after_calibration: Callable[[], None] | None = None) -> dict:
+    """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`).
+    An adaptive vericache variant first calibrates its cost model over them (untimed, as a
+    server's start-up; `cfg.calibrate`), then `after_calibration` resets the caller's counters."""
     mode = variant.split("_")[0]
     schedule = "staggered" if variant.partition(":")[0].endswith("staggered") else "lockstep"
     params = cfg.params(mode)
@@ -154,17 +162,25 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
     gens = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-{i}")
             for i, p in enumerate(prompts)]
     cost = request_cost(lm.runner.kv_bytes_per_token(), tier_name)
+    costs, calibration = CostModel(), None
     try:
+        if cfg.calibrate and mode == "vericache" and params.adaptive:
+            calibration = calibrate(backends, lm, costs, params)
+            if tier is not None:
+                tier.stats = TierStats()
+            if after_calibration is not None:
+                after_calibration()
         trace = run_requests(backends, gens, schedule, cfg.groups,
                              None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB),
                              None, cost, draft_ahead=cfg.draft_ahead and schedule == "staggered",
-                             total_budget=budget)
+                             costs=costs, total_budget=budget)
     finally:
         backends.close()
         if tier is not None:
             tier.close()
     return {"variant": variant, "mode": mode, "tier": tier_name, "schedule": schedule,
-            "gens": gens, "trace": trace, "tier_stats": tier.stats if tier is not None else None}
+            "gens": gens, "trace": trace, "tier_stats": tier.stats if tier is not None else None,
+            "calibration": calibration}
 
 
 def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
@@ -185,7 +201,12 @@ def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, st
         backends = LocalBackends(lm, near)
     else:  # the verifier sits near the store; the drafter (and the lossy decoder) far from it
         backends = LocalBackends(lm, near, drafter_store=far, async_attach=variant != "lossy")
-    raw = _run(lm, prompts, cfg, variant, backends, None, "resident", None)
+    def reset_links() -> None:  # the calibration's bytes are not the run's
+        for node in (near, far):
+            node.inner.bytes_read = node.inner.bytes_written = 0
+
+    raw = _run(lm, prompts, cfg, variant, backends, None, "resident", None,
+               after_calibration=reset_links)
     raw["links"] = {"near_bytes_read": near.inner.bytes_read, "near_bytes_written": near.inner.bytes_written,
                     "far_bytes_read": far.inner.bytes_read, "far_bytes_written": far.inner.bytes_written}
     return raw

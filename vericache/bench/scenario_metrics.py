@@ -89,6 +89,8 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "identical": all(identical), "identical_requests": sum(identical),
         "ahead_drafted": tr.ahead_drafted,
         "link_bytes": raw.get("links"),
+        # the cost model's start-up calibration before the timed run (None: none ran)
+        "calibration": raw.get("calibration"),
         "full_kv_bytes_per_request": _r(mean([len(g.prompt) * kv_per_token for g in gens]), 0),
         "compressed_kv_bytes_per_request": _r(mean([g.stats.draft_kv_bytes for g in gens]), 0)
         if raw["mode"] != "full" else None,

@@ -74,6 +74,10 @@ def add_parser(sub) -> None:
     g.add_argument("--schedule", choices=("lockstep", "staggered"), default="lockstep",
                    help="VeriCache's schedule in the headline ratios; both always run, for "
                         "staggered_vs_lockstep (default: lockstep)")
+    g.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="the cost model of each adaptive VeriCache variant starts cold and "
+                        "explores its first rounds (default: it first calibrates through the "
+                        "variant's own backends, untimed, as `vericache serve` does at start-up)")
     g.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="the staggered variant does not draft ahead while drafts are verified")
     g.add_argument("--link-gbps", type=float, default=None, metavar="GBIT",

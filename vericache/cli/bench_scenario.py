@@ -39,7 +39,7 @@ def config(args, grid: Grid) -> ScenarioConfig:
         drafter_link_gbps=args.drafter_link_gbps, kv_budget_mb=args.kv_budget_mb,
         kv_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
         schedule=args.schedule, draft_ahead=args.draft_ahead, selections=grid.selections,
-        services=parse_services(args.services) if args.services else None)
+        calibrate=args.calibrate, services=parse_services(args.services) if args.services else None)
 
 
 def weight_bytes(runner) -> int:

@@ -5,6 +5,7 @@ process (no services needed)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from vericache.cli.common import (add_gen_args, add_memory_args, add_model_args, add_tier_args,
@@ -34,6 +35,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="lockstep: every request drafts, then every one verifies; staggered: "
                         "one half of the batch verifies while the other drafts "
                         "(default: lockstep; $VERICACHE_SCHEDULE)")
+    g.add_argument("--calibrate", choices=("on", "off"), default=env("CALIBRATE", "on"),
+                   help="on: before serving, time a few rounds of synthetic requests through "
+                        "the backends (vericache/engine/calibrate.py; seconds on a CPU), so the "
+                        "cost model chooses each round's k from measured costs from the first "
+                        "request; off: it explores its first rounds instead "
+                        "(default: on; $VERICACHE_CALIBRATE)")
     add_memory_args(g, ("verifier", "drafter"), admission=True)
     add_tier_args(g, services=True)
     g.add_argument("--store", default=env("STORE", "memory://?capacity_mb=2048"),
@@ -130,11 +137,26 @@ def embedded_engine(args):
     lm = load_model(args.model, args.dtype, args.device)
     store = None if args.store in ("", "none") else open_store(args.store)
     tier = make_tier(args.kv_tier, args.tier_link_gbps or None, lm.runner.device)
-    return BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                       backends=LocalBackends(lm, store, tier), schedule=args.schedule,
-                       cost=request_cost(lm.runner.kv_bytes_per_token(), args.kv_tier),
-                       draft_budget=budget_bytes(args.draft_kv_budget_mb, "drafter", args.device),
-                       verify_budget=budget_bytes(args.kv_budget_mb, "verifier", args.device))
+    engine = BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                         backends=LocalBackends(lm, store, tier), schedule=args.schedule,
+                         cost=request_cost(lm.runner.kv_bytes_per_token(), args.kv_tier),
+                         draft_budget=budget_bytes(args.draft_kv_budget_mb, "drafter", args.device),
+                         verify_budget=budget_bytes(args.kv_budget_mb, "verifier", args.device))
+    calibrate(engine, args)
+    return engine
+
+
+def calibrate(engine, args) -> None:
+    """The engine's start-up calibration, unless --calibrate off; a failure is logged and the
+    cost model explores instead (serving never depends on it)."""
+    if args.calibrate != "on":
+        return
+    print("calibrating the cost model ...", file=sys.stderr, flush=True)
+    try:
+        engine.calibrate(default_params(args))
+    except Exception as e:  # noqa: BLE001 -- the engine still serves, exploring its first rounds
+        logging.getLogger(__name__).warning("calibration failed (%s: %s); the cost model will "
+                                            "explore its first rounds", type(e).__name__, e)
 
 
 def run(args) -> int:

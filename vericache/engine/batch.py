@@ -139,6 +139,14 @@ class BatchEngine(Engine):
         self._thread = threading.Thread(target=self._serve, name="vericache-engine", daemon=True)
         self._thread.start()
 
+    def calibrate(self, params: GenParams) -> dict:
+        """Fill the cost model from timed rounds of synthetic requests with `params` (the
+        server's defaults) through this engine's backends (`vericache.engine.calibrate`).
+        Call before serving: the rounds run on the calling thread."""
+        from vericache.engine.calibrate import calibrate
+
+        return calibrate(self.backends, self.lm, self.costs, params)
+
     # ---- API ---------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: GenParams) -> RequestStream:
         """Validate and queue a request (raises InvalidArgument / ContextTooLong / ResourceExhausted)."""

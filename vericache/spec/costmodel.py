@@ -21,8 +21,10 @@ and on a CPU the first few extra rows cost far more than their share (measured h
 rows read the weights at 4-18 GB/s against ~40 for one), so a straight line through 1, 3 and
 9 rows would price a short draft's verify pass too cheaply. Each is a least-squares fit over
 running estimates per shape bucket (`LinearFit`), so it follows the machine and the load
-without forgetting the shapes it has not seen lately. Until both fits have seen enough
-distinct shapes the plan explores a fixed cycle of k values.
+without forgetting the shapes it has not seen lately. A serving engine fills them at start-up
+(`vericache.engine.calibrate`: timed rounds through its own backends); until both fits have
+seen enough distinct shapes (no calibration, or one that failed) the plan explores a fixed
+cycle of k values.
 This module is bookkeeping: no tensors, no clocks (callers pass seconds in).
 """
 
@@ -215,6 +217,7 @@ class CostModel:
         self.measured_tps = 0.0
         self.rounds = 0
         self.k_hist: dict[int, int] = {}  # request-rounds at each k (0: plain decode steps)
+        self.calibration: dict | None = None  # what the start-up calibration did, if it ran
 
     # ---- observations ----------------------------------------------------------------
     def observe_draft(self, steps: int, batch: int, ctx_sum: float, seconds: float) -> None:
@@ -241,6 +244,16 @@ class CostModel:
             for d, a in profiles:
                 self.pooled[0] += min(a, d)
                 self.pooled[1] += min(d, a + 1)
+
+    def calibrated(self, info: dict) -> None:
+        """The start-up calibration (`vericache.engine.calibrate`) is done: keep the times it
+        fed, forget its synthetic requests' acceptance, rounds and k histogram."""
+        with self._lock:
+            self.pooled = [0, 0]
+            self.predicted_tps = self.measured_tps = 0.0
+            self.rounds = 0
+            self.k_hist = {}
+            self.calibration = dict(info, fitted=self._fitted())
 
     @property
     def prior_rate(self) -> float:
@@ -332,5 +345,6 @@ class CostModel:
                     "rounds": self.rounds, "k_hist": dict(self.k_hist),
                     "plain_share": self.k_hist.get(0, 0) / total if total else 0.0,
                     "fitted": self._fitted(), "explore_rounds": self._explore,
+                    "calibration": self.calibration,
                     "verify_theta": self.verify.theta.tolist(),
                     "draft_theta": self.draft.theta.tolist()}

@@ -1,0 +1,100 @@
+"""Start-up calibration: timed rounds of synthetic requests through the engine's own backends,
+so that the cost model (`vericache.spec.costmodel`) plans the first real rounds from measured
+costs instead of exploring.
+
+A round's cost depends on the machine, on the backends (in this process or over gRPC) and on
+where the full KV lives (resident, or loaded over a link for every verify pass), so the
+calibration runs real rounds over the engine's real backends, with k chosen by hand: at each
+(batch, context) of `SHAPES`, one round at each k of `KS` (0: a plain full-KV step). Only the
+times are kept. Synthetic text says nothing about how real prompts draft, so the acceptance
+the model pools, its round counters and its k histogram are reset afterwards
+(`CostModel.calibrated`); real requests then start from the prior acceptance rate.
+
+Every calibration request has the same prompt (seeded token ids, the longer contexts
+extending the shorter), in its own namespace, so a prefix store holds it once and the batch's
+other requests load it from there. The first round of each shape drafts untimed: it carries
+the drafter's attach (loaded when a request first drafts, or in the background), which is not
+a draft step's cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from vericache.engine.backends import Backends
+from vericache.engine.generation import Generation, GenParams
+from vericache.engine.rounds import run_round, start
+from vericache.spec.costmodel import CostModel
+
+log = logging.getLogger(__name__)
+
+# (batch, context tokens): a one-row pass and a many-row pass (the costs that differ most on a
+# CPU), and two contexts, so that the fits separate the per-token and the per-context costs
+SHAPES = ((1, 1024), (4, 256))
+KS = (0, 1, 2, 4, 8)  # each shape's timed rounds (0: a plain step)
+NAMESPACE = "vericache-calibration"
+SEED = 20261201
+ATTACH_WAIT_S = 30.0  # how long the untimed first rounds wait for a background drafter load
+FIRST_ROUNDS = 64  # ... and at most this many of them (each emits a token)
+
+
+def synthetic_prompt(vocab_size: int, tokens: int, eos: set[int]) -> list[int]:
+    """`tokens` seeded token ids, none of them an end-of-sequence token."""
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, vocab_size, (tokens,), generator=g).tolist()
+    return [t if t not in eos else (t + 1) % vocab_size for t in ids]
+
+
+def calibrate(backends: Backends, lm, costs: CostModel, params: GenParams,
+              shapes=SHAPES, ks=KS) -> dict:
+    """Time rounds of synthetic requests (see the module docstring) into `costs`; `params`:
+    the requests' settings (the engine's defaults: compressor, ratio, selection), run in
+    vericache mode. Returns what it did (seconds, rounds, shapes, ks, whether the model is now
+fitted), also kept as `costs.calibration`. Call before serving: it
+    drives `backends` from the calling thread."""
+    t0 = time.perf_counter()
+    p = dataclasses.replace(params, mode="vericache", adaptive=False, draft_len=max(ks),
+                            ignore_eos=True, stop=[], temperature=0.0, logprobs=None, grammar="",
+                            namespace=NAMESPACE, max_tokens=sum(k + 1 for k in ks) + FIRST_ROUNDS + 1)
+    prompt = synthetic_prompt(lm.vocab_size, max(c for _, c in shapes), set(lm.eos_token_ids))
+    rounds = 0
+    for batch, context in shapes:
+        gens = [Generation(lm, prompt[:context], p, request_id=f"calibration-{context}x{batch}-{i}-{time.time_ns()}")
+                for i in range(batch)]
+        admitted: list[Generation] = []
+        try:
+            for g in gens:
+                start(backends, g)
+                admitted.append(g)
+            _first_draft(backends, gens)
+            for k in ks:
+                for g in gens:
+                    g.draftlen.k = k
+                run_round(backends, gens, costs)
+                rounds += 1
+        finally:
+            for g in admitted:
+                backends.release(g)
+    seconds = time.perf_counter() - t0
+    info = {"seconds": round(seconds, 3), "rounds": rounds,
+            "shapes": [list(s) for s in shapes], "ks": list(ks)}
+    costs.calibrated(info)
+    log.info("cost model calibrated in %.1f s (%d rounds)", seconds, rounds)
+    return costs.calibration
+
+
+def _first_draft(backends: Backends, gens: list[Generation]) -> None:
+    """Untimed rounds of k = 1 until every request has drafted once (its drafter side is
+    attached), waiting at most ATTACH_WAIT_S and FIRST_ROUNDS rounds for a background load."""
+    deadline = time.monotonic() + ATTACH_WAIT_S
+    for _ in range(FIRST_ROUNDS):
+        for g in gens:
+            g.draftlen.k = 1
+        run_round(backends, gens)
+        if all(g.stats.draft_steps for g in gens) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
