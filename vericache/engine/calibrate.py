@@ -33,8 +33,10 @@ from vericache.spec.costmodel import CostModel
 log = logging.getLogger(__name__)
 
 # (batch, context tokens): a one-row pass and a many-row pass (the costs that differ most on a
-# CPU), and two contexts, so that the fits separate the per-token and the per-context costs
-SHAPES = ((1, 1024), (4, 256))
+# CPU) whose total contexts differ too (1024 and 2048 tokens), so that the verify fit can tell
+# a pass's fixed cost from its per-context cost (the KV it reads or loads over a link) and its
+# per-token cost from its per-token-and-context cost (attention)
+SHAPES = ((1, 1024), (4, 512))
 KS = (0, 1, 2, 4, 8)  # each shape's timed rounds (0: a plain step)
 NAMESPACE = "vericache-calibration"
 SEED = 20261201
