@@ -190,31 +190,43 @@ def test_a_stale_request_probes_only_where_drafting_could_pay():
     assert costs.plan([16], [1000], [_profile(0.2)], [True]).ks == [0]
 
 
-def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts):
+@pytest.mark.parametrize("link", ["store", "slow-drafter-link"])
+def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts, link):
     """The per-request switch is reversible: a request on plain steps (k = 0) resumes drafting
     (its drafter feeds every token verified meanwhile in one pass) and stays identical to
-    full greedy whatever the sequence of k; its drafter attaches only when it first drafts."""
+    full greedy whatever the sequence of k; its drafter attaches only when it first drafts.
+    Over a slow drafter link (remote prefix) the load starts then, in the background, and
+    nothing crosses that link before."""
     from conftest import rounds_by_hand
 
     from vericache.engine.generation import Generation, GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
     from vericache.store.memory import MemoryStore
+    from vericache.store.node import LinkedStore, NodeCache
 
     ids = prompts["long"][:700]
     ref = generate(lm, ids, GenParams(mode="full", max_tokens=40, ignore_eos=True))
-    b = LocalBackends(lm, MemoryStore())  # with a store: attached when it first drafts
+    store = MemoryStore()
+    far = NodeCache(LinkedStore(store, 1.0))
+    b = (LocalBackends(lm, store) if link == "store"  # attached when it first drafts
+         else LocalBackends(lm, store, drafter_store=far, async_attach=True))
     g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=8,
                                       max_tokens=40, ignore_eos=True))
 
     def after(i: int) -> None:
         if i == 3:  # three plain steps: no draft KV yet, nothing read for it
             assert g.rid not in b.drafter.sessions and g.stats.draft_kv_bytes == 0
+            assert far.inner.bytes_read == 0
 
     out = rounds_by_hand(b, g, [0, 0, 0, 8, 0, 3, 8, 0, 0, 1], after)
+    b.close()
     assert g.stats.draft_kv_bytes > 0
+    if link != "store":
+        assert far.inner.bytes_read > 0
     assert out == ref.token_ids
     u = g.usage()
     assert u["plain_rounds"] == g.stats.k_hist[0] >= 5
-    assert sum(n for k, n in g.stats.k_hist.items() if k) >= 3
+    # (over the slow link the first drafting round only starts the load)
+    assert sum(n for k, n in g.stats.k_hist.items() if k) >= (3 if link == "store" else 2)
     assert u["tokens_per_round"] > 1

@@ -158,6 +158,37 @@ def test_question_policy_over_a_cached_prefix_reaching_into_the_tail(lm, prompts
     ver.release("s")
 
 
+def test_question_window_over_cached_chunks_recomputes_nothing(lm, prompts):
+    """A prompt whose last 32 tokens (the question window) reach back into cached chunks: the
+    whole cached prefix is loaded, as in `full` mode (before, one more chunk was recomputed
+    for the window's queries), the verifier's cache is bit for bit `full` mode's, and the
+    window's queries are those a pass over the whole prompt computes, up to fp32 noise."""
+    from vericache.engine.prefill import prefill
+
+    long = prompts["long"]
+    comp, store = make_compressor("snapkv", 4), MemoryStore()
+    ver = Verifier(lm.runner, store, lm.model_id)
+    ver.prefill("warm", long[:1300], 1, 256, comp)
+    ver.release("warm")
+    ids = long[:1034]  # 10 tokens past the cached 1024: the window starts at 1002
+    out = ver.prefill("q", ids, 8, 256, comp, save_tail=True, selection=make_selection("question"))
+    full = ver.prefill("f", ids, 8, 256)  # full mode: no compressor, no selection
+    assert out.cached_tokens == full.cached_tokens == 1024
+    assert out.first_token == full.first_token
+    a, b = ver.cache("q"), ver.cache("f")
+    assert a.length == b.length and torch.equal(a.view()[0], b.view()[0])
+    assert torch.equal(a.view()[1], b.view()[1])
+    rec = ver.selection("q")
+    assert rec.state.moved_tokens > 0
+    fresh = prefill(lm.runner, ids, 8, 256, question_window=32)
+    got = prefill(lm.runner, ids, 8, 256, cache=ver.cache("f").__class__.from_tensors(
+        b.view(0, 1024)[0].clone(), b.view(0, 1024)[1].clone(), 18), question_window=32)
+    assert torch.equal(got.window_pos, fresh.window_pos) and got.window_pos.tolist() == list(range(1002, 1034))
+    assert torch.allclose(got.window_q, fresh.window_q, atol=1e-4, rtol=1e-4)
+    for rid in ("q", "f"):
+        ver.release(rid)
+
+
 @pytest.mark.parametrize("spec", ["identity", "kivi"])
 def test_nothing_to_move_when_every_token_is_kept(lm, prompts, spec):
     ver = Verifier(lm.runner)

@@ -25,7 +25,9 @@ def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int
     """Run the prompt through the model `chunk_size` tokens per pass (from cache.length on,
     when a cache with a cached prefix is given). Captures the last `window` queries of every
     complete chunk, for compressors that score tokens by them, and the prompt's last
-    `question_window` queries (those computed here), for selection policies."""
+    `question_window` queries, for selection policies. Where the cached prefix reaches into
+    that window, its rows' queries come from a pass over them that leaves the cache as it was
+    (`_window_queries`), so a cached chunk is never recomputed for them."""
     n = len(ids)
     if cache is None:
         cache = runner.new_cache(n + extra_capacity)
@@ -37,6 +39,10 @@ def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int
     logits = None
     s = cache.length
     wq, wpos = [], []
+    if question_window and n - question_window < s:
+        lo = max(0, n - question_window)
+        wq.append(_window_queries(runner, ids, cache, lo))
+        wpos.append(torch.arange(lo, s))
     while s < n:
         e = min(n, (s // chunk_size + 1) * chunk_size)
         complete = e % chunk_size == 0 and s % chunk_size == 0
@@ -60,6 +66,25 @@ def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int
     if wq:
         pre.window_q, pre.window_pos = torch.cat(wq, dim=2), torch.cat(wpos)
     return pre
+
+
+def _window_queries(runner: Runner, ids: list[int], cache: KVCache, lo: int) -> torch.Tensor:
+    """The queries ([L, Hq, m, D]) of cached positions lo .. cache.length - 1: one pass over
+    them as if the cache ended at lo, after which their stored K/V (the prefix cache's, which
+    every mode reads) are put back, so the cache is bit for bit what was loaded."""
+    end = cache.length
+    saved = [t[:, :, lo:end].clone() for t in (cache.k, cache.v)]
+    pos = cache.pos[:, :, lo:end].clone() if cache.pos is not None else None
+    cache.length = lo
+    try:
+        _, item = runner.step(ids[lo:end], lo, cache, logits="none",
+                              capture_q=torch.arange(end - lo))
+    finally:
+        cache.k[:, :, lo:end], cache.v[:, :, lo:end] = saved
+        if pos is not None:
+            cache.pos[:, :, lo:end] = pos
+        cache.length = end
+    return item.captured
 
 
 def tail_start(compressor: Compressor, prompt_len: int, chunk_size: int) -> int:

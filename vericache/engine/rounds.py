@@ -22,17 +22,14 @@ class LocalBackends(Backends):
     memory:// store) prefixes are cached across requests and the drafter attaches from the
     store, exactly as the services do; without one, chunks pass in memory.
 
-    With `async_attach` (remote prefix caching: the drafter's link is slow) the drafter loads
-    a new request's compressed KV in the background; until it lands the request's rounds carry
-    no drafts (each verify pass is a plain full-KV decode step), and drafting starts with the
-    first round after it lands, fed every token verified meanwhile.
-
-    With a store and no `async_attach`, a `vericache` request attaches when it first drafts:
-    its prefill leaves the drafter's part (exact tail, the selection's first moves) undone
-    (`draft_later`), and its rounds until then are plain steps that touch no drafter, so a
-    request the cost model keeps on plain steps never builds draft KV. The first round that
-    drafts for it does that part, loads its draft KV and feeds it every token verified
-    meanwhile (as the services do: `vericache.engine.remote`)."""
+    With a store, a `vericache` request attaches when it first drafts: its prefill leaves the
+    drafter's part (exact tail, the selection's first moves) undone (`draft_later`), and its
+    rounds until then are plain steps that touch no drafter, so a request the cost model keeps
+    on plain steps never builds or moves draft KV. The first round that drafts for it does
+    that part and loads its draft KV, fed every token verified meanwhile (as the services do:
+    `vericache.engine.remote`). With `async_attach` (remote prefix caching: the drafter's link
+    is slow) that load runs in the background: rounds stay plain full-KV decode steps until it
+    lands, and drafting starts with the first round after."""
 
     def __init__(self, lm, store=None, tier=None, drafter_store=None, async_attach: bool = False):
         """`tier`: where the verifier keeps full KV between rounds (None: resident; an
@@ -53,7 +50,7 @@ class LocalBackends(Backends):
         p = g.params
         t0 = time.perf_counter()
         via_store = self.store is not None and g.compressor is not None
-        later = via_store and self._loader is None and p.mode == "vericache"
+        later = via_store and p.mode == "vericache"
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
                                     g.sampling, g.seed, p.namespace, save_tail=via_store,
                                     selection=g.selection, top_logprobs=p.logprobs,
@@ -62,12 +59,7 @@ class LocalBackends(Backends):
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
         if g.compressor is not None:
-            if via_store and self._loader is not None and p.mode == "vericache":
-                f = self._loader.submit(self.drafter.load_from_store, g.rid, g.prompt, g.compressor,
-                                        p.chunk_size, out.tail_start, p.namespace)
-                self._attaching[g.rid] = (f, [out.first_token])
-                self._tail_start[g.rid] = out.tail_start
-            elif later:
+            if later:
                 self._attaching[g.rid] = (None, [out.first_token])
                 self._tail_start[g.rid] = out.tail_start
             elif via_store:
@@ -108,8 +100,12 @@ class LocalBackends(Backends):
                 return False
             g.stats.record_transfer(0, self.verifier.prepare_draft(g.rid))
             p = g.params
-            loaded = self.drafter.load_from_store(g.rid, g.prompt, g.compressor, p.chunk_size,
-                                                  self._tail_start[g.rid], p.namespace)
+            load = (self.drafter.load_from_store, g.rid, g.prompt, g.compressor, p.chunk_size,
+                    self._tail_start[g.rid], p.namespace)
+            if self._loader is not None:  # over the slow link, in the background
+                self._attaching[g.rid] = (self._loader.submit(*load), verified)
+                return False
+            loaded = load[0](*load[1:])
         elif f.done():
             loaded = f.result()
         else:

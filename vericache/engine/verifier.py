@@ -182,7 +182,7 @@ class Verifier:
         cached = None
         if pc is not None:
             cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
-                                  extra_capacity, stats, compute_last=qwin)
+                                  extra_capacity, stats)
         first_chunk = cached.length // chunk_size if cached is not None else 0
         window = compressor.observation_window if compressor else 0
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,

@@ -44,11 +44,10 @@ class PrefixCache:
         return f"tail/{self.namespace}/{request_id}"
 
     def load_full(self, prompt: list[int], spec: str | None, compress_until: int,
-                  extra_capacity: int, stats: TransferStats, compute_last: int = 1) -> KVCache | None:
-        """The cached prefix, never past the prompt's last `compute_last` tokens (prefill
-        computes at least one token; a selection policy needs the queries of its window)."""
+                  extra_capacity: int, stats: TransferStats) -> KVCache | None:
+        """The cached prefix, never the prompt's last token (prefill computes at least one)."""
         t = time.perf_counter()
-        keys = self.keys(prompt[:len(prompt) - max(1, compute_last)])
+        keys = self.keys(prompt[:len(prompt) - 1])
         n = self.store.longest_prefix([full_key(k) for k in keys])
         need = min(n, compress_until // self.chunk_size) if spec is not None else 0
         if need:  # a chunk without its compressed form is recomputed (compressing needs queries)
