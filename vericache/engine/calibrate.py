@@ -32,11 +32,13 @@ from vericache.spec.costmodel import CostModel
 
 log = logging.getLogger(__name__)
 
-# (batch, context tokens): a one-row pass and a many-row pass (the costs that differ most on a
-# CPU) whose total contexts differ too (1024 and 2048 tokens), so that the verify fit can tell
-# a pass's fixed cost from its per-context cost (the KV it reads or loads over a link) and its
-# per-token cost from its per-token-and-context cost (attention)
-SHAPES = ((1, 1024), (4, 512))
+# (batch, context tokens): one-row passes at two contexts (the per-context cost: the KV a pass
+# reads, or loads over a link) and a many-row pass at the second's total context (the cost of
+# rows, which on a CPU jumps from one row to several), so the verify fit can tell these apart
+# and its per-token cost from its per-token-and-context cost (attention). With only 1 x 1k and
+# 4 x 512 the jump from one row to four was read as context: a plain step of 4 x 4k was
+# priced at 3.3 times its time, and drafting looked cheap next to it.
+SHAPES = ((1, 1024), (1, 2048), (4, 512))
 KS = (0, 1, 2, 4, 8)  # each shape's timed rounds (0: a plain step)
 NAMESPACE = "vericache-calibration"
 SEED = 20261201
