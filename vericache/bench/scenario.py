@@ -29,9 +29,10 @@ verifier next to the store over a fast one (`link_gbps`). Each node keeps what i
 - full_near: full-KV decoding next to the store (fast link).
 - lossy: decoding over the compressed prefix, loaded over the slow link.
 - vericache_lockstep / vericache_staggered: the verifier loads the full prefix over the fast
-  link and answers the first token; the drafter loads the compressed prefix over the slow
-  link in the background and drafts once it has landed (until then rounds are plain full-KV
-  decode steps). Figures per variant are in `vericache.bench.scenario_metrics`.
+  link and answers the first token; once the cost model first plans a request to draft, the
+  drafter loads its compressed prefix over the slow link in the background and drafts once it
+  has landed (until then rounds are plain full-KV decode steps; a request kept on plain steps
+  moves nothing over the slow link). Figures per variant are in `vericache.bench.scenario_metrics`.
 """
 
 from __future__ import annotations
