@@ -313,3 +313,63 @@ def test_dynamic_rope_is_refused(tmp_path):
                       rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
     with pytest.raises(ModelLoadError, match="dynamic"):
         Runner.from_hf(LlamaForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral-sliding", "gemma3_text"])
+def test_one_pass_for_a_ragged_batch(name, positions, tmp_path):
+    """Decode rows, a verify pass and a prefill chunk of sequences with different cached
+    lengths in one pass (one attention call per layer over a pool of their caches) give each
+    sequence the logits and K/V of a pass of its own; the next pass over the same caches
+    reads the same pool, and one over another set of caches pools them anew."""
+    from vericache.model.kvcache import KVCache
+    from vericache.model.loader import load_model
+    from vericache.model.runner import SeqBatchItem
+
+    build(name, tmp_path)
+    r = load_model(str(tmp_path), dtype="float32").runner
+    g = torch.Generator().manual_seed(5)
+    pasts, news = [30, 70, 50, 21], [1, 5, 12, 1]
+    seqs = [torch.randint(3, VOCAB, (p + n + 8,), generator=g) for p, n in zip(pasts, news)]
+
+    def cache(ids):
+        c = r.new_cache(len(ids) + 2)
+        r.step(ids.tolist(), 0, c, logits="none")
+        if not positions:
+            return c
+        k, v = c.view()
+        return KVCache.from_tensors(k.clone(), v.clone(), 2, pos=torch.arange(c.length))
+
+    def items(caches, order, lens):
+        return [SeqBatchItem(seqs[i][caches[i].length: caches[i].length + n],
+                             torch.arange(caches[i].length, caches[i].length + n), caches[i], "all")
+                for i, n in zip(order, lens)]
+
+    ref = [cache(s[:p]) for s, p in zip(seqs, pasts)]
+    got = [cache(s[:p]) for s, p in zip(seqs, pasts)]
+    for c in got:  # what a cache holds past its tokens is never read: make it poison
+        c.k[:, :, c.length:] = float("nan")
+        c.v[:, :, c.length:] = float("nan")
+    # (sequences in pass order, their new tokens): the same set reversed reads the same pool;
+    # the last pass, sequence 3 finished, pools anew
+    for order, lens in (([0, 1, 2, 3], news), ([3, 2, 1, 0], [2, 1, 1, 1]), ([0, 1, 2], [1, 3, 2])):
+        want = [r.forward([it])[0] for it in items(ref, order, lens)]
+        out = r.forward(items(got, order, lens))
+        assert len({id(got[i].pool) for i in order}) == 1 and got[0].pool.size == len(order)
+        for i, w, o in zip(order, want, out):
+            assert o.shape == w.shape and ref[i].length == got[i].length
+            assert float((o - w).abs().max()) <= 1e-4 * float(w.abs().max()), (name, order, lens)
+            assert torch.allclose(ref[i].view()[0], got[i].view()[0], atol=1e-5)
+            assert torch.allclose(ref[i].view()[1], got[i].view()[1], atol=1e-5)
+        got[1].k[:, :, :2] = got[1].k[:, :, :2].clone()  # written in place (a drafter's refresh)
+        # the pool's slots past each sequence's end are zeros, not uninitialised memory: one
+        # call reads them for every shorter sequence, masked, and 0 x NaN would be NaN
+        pool = got[order[0]].pool
+        for i in order:
+            assert bool((pool.v[:, got[i].slot, :, got[i].length:] == 0).all()), (name, i)
+        if lens == news:
+            first = got[0].pool
+        elif len(order) == 4:
+            assert got[0].pool is first  # the same batch: no copy
+        else:
+            assert got[0].pool is not first  # another batch: a pool of its own

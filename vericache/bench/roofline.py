@@ -7,8 +7,8 @@ the ratio VeriCache projects against the full-resident baseline here is well bel
 GPU's. It is a projection with every variant at its peak rates, not a cap: a measured ratio
 exceeds it where the baseline runs further below its peak than VeriCache does. `measure()` reads the machine's read bandwidth and fp32 matmul rates (fat
 products and skinny ≤16-row ones), and, as a profile figure, the rate at which a decode
-step's attention (one group's query rows against an 8k cache, per layer and KV head) reads
-the KV; `project_ratios()` puts the peaks in the same cost model as
+step's attention (one SDPA call per layer, each KV head's group of query rows folded into
+rows, against an 8k cache) reads the KV; `project_ratios()` puts the peaks in the same cost model as
 `vericache.bench.project`, with arithmetic added, and the run's τ, k, compression, batch,
 budget and link:
 
@@ -50,13 +50,14 @@ def measure(threads: int | None = None) -> dict:
         fat = 2 * 512 * 576 * 1536 / _best(lambda: a @ w)
         s, ws = torch.randn(16, 576), torch.randn(576, 1536 * 16)
         skinny = 2 * 16 * 576 * 1536 * 16 / _best(lambda: s @ ws)
-        # a decode step's attention as the runner does it: per layer and KV head, the G = 3
-        # query rows of a group against an 8k-token K and V (30 layers x 3 heads)
-        k, v, q = torch.randn(90, 8192, 64), torch.randn(90, 8192, 64), torch.randn(90, 3, 64)
+        # a decode step's attention as the runner does it: one SDPA call per layer, the G = 3
+        # query rows of each KV head folded into rows, against an 8k-token K and V (30 layers
+        # x 3 KV heads)
+        k, v, q = torch.randn(30, 1, 3, 8192, 64), torch.randn(30, 1, 3, 8192, 64), torch.randn(1, 3, 3, 64)
 
         def attend():
-            for h in range(90):
-                torch.mm(torch.softmax(torch.mm(q[h], k[h].t()), dim=-1), v[h])
+            for li in range(30):
+                torch.nn.functional.scaled_dot_product_attention(q, k[li], v[li])
         attn = 2 * k.numel() * 4 / _best(attend, 3)
     finally:
         torch.set_num_threads(before)

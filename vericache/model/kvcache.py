@@ -9,6 +9,12 @@ rollback is `crop(n)`; nothing copies the whole cache per step (growth doubles c
 slot's token, for sliding-window attention over a cache that holds a subset of the tokens (the
 drafter's). None: slot i holds position i (a dense cache from position 0, the verifier's).
 The runner writes the positions of the tokens it appends to a cache that has them.
+
+`KVPool`: the caches of a batch side by side in one tensor per K and V, so that the runner's
+attention reads every sequence of a pass in one call per layer. A member cache's `k`, `v` (and
+`pos`) are views of its slot: the API above is unchanged. The runner pools the caches of a
+multi-sequence pass (`KVPool.hold`): a batch that stays the same from step to step is copied
+once; a cache that outgrows its slot leaves the pool (`reserve`) and the next pass re-pools.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.pos = torch.empty(shape[:3], dtype=torch.long, device=device) if positions else None
         self.length = 0
+        self.pool: KVPool | None = None  # the pool whose slot `slot` holds k, v (and pos)
+        self.slot = 0
 
     @property
     def capacity(self) -> int:
@@ -35,11 +43,17 @@ class KVCache:
         return self.k.shape[0]
 
     def reserve(self, extra: int) -> None:
-        """Make room for `extra` more tokens (grows by doubling; copies only then)."""
+        """Make room for `extra` more tokens (grows by doubling; copies only then, and a
+        pooled cache then leaves its pool)."""
         need = self.length + extra
         if need <= self.capacity:
             return
         cap = max(need, 2 * self.capacity)
+        self.pool = None
+        with torch.inference_mode(False):  # a normal tensor, whoever grows it
+            self._grow(cap)
+
+    def _grow(self, cap: int) -> None:
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
@@ -88,3 +102,61 @@ class KVCache:
                 positions=pos is not None)
         c.append(k, v, pos)
         return c
+
+
+class KVPool:
+    """Caches in slots of one tensor each: `k`, `v`: [num_layers, S, num_kv_heads, capacity,
+    head_dim]; `pos` (caches that record positions): [num_layers, S, num_kv_heads, capacity].
+    Slot s is member cache c with c.slot == s and c.pool is this pool; its live tokens are
+    [0, c.length) of the slot, as in a cache of its own. Layer l of every slot is `k[l]`:
+    [S, Hkv, capacity, D], the batch of keys one attention call reads."""
+
+    def __init__(self, caches: list[KVCache], capacity: int):
+        # the runner pools inside its inference mode: the pool must stay a normal tensor, one
+        # the engine may write in place later (a drafter's refresh)
+        with torch.inference_mode(False):
+            self._fill(caches, capacity)
+
+    def _fill(self, caches: list[KVCache], capacity: int) -> None:
+        c0 = caches[0]
+        layers, hkv, d = c0.num_layers, c0.k.shape[1], c0.k.shape[3]
+        self.size = len(caches)
+        # zeros, not empty: one call attends over every slot up to the longest sequence, and
+        # a shorter one's free slots, masked out, still meet its probabilities (0 x NaN from
+        # uninitialised memory is NaN: a batch with a 700-token sequence once gave NaN logits)
+        self.k = c0.k.new_zeros(layers, self.size, hkv, capacity, d)
+        self.v = torch.zeros_like(self.k)
+        self.pos = None if c0.pos is None else c0.pos.new_zeros(layers, self.size, hkv, capacity)
+        for s, c in enumerate(caches):
+            n = c.length
+            self.k[:, s, :, :n] = c.k[:, :, :n]
+            self.v[:, s, :, :n] = c.v[:, :, :n]
+            c.k, c.v = self.k[:, s], self.v[:, s]
+            if self.pos is not None:
+                self.pos[:, s, :, :n] = c.pos[:, :, :n]
+                c.pos = self.pos[:, s]
+            c.pool, c.slot = self, s
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @staticmethod
+    def poolable(caches: list) -> bool:
+        """Caches one pool can hold: plain KVCaches of one dtype, device and shape, all with
+        positions or all without."""
+        c0 = caches[0]
+        return all(type(c) is KVCache and c.k.dtype == c0.k.dtype and c.k.device == c0.k.device
+                   and c.k.shape[1] == c0.k.shape[1] and c.k.shape[3] == c0.k.shape[3]
+                   and (c.pos is None) == (c0.pos is None) for c in caches)
+
+    @classmethod
+    def hold(cls, caches: list[KVCache]) -> "KVPool":
+        """The pool whose members are exactly `caches` (in any slot order): theirs when they
+        share one, else a new one with the largest capacity among them (their live tokens
+        copied; a cache's old storage is freed when nothing else holds it)."""
+        pool = caches[0].pool
+        if (pool is not None and pool.size == len(caches) and all(c.pool is pool for c in caches)
+                and len({c.slot for c in caches}) == len(caches)):
+            return pool
+        return cls(caches, max(c.capacity for c in caches))

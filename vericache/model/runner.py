@@ -6,8 +6,13 @@ over them, so that
 - the KV cache is preallocated and written in place (`KVCache`), never concatenated;
 - a pass of L > 1 new tokens (prefill, verification) reads each layer's cache once for all
   L queries and all query heads of a KV group (GQA folded into the query rows);
-- several sequences run in one pass: projections and MLPs over the concatenated tokens,
-  attention per sequence over its own cache (sequences of any length, no padding);
+- several sequences run in one pass: projections and MLPs over the concatenated tokens, and
+  one attention call (torch SDPA) per layer for all of them: their caches sit side by side
+  in a `KVPool` (made when the pass's set of caches changes, so a steady batch is copied
+  once), each sequence's rows padded to the longest (decode 1, verify k + 1, a prefill
+  chunk), masks for the ragged lengths. Items that ask for votes take the explicit-score
+  path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
+  call of their own per layer;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
   before keys are stored, so dropped tokens leave no gap to fix;
 - a sliding-window layer masks keys older than pos - window + 1: by slot in a dense cache
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
-from vericache.model.kvcache import KVCache
+from vericache.model.kvcache import KVCache, KVPool
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # A CPU pass of fewer tokens than this (decode, draft and small verify steps: skinny matrix
@@ -49,6 +54,26 @@ class SeqBatchItem:
     votes: bool = False  # return the attention mass each cached key gets from this pass
     attn_votes: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hkv, n] out
     bitwise: bool = False  # each row a pass of its own: a decode step's bits (Runner.forward)
+
+
+@dataclass
+class _Plan:
+    """One attention call per layer for a group of a pass's sequences (`Runner._batch_plan`)."""
+
+    group: list[int]  # the items, by index in the pass
+    pool: KVPool | None  # several caches: their pool (batch row b = slot b)
+    cache: KVCache | None  # one cache: read directly
+    B: int  # batch rows (the pool's slots)
+    lq: int  # query rows per sequence, padded (the longest L)
+    slots: torch.Tensor  # [n items] each item's batch row
+    src: torch.Tensor  # [Tp] the group's rows in the pass
+    pad: torch.Tensor  # [Tp] where each lands in the padded [B Lq] rows
+    in_order: bool  # src and pad are both 0..T-1 (the pass's rows are the padded rows)
+    hi: int  # keys read: slots [lo, hi), hi = the longest sequence's end
+    masks: dict  # {window: (lo, mask [B, 1, G Lq, hi - lo] or None)}; None: causal only
+    positions: torch.Tensor | None  # [B, Lq] rows' positions (caches with positions)
+    write_slot: torch.Tensor | None  # [Tp] the batch row each new K/V goes to (a pool)
+    write_pos: torch.Tensor  # [Tp] the cache slot it goes to
 
 
 def _activation(name: str):
@@ -226,8 +251,110 @@ class Runner:
         finally:
             torch.set_num_threads(threads)
 
+    def _batch_plan(self, group: list[int], items: list[SeqBatchItem], lens: list[int],
+                    pasts: list[int], starts: list[int]) -> "_Plan":
+        """The attention of the items `group` (indices into items) as one call per layer.
+
+        Caches: one cache read directly, several held in one `KVPool` (slot b = batch row b).
+        Queries: each sequence's rows padded to the longest, GQA folded into the rows (rows
+        (g, l) of KV head h), so K/V are read once per KV head, never repeated per query head.
+        Masks ([B, 1 or Hkv, G Lq, Lk], True: seen; None where nothing is hidden) hide a row's
+        future, the slots past its sequence's end, and keys outside a sliding window (by slot
+        in a dense cache, by recorded position per layer in one with positions); a padding row
+        sees every key (its output is dropped)."""
+        dev, g = self.device, self.group
+        caches = [items[i].cache for i in group]
+        if len(group) == 1:
+            pool, slots = None, [0]
+        else:
+            pool = KVPool.hold(caches)
+            slots = [c.slot for c in caches]
+        B = len(slots)
+        lq = max(lens[i] for i in group)
+        slot_t = torch.tensor(slots, device=dev)
+        L_t = torch.zeros(B, dtype=torch.long, device=dev)
+        past_t = torch.zeros(B, dtype=torch.long, device=dev)
+        L_t[slot_t] = torch.tensor([lens[i] for i in group], device=dev)
+        past_t[slot_t] = torch.tensor([pasts[i] for i in group], device=dev)
+        # the pass's rows of this group, and where each lands in the padded [B Lq] rows
+        src = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in group]).to(dev)
+        pad = torch.cat([torch.arange(lens[i]) + s * lq for i, s in zip(group, slots)]).to(dev)
+        dense_rows = bool(torch.equal(pad, torch.arange(B * lq, device=dev)))
+        l_idx = torch.arange(lq, device=dev)
+        real = l_idx[None, :] < L_t[:, None]  # [B, Lq]
+        row_slot = past_t[:, None] + l_idx[None, :]  # [B, Lq] a row's own slot
+        hi = int((past_t + L_t).max())
+        positions = None
+        if getattr(caches[0], "pos", None) is not None:  # rows' absolute positions (padding: never "old")
+            positions = torch.full((B, lq), -(1 << 40), dtype=torch.long, device=dev)
+            positions.view(-1)[pad] = torch.cat([items[i].positions for i in group]).to(dev)
+            for i, c in zip(group, caches):
+                c.pos[:, :, pasts[i]: pasts[i] + lens[i]] = items[i].positions.to(c.pos.device)
+
+        def mask_for(lo: int, window: int | None) -> torch.Tensor | None:
+            keys = torch.arange(lo, hi, device=dev)[None, None, :]  # [1, 1, Lk]
+            seen = keys <= row_slot[:, :, None]  # causal, and no slot past the sequence's end
+            if window is not None:
+                seen &= keys > row_slot[:, :, None] - window
+            seen |= ~real[:, :, None]
+            if bool(seen.all()):
+                return None
+            return seen[:, None].expand(B, g, lq, hi - lo).reshape(B, 1, g * lq, hi - lo)
+
+        masks = {None: (0, mask_for(0, None))}
+        if positions is None:
+            for w in self.windows:
+                lo = max(0, int((past_t[slot_t] - w + 1).min()))
+                masks[w] = (lo, mask_for(lo, w))
+        total = sum(lens)
+        in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
+        return _Plan(group, pool, caches[0] if pool is None else None, B, lq, slot_t, src, pad,
+                     in_order, hi, masks, positions,
+                     slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
+                     torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev))
+
+    def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """One layer of a plan: write the rows' K/V into their caches, then one SDPA call over
+        every sequence. q: [T, Hq, D], k, v: [T, Hkv, D] (the pass's rows) -> [Tp, Hq D], the
+        group's rows in pass order."""
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        qg, kg, vg = (q, k, v) if p.in_order else (q[p.src], k[p.src], v[p.src])
+        if p.pool is None:
+            ck, cv = p.cache.k[li], p.cache.v[li]  # [Hkv, cap, D]
+            ck[:, p.write_pos] = kg.transpose(0, 1)
+            cv[:, p.write_pos] = vg.transpose(0, 1)
+            ck, cv = ck[None], cv[None]
+        else:
+            ck, cv = p.pool.k[li], p.pool.v[li]  # [S, Hkv, cap, D]
+            ck[p.write_slot, :, p.write_pos] = kg
+            cv[p.write_slot, :, p.write_pos] = vg
+        if p.in_order:
+            qp = qg
+        else:
+            qp = qg.new_zeros(p.B * p.lq, self.num_heads, d)
+            qp[p.pad] = qg
+        qp = qp.view(p.B, p.lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p.B, hkv, g * p.lq, d)
+        if lyr.window in p.masks:
+            lo, mask = p.masks[lyr.window]
+        else:  # a windowed layer over caches with positions: per layer and KV head
+            lo = 0
+            kpos = (p.cache.pos[li][None] if p.pool is None else p.pool.pos[li])[:, :, :p.hi]
+            old = kpos[:, :, None, None, :] <= (p.positions - lyr.window)[:, None, None, :, None]
+            old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
+            base = p.masks[None][1]
+            mask = ~old if base is None else base & ~old
+        out = F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi], cv[:, :, lo: p.hi],
+                                             attn_mask=mask, scale=self.scale)
+        out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)
+        return out if p.in_order else out[p.pad]
+
     @torch.inference_mode()
     def _forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        """The pass. Attention: the items whose caches one pool can hold (plain caches, no
+        votes asked) in one call per layer (`_batch_plan`); any other cache (the offloaded
+        tier's working copies) in a call of its own per layer; items that ask for votes on the
+        explicit-score path (`_attend`), which returns each key's attention mass."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         lens = [int(it.tokens.shape[0]) for it in items]
         tokens = torch.cat([it.tokens for it in items]).to(self.device)  # [T]
@@ -237,20 +364,28 @@ class Runner:
                              f"{self.max_positions}-token context")
         ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))  # [T, 1, R]
                  for cos, sin in self.ropes]
-        pasts, masks = [], []
-        for it, L in zip(items, lens):
+        pasts, starts, explicit, start = [], [], [], 0
+        for i, (it, L) in enumerate(zip(items, lens)):
             it.cache.reserve(L)
             past = it.cache.length
             pasts.append(past)
-            masks.append(self._masks(it, L, past))
-            if getattr(it.cache, "pos", None) is not None:
-                it.cache.pos[:, :, past: past + L] = it.positions.to(it.cache.pos.device)
+            starts.append(start)
+            start += L
             if it.capture_q is not None:
                 it.captured = torch.empty(self.num_layers, hq, it.capture_q.shape[0], d,
                                           dtype=self.dtype, device=self.device)
             if it.votes:
+                explicit.append(i)
+                if getattr(it.cache, "pos", None) is not None:
+                    it.cache.pos[:, :, past: past + L] = it.positions.to(it.cache.pos.device)
                 it.attn_votes = torch.empty(self.num_layers, hkv, past + L,
                                             dtype=torch.float32, device=self.device)
+        rest = [i for i in range(len(items)) if not items[i].votes]
+        groups = [rest] if rest and KVPool.poolable([items[i].cache for i in rest]) else [[i] for i in rest]
+        plans = [self._batch_plan(gr, items, lens, pasts, starts) for gr in groups]
+        masks = {i: self._masks(items[i], lens[i], pasts[i]) for i in explicit}
+        captures = [(it, s0, L) for it, s0, L in zip(items, starts, lens) if it.capture_q is not None]
+        one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -263,28 +398,18 @@ class Runner:
             qk = self._rope(qk, *ropes[lyr.rope])
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
-            outs = []
-            start = 0
-            for it, L, past, item_masks in zip(items, lens, pasts, masks):
-                ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
-                ck[:, past: past + L] = k[start: start + L].transpose(0, 1)
-                cv[:, past: past + L] = v[start: start + L].transpose(0, 1)
-                qs = q[start: start + L]
-                if it.capture_q is not None:
-                    it.captured[li] = qs[it.capture_q].transpose(0, 1)
-                if lyr.window in item_masks:
-                    lo, mask = item_masks[lyr.window]
-                else:  # a windowed layer over a cache with positions: per layer and KV head
-                    lo, mask = 0, self._window_mask(it.cache.pos[li, :, : past + L], it.positions,
-                                                    lyr.window, item_masks[None][1])
-                votes = None
-                if it.votes:
-                    votes = it.attn_votes[li]
-                    votes[:, :lo] = 0  # keys outside the window get no attention
-                    votes = votes[:, lo:]
-                outs.append(self._attend(qs, ck[:, lo: past + L], cv[:, lo: past + L], mask, votes))
-                start += L
-            attn = F.linear(outs[0] if len(outs) == 1 else torch.cat(outs), lyr.w_o)
+            for it, s0, L in captures:
+                it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
+            if one:
+                attn = self._attend_batch(plans[0], li, lyr, q, k, v)
+            else:
+                attn = q.new_empty(q.shape[0], hq * d)
+                for p in plans:
+                    attn[p.src] = self._attend_batch(p, li, lyr, q, k, v)
+                for i in explicit:
+                    attn[starts[i]: starts[i] + lens[i]] = self._attend_explicit(
+                        items[i], li, lyr, q, k, v, starts[i], lens[i], pasts[i], masks[i])
+            attn = F.linear(attn, lyr.w_o)
             if lyr.ln_attn_out is not None:
                 attn = self._rms(attn, lyr.ln_attn_out)
             h = h + attn
@@ -296,7 +421,26 @@ class Runner:
             h = h + y
         for it, L in zip(items, lens):
             it.cache.length += L
-        # logits only for the rows asked for
+        return self._logits(items, lens, h)
+
+    def _attend_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
+                         past: int, item_masks: dict) -> torch.Tensor:
+        """One item's layer on the explicit-score path (votes): [L, Hq D]."""
+        ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
+        ck[:, past: past + L] = k[s0: s0 + L].transpose(0, 1)
+        cv[:, past: past + L] = v[s0: s0 + L].transpose(0, 1)
+        if lyr.window in item_masks:
+            lo, mask = item_masks[lyr.window]
+        else:  # a windowed layer over a cache with positions: per layer and KV head
+            lo, mask = 0, self._window_mask(it.cache.pos[li, :, : past + L], it.positions,
+                                            lyr.window, item_masks[None][1])
+        votes = it.attn_votes[li]
+        votes[:, :lo] = 0  # keys outside the window get no attention
+        return self._attend(q[s0: s0 + L], ck[:, lo: past + L], cv[:, lo: past + L], mask,
+                            votes[:, lo:])
+
+    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor):
+        """Logits (fp32) only for the rows asked for."""
         rows, spans, start = [], [], 0
         for it, L in zip(items, lens):
             if it.logits == "all":

@@ -1,0 +1,172 @@
+"""GGUF files of every architecture transformers reads from GGUF, written here from a tiny
+random-weight model (fp32 tensors, a byte-level BPE vocabulary) with the `gguf` package's
+GGUFWriter as llama.cpp's converter lays them out (Llama's q/k rows permuted, Gemma's norms
+stored as 1 + w), then loaded through the project's loader (`--model file.gguf`): the
+runner's logits are transformers' over the same file, and `full` is its `generate`.
+
+Transformers (5.24) reads these supported families from GGUF: llama, qwen2, qwen3, phi3 and
+gemma3. Mistral has no GGUF architecture of its own: llama.cpp writes it as a llama file,
+which loads (and is served) as Llama, the same model without a sliding window; transformers'
+special case for a llama file named "mistral" fails (gguf-py knows no "mistral" tensor map).
+What a file can say is what transformers maps from its metadata: no per-layer types (Gemma 3
+layers follow the default pattern), no partial rotary or window for Phi-3, Qwen3's head_dim
+always 128.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+VOCAB = 300
+PROMPT = 40
+N_NEW = 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=2, eos_token_id=1,
+              pad_token_id=0, tie_word_embeddings=False)
+# name: (gguf architecture, config class, overrides)
+ARCHS = {
+    "llama": ("llama", "LlamaConfig", {}),
+    "qwen2": ("qwen2", "Qwen2Config", {}),
+    "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=128)),  # transformers reads no head_dim: 128
+    "phi3": ("phi3", "Phi3Config", {}),
+    "gemma3_text": ("gemma3", "Gemma3TextConfig", dict(
+        num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=256,
+        tie_word_embeddings=True)),
+}
+
+
+def _tokens() -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of VOCAB tokens: the 256 byte symbols, then merges."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    base = list(bytes_to_unicode().values())
+    merges = [f"{a} {b}" for a in "abcdefghij" for b in "klmnopqrst"][: VOCAB - len(base)]
+    return base + [m.replace(" ", "") for m in merges], merges
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order for Llama's q and k projections (transformers undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(name: str, path) -> "torch.nn.Module":
+    """Write a tiny random model of `name` to `path` (.gguf); returns the source model."""
+    import gguf
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    arch, cls, over = ARCHS[name]
+    cfg = getattr(transformers, cls)(**{**COMMON, **over})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
+                p.copy_(p + 0.3 * torch.randn_like(p))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)  # a llama file named "mistral": transformers reads it as Mistral
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: global layers'
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_uint32(f"{arch}.vocab_size", VOCAB)
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+    tokens, merges = _tokens()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
+    for key, t in hf.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, suffix = key.rsplit(".", 1)
+        gname = names.get_name(base)
+        assert gname is not None, key
+        a = t.float().numpy().copy()
+        if arch == "llama" and base.endswith("q_proj"):
+            a = _permute(a, cfg.num_attention_heads)
+        elif arch == "llama" and base.endswith("k_proj"):
+            a = _permute(a, cfg.num_key_value_heads)
+        elif arch == "gemma3" and "norm" in base:
+            a = a + 1.0  # llama.cpp stores Gemma's (1 + w)
+        w.add_tensor(f"{gname}.{suffix}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def gguf_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from vericache.model.loader import load_model
+
+    name = request.param
+    folder = tmp_path_factory.mktemp(f"gguf-{name.replace('_', '-')}")
+    path = folder / f"tiny-{name}.gguf"
+    source = write_gguf(name, path)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VERICACHE_CACHE_DIR", str(folder / "cache"))  # the conversion's cache
+    try:
+        lm = load_model(str(path), dtype="float32")
+    finally:
+        mp.undo()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    return name, lm, hf, source, prompt
+
+
+def test_gguf_logits_match_transformers(gguf_model):
+    """Prefill, one-token steps and a 3-token step against transformers' forward over the
+    same GGUF file; and transformers' reading of the file is the model it was written from
+    (the file says what the test means)."""
+    name, lm, hf, source, prompt = gguf_model
+    assert lm.model_id.startswith("gguf:") and lm.vocab_size == VOCAB
+    assert hf.config.model_type == source.config.model_type
+    ids = prompt + [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        src = source(torch.tensor([ids])).logits[0].float()
+    scale = float(ref.abs().max())
+    assert float((src - ref).abs().max()) <= 1e-4 * max(1.0, scale), name
+    r = lm.runner
+    cache = r.new_cache(8)
+    got = [r.step(prompt, 0, cache, logits="all")[0]]
+    for i in range(3):
+        got.append(r.step([ids[PROMPT + i]], PROMPT + i, cache, logits="all")[0])
+    got.append(r.step(ids[PROMPT + 3:], PROMPT + 3, cache, logits="all")[0])
+    got = torch.cat(got)
+    diff = float((got - ref).abs().max())
+    print(f"\n{name} (GGUF): logits max-abs diff {diff:.3g} (scale {scale:.3g})")
+    assert got.shape == ref.shape and diff <= 1e-4 * max(1.0, scale), (name, diff)
+
+
+def test_gguf_full_equals_generate(gguf_model):
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+
+    name, lm, hf, _, prompt = gguf_model
+    res = generate(lm, prompt, GenParams(mode="full", max_tokens=N_NEW, ignore_eos=True))
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, PROMPT, dtype=torch.long),
+                      max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert res.token_ids == out[0, PROMPT:].tolist(), name
