@@ -49,6 +49,11 @@ def _kvstore_ready(port: int) -> bool:
 
 
 def _http_ready(port: int) -> bool:
+    """The gateway is up (it may not serve yet: see `_gateway_ready`)."""
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+
+
+def _gateway_ready(port: int) -> bool:
     """The gateway serves: the backends answer and it has calibrated through them."""
     return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
 
@@ -66,7 +71,7 @@ def stack(services):
     gw = services("services.gateway", ["--drafter", dra.address, "--verifier", ver.address,
                                        "--kvstore", kv.address, "--max-tokens", str(N),
                                        "--schedule", "staggered", "--calibrate", "on"],
-                  _http_ready, timeout_s=120, env=ONE_THREAD)
+                  _gateway_ready, timeout_s=120, env=ONE_THREAD)
     yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw}
     r = redis.Redis(host="127.0.0.1", port=6379, db=0)  # shared server: drop only our keys
     keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
