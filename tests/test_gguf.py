@@ -18,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_architectures import COMMON as ARCH_COMMON
 
 VOCAB = 300
 PROMPT = 40
 N_NEW = 12
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=2, eos_token_id=1,
-              pad_token_id=0, tie_word_embeddings=False)
+# the architecture tests' tiny config, smaller still (a GGUF file is written per model)
+COMMON = {**ARCH_COMMON, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "max_position_embeddings": 256}
 # name: (gguf architecture, config class, overrides)
 ARCHS = {
     "llama": ("llama", "LlamaConfig", {}),

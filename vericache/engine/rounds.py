@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import Drafter, DraftOut
@@ -100,12 +101,12 @@ class LocalBackends(Backends):
                 return False
             g.stats.record_transfer(0, self.verifier.prepare_draft(g.rid))
             p = g.params
-            load = (self.drafter.load_from_store, g.rid, g.prompt, g.compressor, p.chunk_size,
-                    self._tail_start[g.rid], p.namespace)
+            load = partial(self.drafter.load_from_store, g.rid, g.prompt, g.compressor,
+                           p.chunk_size, self._tail_start[g.rid], p.namespace)
             if self._loader is not None:  # over the slow link, in the background
-                self._attaching[g.rid] = (self._loader.submit(*load), verified)
+                self._attaching[g.rid] = (self._loader.submit(load), verified)
                 return False
-            loaded = load[0](*load[1:])
+            loaded = load()
         elif f.done():
             loaded = f.result()
         else:
