@@ -56,3 +56,14 @@ def test_on_a_slow_offloaded_tier_the_first_round_drafts(lm, prompts):
     # at most the last round is a plain step (k is capped by the one token left)
     assert g.stats.k_hist.get(0, 0) <= 1 and g.stats.drafted >= 4, g.stats.k_hist
     assert g.output_ids == generate(lm, ids, GenParams(mode="full", max_tokens=16)).token_ids
+
+
+def test_a_short_context_model_calibrates_at_what_fits(lm):
+    """Shapes longer than the model's context are cut to fit (a 2k shape on a 700-token
+    model), and the fits still come out."""
+    import dataclasses
+
+    small = dataclasses.replace(lm, max_context=700)
+    costs = CostModel()
+    info = calibrate(LocalBackends(small), small, costs, GenParams())
+    assert info["fitted"] and max(c for _, c in info["shapes"]) <= 700 - 64

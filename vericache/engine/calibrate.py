@@ -64,6 +64,11 @@ fitted), also kept as `costs.calibration`. Call before serving: it
     p = dataclasses.replace(params, mode="vericache", adaptive=False, draft_len=max(ks),
                             ignore_eos=True, stop=[], temperature=0.0, logprobs=None, grammar="",
                             namespace=NAMESPACE, max_tokens=sum(k + 1 for k in ks) + FIRST_ROUNDS + 1)
+    # a model with a short context calibrates at what fits (the shapes may then coincide)
+    fits = lm.max_context - p.max_tokens - 1
+    shapes = [(batch, min(context, fits)) for batch, context in shapes]
+    if fits < 16:
+        raise ValueError(f"a {lm.max_context}-token context leaves no room to calibrate in")
     prompt = synthetic_prompt(lm.vocab_size, max(c for _, c in shapes), set(lm.eos_token_ids))
     rounds = 0
     for batch, context in shapes:
