@@ -154,7 +154,8 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
          budget: int | None, namespace: str = "", after_calibration: Callable[[], None] | None = None) -> dict:
     """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`).
     An adaptive vericache variant first calibrates its cost model over them (untimed, as a
-    server's start-up; `cfg.calibrate`), then `after_calibration` resets the caller's counters."""
+    server's start-up; `cfg.calibrate`), then `after_calibration` resets the caller's transfer
+    counters (its tier's or its links'), so they count the run alone."""
     mode = variant.split("_")[0]
     schedule = "staggered" if variant.partition(":")[0].endswith("staggered") else "lockstep"
     params = cfg.params(mode)
@@ -167,8 +168,6 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
     try:
         if cfg.calibrate and mode == "vericache" and params.adaptive:
             calibration = calibrate(backends, lm, costs, params)
-            if tier is not None:
-                tier.stats = TierStats()
             if after_calibration is not None:
                 after_calibration()
         trace = run_requests(backends, gens, schedule, cfg.groups,
@@ -189,7 +188,13 @@ def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, sto
     tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
     tier = make_tier(tier_name, cfg.link_gbps or None, lm.runner.device)
     budget = cfg.kv_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
-    return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget)
+
+    def reset_tier() -> None:  # the calibration's loads are not the run's
+        if tier is not None:
+            tier.stats = TierStats()
+
+    return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget,
+                after_calibration=reset_tier)
 
 
 def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
@@ -202,6 +207,7 @@ def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, st
         backends = LocalBackends(lm, near)
     else:  # the verifier sits near the store; the drafter (and the lossy decoder) far from it
         backends = LocalBackends(lm, near, drafter_store=far, async_attach=variant != "lossy")
+
     def reset_links() -> None:  # the calibration's bytes are not the run's
         for node in (near, far):
             node.inner.bytes_read = node.inner.bytes_written = 0

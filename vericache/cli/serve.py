@@ -13,6 +13,8 @@ from vericache.cli.common import (add_gen_args, add_memory_args, add_model_args,
 from vericache.compress import make_compressor
 from vericache.engine.generation import GenParams
 
+log = logging.getLogger(__name__)
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Flags of the HTTP server and the embedded engine (each with its $VERICACHE_* default)."""
@@ -155,8 +157,8 @@ def calibrate(engine, args) -> None:
     try:
         engine.calibrate(default_params(args))
     except Exception as e:  # noqa: BLE001 -- the engine still serves, exploring its first rounds
-        logging.getLogger(__name__).warning("calibration failed (%s: %s); the cost model will "
-                                            "explore its first rounds", type(e).__name__, e)
+        log.warning("calibration failed (%s: %s); the cost model will explore its first rounds",
+                    type(e).__name__, e)
 
 
 def run(args) -> int:

@@ -58,17 +58,17 @@ def calibrate(backends: Backends, lm, costs: CostModel, params: GenParams,
     """Time rounds of synthetic requests (see the module docstring) into `costs`; `params`:
     the requests' settings (the engine's defaults: compressor, ratio, selection), run in
     vericache mode. Returns what it did (seconds, rounds, shapes, ks, whether the model is now
-fitted), also kept as `costs.calibration`. Call before serving: it
-    drives `backends` from the calling thread."""
+    fitted), also kept as `costs.calibration`. Call before serving: it drives `backends` from
+    the calling thread."""
     t0 = time.perf_counter()
     p = dataclasses.replace(params, mode="vericache", adaptive=False, draft_len=max(ks),
                             ignore_eos=True, stop=[], temperature=0.0, logprobs=None, grammar="",
                             namespace=NAMESPACE, max_tokens=sum(k + 1 for k in ks) + FIRST_ROUNDS + 1)
     # a model with a short context calibrates at what fits (the shapes may then coincide)
     fits = lm.max_context - p.max_tokens - 1
-    shapes = [(batch, min(context, fits)) for batch, context in shapes]
     if fits < 16:
         raise ValueError(f"a {lm.max_context}-token context leaves no room to calibrate in")
+    shapes = [(batch, min(context, fits)) for batch, context in shapes]
     prompt = synthetic_prompt(lm.vocab_size, max(c for _, c in shapes), set(lm.eos_token_ids))
     rounds = 0
     for batch, context in shapes:

@@ -212,12 +212,16 @@ class CostModel:
         self.draft = LinearFit(4, recency)
         self._lock = threading.Lock()
         self._explore = 0
+        self._forget_traffic()
+        self.calibration: dict | None = None  # what the start-up calibration did, if it ran
+
+    def _forget_traffic(self) -> None:
+        """What the model learned from requests, as opposed to times: none yet."""
         self.pooled = [0, 0]  # accepted, reached over every request: the prior of new ones
         self.predicted_tps = 0.0  # running means, for /metrics
         self.measured_tps = 0.0
         self.rounds = 0
         self.k_hist: dict[int, int] = {}  # request-rounds at each k (0: plain decode steps)
-        self.calibration: dict | None = None  # what the start-up calibration did, if it ran
 
     # ---- observations ----------------------------------------------------------------
     def observe_draft(self, steps: int, batch: int, ctx_sum: float, seconds: float) -> None:
@@ -249,10 +253,7 @@ class CostModel:
         """The start-up calibration (`vericache.engine.calibrate`) is done: keep the times it
         fed, forget its synthetic requests' acceptance, rounds and k histogram."""
         with self._lock:
-            self.pooled = [0, 0]
-            self.predicted_tps = self.measured_tps = 0.0
-            self.rounds = 0
-            self.k_hist = {}
+            self._forget_traffic()
             self.calibration = dict(info, fitted=self._fitted())
 
     @property
