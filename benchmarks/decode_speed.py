@@ -14,10 +14,10 @@ run trained, as in a server that has been up).
 Reported per run: the k histogram (rounds at each k; 0 = plain decode steps), the model's
 predicted and measured tokens/s, and the rounds it took to leave exploration.
 
-Sequential runs on a shared CPU vary by several percent, so `full` and `warm` alternate
---repeats times (full, warm, full, warm, ...) and each ratio is against the median of the
-`full` runs (one before each warm run); the warm rows report the median of their repeats
-(`warm_runs` lists each).
+Sequential runs on a shared CPU vary by several percent, so `full`, `calibrated` and `warm`
+alternate --repeats times (full, calibrated, full, warm, full, calibrated, ...) and each ratio
+is against the median of the `full` runs (one before each of those runs); the calibrated and
+warm rows report the median of their repeats (`calibrated_runs`, `warm_runs` list each).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def main() -> int:
     ap.add_argument("--draft-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="full and warm runs, alternated; ratios use the median full run (default 3)")
+                    help="calibrated and warm runs each, alternated with full runs; ratios use "
+                         "the median full run (default 3)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     if a.threads:
@@ -129,8 +130,8 @@ def main() -> int:
         for spec in specs:
             name, _, ratio = spec.partition("@")
             costs = CostModel()
-            warm = []
-            for run in ["fixed", "cold", "calibrated"] + ["warm"] * a.repeats:
+            repeated: dict[str, list[dict]] = {"calibrated": [], "warm": []}
+            for run in ["fixed", "cold"] + ["calibrated", "warm"] * a.repeats:
                 if run in ("calibrated", "warm"):
                     full_tps.append(full_run()[1])
                 params = GenParams(mode="vericache", compressor=name,
@@ -145,12 +146,13 @@ def main() -> int:
                 entry = describe(res, ref, spec, run, run_costs)
                 if run == "calibrated":
                     entry["calibration_s"] = run_costs.calibration["seconds"]
-                if run == "warm":
-                    warm.append(entry)
+                if run in repeated:
+                    repeated[run].append(entry)
                 else:
                     row["vericache"].append(entry)
-            mid = sorted(warm, key=lambda e: e["decode_tokens_per_s"])[len(warm) // 2]
-            row["vericache"].append(dict(mid, warm_runs=[e["decode_tokens_per_s"] for e in warm]))
+            for run, entries in repeated.items():
+                mid = sorted(entries, key=lambda e: e["decode_tokens_per_s"])[len(entries) // 2]
+                row["vericache"].append(dict(mid, **{f"{run}_runs": [e["decode_tokens_per_s"] for e in entries]}))
         full = sorted(full_tps)[len(full_tps) // 2]
         row["full_decode_tokens_per_s"] = full
         row["full_runs"] = full_tps

@@ -1,6 +1,7 @@
 """The cost model: it learns round costs from observations and picks the k with the best
 expected goodput, including k = 0 (a plain decode step) when drafting does not pay."""
 
+import numpy as np
 import pytest
 
 from vericache.spec.costmodel import EXPLORE, AcceptanceProfile, CostModel, LinearFit
@@ -230,3 +231,22 @@ def test_switching_between_plain_steps_and_drafting_stays_exact(lm, prompts, lin
     # (over the slow link the first drafting round only starts the load)
     assert sum(n for k, n in g.stats.k_hist.items() if k) >= (3 if link == "store" else 2)
     assert u["tokens_per_round"] > 1
+
+
+def test_warmed_keeps_pooled_acceptance_and_times_but_resets_the_run_counters():
+    """A benchmark's untimed warm-up traffic: the prior of new requests is what it pooled
+    (a fresh model starts from PRIOR_RATE), the fits stay, the reported counters restart."""
+    from vericache.spec.costmodel import PRIOR_RATE
+
+    costs = CostModel()
+    _simulate(costs, draft_step=0.002, verify_base=0.02, per_token=0.0005, profile=_profile(0.95))
+    for _ in range(10):  # rounds of 16 drafts, 15 accepted
+        costs.observe_round(16, 0.1, [(16, 15)])
+    pooled, theta = costs.prior_rate, costs.verify.theta.copy()
+    assert pooled > PRIOR_RATE + 0.2
+    costs.warmed()
+    snap = costs.snapshot()
+    assert costs.prior_rate == pooled and np.array_equal(costs.verify.theta, theta)
+    assert snap["rounds"] == 0 and snap["k_hist"] == {} and snap["fitted"]
+    costs.calibrated({"seconds": 1.0})  # a calibration forgets traffic, pooled acceptance too
+    assert costs.prior_rate == PRIOR_RATE

@@ -11,6 +11,7 @@ from conftest import chat_ids, long_code_prompt
 from test_services_e2e import _grpc_ready, _kvstore_ready
 
 from vericache.cli import main as vericache_main
+from vericache.spec.costmodel import PRIOR_RATE
 from vericache.store.memory import MemoryStore
 from vericache.store.keys import (chunk_key, compressed_key, full_key, is_chunk_key,
                                   refresh_key)
@@ -73,11 +74,31 @@ def test_remote_prefix_scenario(tmp_path):
 
 @pytest.mark.slow
 def test_long_context_scenario_with_budget_and_roofline(tmp_path):
+    """Also --warm-requests: each adaptive vericache variant serves a request about another
+    document before its timed run, and reports what it pooled; --with-fixed-k: both
+    schedules again with k fixed, in the same run."""
     doc = _bench(tmp_path, "--scenario", "long-context", "--kv-budget-caches", "1",
-                 "--link-gbps", "8", "--selection", "question,static")
+                 "--link-gbps", "8", "--selection", "question,static", "--warm-requests", "1",
+                 "--with-fixed-k")
     _check_common(doc, {"full_resident", "full_offloaded", "lossy", "vericache_lockstep",
-                        "vericache_staggered", "vericache_lockstep:static"})
+                        "vericache_staggered", "vericache_lockstep:static",
+                        "vericache_lockstep:fixed", "vericache_staggered:fixed"})
     by = {r["variant"]: r for r in doc["variants"]}
+    assert set(doc["summary"]["adaptive_vs_fixed"]) == {"vericache_lockstep", "vericache_staggered"}
+    assert all(x > 0 for x in doc["summary"]["adaptive_vs_fixed"].values())
+    for r in doc["variants"]:
+        if r["variant"].endswith(":fixed"):  # k = 8 (less at the end), no cost model
+            assert r["warm"] is None and r["calibration"] is None, r["variant"]
+            assert max(int(k) for k in r["draft_len_hist"]) == 8, r["draft_len_hist"]
+        elif r["mode"] != "vericache":
+            assert r["warm"] is None, r["variant"]
+        else:
+            assert r["warm"]["requests"] == 1 and r["warm"]["seconds"] > 0
+            # pooled from the warm request's drafts (none where its cost model kept it on
+            # plain steps: the prior a fresh model starts at)
+            assert 0 < r["warm"]["pooled_acceptance"] <= 1
+            assert (r["warm"]["pooled_acceptance"] != PRIOR_RATE) == (r["warm"]["drafted"] > 0), r["warm"]
+    assert doc["settings"]["warm_requests"] == 1
     # one row per selection policy for the headline schedule, each with τ and its costs
     sel = doc["summary"]["by_selection"]
     assert set(sel) == {"question", "static"} and sel["static"]["variant"] == "vericache_lockstep:static"
@@ -102,9 +123,13 @@ def test_bad_scenario_flags_fail_before_the_model_loads(capsys):
     assert vericache_main(["bench", "--scenario", "remote-prefix", "--drafter-link-gbps", "0"]) == 2
     assert vericache_main(["bench", "--scenario", "long-context", "--kv-budget-mb", "10",
                            "--kv-budget-caches", "2"]) == 2
+    assert vericache_main(["bench", "--scenario", "long-context", "--warm-requests", "-1"]) == 2
+    assert vericache_main(["bench", "--scenario", "long-context", "--with-fixed-k",
+                           "--fixed-draft-len"]) == 2
     assert vericache_main(["bench", "--scenario", "long-context", "--services", "drafter=x:1"]) == 2
     err = capsys.readouterr().err
     assert "drafter-link-gbps" in err and "not both" in err and "verifier=HOST:PORT" in err
+    assert "--warm-requests must be >= 0" in err and "drop --fixed-draft-len" in err
 
 
 @pytest.mark.slow

@@ -36,5 +36,9 @@ class Unavailable(VeriCacheError):
     """A backend (store, drafter, verifier) cannot be reached right now."""
 
 
+class DeadlineExceeded(Unavailable):
+    """A call to a backend passed its deadline: unlike a refused connection, it may have run."""
+
+
 class ModelLoadError(VeriCacheError):
     """The model path does not hold a model this runner can load."""

@@ -127,12 +127,14 @@ def create_app(engine: Engine, served_model_name: str | None = None,
 
     @app.get("/ready")
     async def ready():
-        """Readiness: 200 when every backend service answers its Health (asked now), else
-        503 with Retry-After naming the ones that do not (the embedded engine's always do)."""
+        """Readiness: 200 when every backend service answers its Health (asked now), or,
+        once it has been ready, when the verifier does (`degraded` lists a drafter that does
+        not: requests are served in plain steps), else 503 with Retry-After naming the ones
+        that do not (the embedded engine's always answer)."""
         ok = await asyncio.to_thread(readiness.check)
         headers = {} if ok else {"Retry-After": str(READY_RETRY_AFTER_S)}
         return JSONResponse({"status": "ready" if ok else "unavailable",
-                             "backends": readiness.backends},
+                             "backends": readiness.backends, "degraded": readiness.degraded},
                             status_code=200 if ok else 503, headers=headers)
 
     @app.get("/metrics")

@@ -6,6 +6,11 @@ down or still loading (`NotReady`), instead of accepting requests that would fai
 mid-flight; GET /ready shows it. `on_first_ready` runs once, the first time every backend
 answers (the gateway learns the services' KV budgets there); until it has succeeded the
 gateway is not ready. The embedded engine's backends always answer.
+
+Once ready, only the verifier is needed: while the drafter does not answer, the gateway is
+`degraded`, still ready, and serves every request in plain full-KV decode steps (the
+verifier decides every token in any case, so the output is the same; see
+`vericache.engine.remote`), and drafting resumes when the drafter answers again.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ class Readiness:
         self._lock = threading.Lock()
         self.backends: dict[str, bool] = {}
         self.ready = False
+        self.degraded: list[str] = []  # backends down while the gateway serves without them
+        self._was_ready = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def check(self) -> bool:
         """Ask the backends now; returns (and keeps) whether all answer."""
         backends = self.engine.health()
-        ok = all(backends.values())
+        ok = all(backends.values()) or (self._was_ready and backends.get("verifier", False))
         with self._lock:
             if ok and self._on_first_ready is not None:
                 try:
@@ -50,6 +57,8 @@ class Readiness:
             if ok != self.ready:
                 log.warning("gateway %s (backends: %s)", "ready" if ok else "not ready", backends)
             self.backends, self.ready = backends, ok
+            self._was_ready = self._was_ready or ok
+            self.degraded = [n for n, up in backends.items() if not up] if ok else []
         return ok
 
     def require(self) -> None:

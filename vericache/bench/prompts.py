@@ -99,23 +99,26 @@ SHARED_TASK = ("Write a short Python example that calls `{name}` from the code a
                "comment saying what it returns. Answer with a single ```python code block.")
 
 
-def shared_document_prompts(tokenizer, n: int, context_tokens: int) -> list[BenchPrompt]:
+def shared_document_prompts(tokenizer, n: int, context_tokens: int, start: int = 0) -> list[BenchPrompt]:
     """`n` prompts of about `context_tokens` tokens that share one code document and differ
     in their question (each about another function defined in it): the shape of many users
     asking about one long context. The shared part is a common token prefix, so a prefix
-    cache computes (or loads) it once."""
+    cache computes (or loads) it once. `start`: the document begins at that source module
+    (another start, another document)."""
     if context_tokens < 256:
         raise InvalidArgument(f"--context-tokens must be >= 256 (got {context_tokens})", "context_tokens")
     overhead = len(apply_chat(tokenizer, _message("", SHARED_TASK.format(name="x" * 24))))
-    text, labels = code_context(tokenizer, module_sources(), context_tokens - overhead)
-    names = list(dict.fromkeys(re.findall(r"^\s*def (\w+)\(", text, re.M)))
+    text, labels = code_context(tokenizer, module_sources(start), context_tokens - overhead)
+    # its functions, or where a short document reaches none, its classes
+    names = list(dict.fromkeys(re.findall(r"^\s*def (\w+)\(", text, re.M)
+                               or re.findall(r"^\s*class (\w+)\b", text, re.M)))
     if not names:
-        raise InvalidArgument("the shared document defines no functions", "context_tokens")
+        raise InvalidArgument("the shared document defines no functions or classes", "context_tokens")
     out = []
     for i in range(n):
         name = names[(i * 7) % len(names)] if len(names) < n else names[i * len(names) // n]
         ids = apply_chat(tokenizer, _message(text, SHARED_TASK.format(name=name)))
-        out.append(BenchPrompt(f"shared-{i}-{name}", ids, "code", labels))
+        out.append(BenchPrompt(f"shared{start or ''}-{i}-{name}", ids, "code", labels))
     return out
 
 

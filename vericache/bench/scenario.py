@@ -37,6 +37,7 @@ verifier next to the store over a fast one (`link_gbps`). Each node keeps what i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -99,6 +100,13 @@ class ScenarioConfig:
     # tier or links) before its timed run, as `vericache serve` does at start-up; False: it
     # starts cold and explores its first rounds
     calibrate: bool = True
+    # ... and then serves this many requests about another document (untimed; `run_scenario`'s
+    # `warm_prompts`), so that it plans the timed run from the acceptance a server that has
+    # been up has pooled, not from the prior rate; 0: the timed requests are its first
+    warm_requests: int = 0
+    # also run both vericache schedules with k fixed at `draft_len` (rows "<variant>:fixed"):
+    # the cost model's choice against a fixed k, in the same run (needs `adaptive`)
+    with_fixed: bool = False
 
     def __post_init__(self):
         if self.scenario not in SCENARIOS:
@@ -108,6 +116,11 @@ class ScenarioConfig:
             self.link_gbps = DEFAULT_LINKS[self.scenario]
         if self.concurrency < 1:
             raise InvalidArgument("--concurrency must be >= 1", "concurrency")
+        if self.warm_requests < 0:
+            raise InvalidArgument("--warm-requests must be >= 0", "warm_requests")
+        if self.with_fixed and not self.adaptive:
+            raise InvalidArgument("--with-fixed-k compares the adaptive k with a fixed one: "
+                                  "drop --fixed-draft-len", "with_fixed")
         if self.max_tokens < 2:
             raise InvalidArgument("--max-tokens must be >= 2", "max_tokens")
         if self.link_gbps < 0:
@@ -130,10 +143,14 @@ class ScenarioConfig:
 
     def variants(self, names: tuple[str, ...]) -> list[tuple[str, "ScenarioConfig"]]:
         """(row name, settings) of every variant to run: `names` with the headline selection,
-        then the `schedule` variant once per other selection."""
+        then the `schedule` variant once per other selection, then (`with_fixed`) each
+        vericache variant with k fixed."""
         out = [(v, self) for v in names]
         for s in self.selections[1:]:
             out.append((f"vericache_{self.schedule}:{s}", replace(self, selections=[s])))
+        if self.with_fixed:
+            fixed = replace(self, adaptive=False, with_fixed=False, selections=self.selections[:1])
+            out += [(f"{v}:fixed", fixed) for v in names if v.startswith("vericache_")]
         return out
 
     def kv_budget(self, longest_prompt: int, kv_per_token: int) -> int | None:
@@ -151,11 +168,13 @@ def _drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
 
 
 def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_name: str,
-         budget: int | None, namespace: str = "", after_calibration: Callable[[], None] | None = None) -> dict:
+         budget: int | None, namespace: str = "", after_calibration: Callable[[], None] | None = None,
+         warm_prompts=()) -> dict:
     """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`).
     An adaptive vericache variant first calibrates its cost model over them (untimed, as a
-    server's start-up; `cfg.calibrate`), then `after_calibration` resets the caller's transfer
-    counters (its tier's or its links'), so they count the run alone."""
+    server's start-up; `cfg.calibrate`) and serves `warm_prompts` (untimed, as a server's
+    earlier traffic; `cfg.warm_requests` of them), then `after_calibration` resets the
+    caller's transfer counters (its tier's or its links'), so they count the run alone."""
     mode = variant.split("_")[0]
     schedule = "staggered" if variant.partition(":")[0].endswith("staggered") else "lockstep"
     params = cfg.params(mode)
@@ -164,26 +183,40 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
     gens = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-{i}")
             for i, p in enumerate(prompts)]
     cost = request_cost(lm.runner.kv_bytes_per_token(), tier_name)
-    costs, calibration = CostModel(), None
+    costs, calibration, warm = CostModel(), None, None
+    draft_budget = None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB)
+
+    def serve(requests: list[Generation]):
+        return run_requests(backends, requests, schedule, cfg.groups, draft_budget, None, cost,
+                            draft_ahead=cfg.draft_ahead and schedule == "staggered",
+                            costs=costs, total_budget=budget)
     try:
-        if cfg.calibrate and mode == "vericache" and params.adaptive:
-            calibration = calibrate(backends, lm, costs, params)
+        if mode == "vericache" and params.adaptive:
+            if cfg.calibrate:
+                calibration = calibrate(backends, lm, costs, params)
+            if warm_prompts:
+                t0 = time.perf_counter()
+                earlier = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-warm-{i}")
+                           for i, p in enumerate(warm_prompts)]
+                serve(earlier)
+                costs.warmed()
+                warm = {"requests": len(warm_prompts), "seconds": round(time.perf_counter() - t0, 3),
+                        "drafted": sum(g.stats.drafted for g in earlier),
+                        "pooled_acceptance": round(costs.prior_rate, 4)}
             if after_calibration is not None:
                 after_calibration()
-        trace = run_requests(backends, gens, schedule, cfg.groups,
-                             None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB),
-                             None, cost, draft_ahead=cfg.draft_ahead and schedule == "staggered",
-                             costs=costs, total_budget=budget)
+        trace = serve(gens)
     finally:
         backends.close()
         if tier is not None:
             tier.close()
     return {"variant": variant, "mode": mode, "tier": tier_name, "schedule": schedule,
             "gens": gens, "trace": trace, "tier_stats": tier.stats if tier is not None else None,
-            "calibration": calibration}
+            "calibration": calibration, "warm": warm}
 
 
-def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
+def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store,
+                             warm_prompts=()) -> dict:
     """One long-context variant over every prompt at once; returns its raw record."""
     tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
     tier = make_tier(tier_name, cfg.link_gbps or None, lm.runner.device)
@@ -194,10 +227,11 @@ def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, sto
             tier.stats = TierStats()
 
     return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget,
-                after_calibration=reset_tier)
+                after_calibration=reset_tier, warm_prompts=warm_prompts)
 
 
-def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store) -> dict:
+def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store,
+                              warm_prompts=()) -> dict:
     """One remote-prefix variant: fresh (cold) nodes in front of the shared store."""
     near = NodeCache(LinkedStore(store, cfg.link_gbps or None))
     far = NodeCache(LinkedStore(store, cfg.drafter_link_gbps))
@@ -213,7 +247,7 @@ def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, st
             node.inner.bytes_read = node.inner.bytes_written = 0
 
     raw = _run(lm, prompts, cfg, variant, backends, None, "resident", None,
-               after_calibration=reset_links)
+               after_calibration=reset_links, warm_prompts=warm_prompts)
     raw["links"] = {"near_bytes_read": near.inner.bytes_read, "near_bytes_written": near.inner.bytes_written,
                     "far_bytes_read": far.inner.bytes_read, "far_bytes_written": far.inner.bytes_written}
     return raw
@@ -256,11 +290,12 @@ def verifier_tier(lm, cfg: ScenarioConfig) -> str:
 
 
 def run_services_variant(lm, prompts, cfg: ScenarioConfig, variant: str, tier: str,
-                         namespace: str) -> dict:
+                         namespace: str, warm_prompts=()) -> dict:
     """One variant through the drafter and verifier services (RemoteBackends); the services'
     own flags set their links and the verifier's tier."""
     budget = cfg.kv_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
-    raw = _run(lm, prompts, cfg, variant, _remote(lm, cfg), None, tier, budget, namespace)
+    raw = _run(lm, prompts, cfg, variant, _remote(lm, cfg), None, tier, budget, namespace,
+               warm_prompts=warm_prompts)
     if raw["mode"] == "full":
         raw["variant"] = f"full_{tier}"
     return raw
@@ -290,8 +325,13 @@ def common_prefix(prompts) -> int:
 
 
 def run_scenario(lm, prompts, cfg: ScenarioConfig,
-                 on_step: Callable[[str], None] | None = None) -> dict:
-    """Warm the store, the reference outputs, then every variant; returns the JSON document."""
+                 on_step: Callable[[str], None] | None = None, warm_prompts=()) -> dict:
+    """Warm the store, the reference outputs, then every variant; returns the JSON document.
+    `warm_prompts`: the earlier traffic each adaptive vericache variant serves before its
+    timed run (`cfg.warm_requests` of them: prompts about another document)."""
+    if len(warm_prompts) != cfg.warm_requests:
+        raise InvalidArgument(f"{cfg.warm_requests} warm requests set, {len(warm_prompts)} "
+                              "prompts given", "warm_requests")
     step = on_step or (lambda label: None)
     store = MemoryStore()
     comp = make_compressor(cfg.compressor, cfg.ratio)
@@ -326,14 +366,14 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
             if cfg.scenario == "remote-prefix" or i == 0:
                 _services_warm(lm, cfg, warm, ns, step)
             step(f"services: {v}")
-            raw = run_services_variant(lm, prompts, vcfg, v, tier, ns)
+            raw = run_services_variant(lm, prompts, vcfg, v, tier, ns, warm_prompts)
             rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     else:
         run_variant = (run_long_context_variant if cfg.scenario == "long-context"
                        else run_remote_prefix_variant)
         for v, vcfg in cfg.variants(VARIANTS[cfg.scenario]):
             step(v)
-            raw = run_variant(lm, prompts, vcfg, v, store)
+            raw = run_variant(lm, prompts, vcfg, v, store, warm_prompts)
             _drop_new_keys(store, published)
             rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     doc = {"scenario": cfg.scenario, "model": lm.name,

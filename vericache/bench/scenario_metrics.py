@@ -91,6 +91,9 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "link_bytes": raw.get("links"),
         # the cost model's start-up calibration before the timed run (None: none ran)
         "calibration": raw.get("calibration"),
+        # the untimed earlier requests it served after calibrating, and the acceptance rate it
+        # pooled from them (None: its timed requests were its first)
+        "warm": raw.get("warm"),
         "full_kv_bytes_per_request": _r(mean([len(g.prompt) * kv_per_token for g in gens]), 0),
         "compressed_kv_bytes_per_request": _r(mean([g.stats.draft_kv_bytes for g in gens]), 0)
         if raw["mode"] != "full" else None,
@@ -140,7 +143,7 @@ def summarize(rows: list[dict], schedule: str, resident: str | None = "full_resi
                          "throughput_ratio_vs_full_offloaded": _r(_ratio(r["throughput_tps"], tps[offloaded])),
                          "select_share_of_rounds": r["select_share_of_rounds"],
                          "select_delta_bytes_per_token": r["select_delta_bytes_per_token"]}
-        for r in rows if r["variant"].partition(":")[0] == headline}
+        for r in rows if r["variant"].partition(":")[0] == headline and not r["variant"].endswith(":fixed")}
     return {
         "by_selection": by_selection,
         "vericache_variant": vc["variant"],
@@ -162,4 +165,9 @@ def summarize(rows: list[dict], schedule: str, resident: str | None = "full_resi
         "identical": all(r["identical"] for r in checked),
         "not_identical": [r["variant"] for r in checked if not r["identical"]],
         "lossy_identical": by["lossy"]["identical"],
+        # each schedule with the cost model's k over the same schedule with k fixed (rows
+        # "<variant>:fixed", with --with-fixed-k; empty without them)
+        "adaptive_vs_fixed": {v: _r(_ratio(tps[v], tps[f"{v}:fixed"]))
+                              for v in ("vericache_lockstep", "vericache_staggered")
+                              if f"{v}:fixed" in tps},
     }

@@ -78,6 +78,15 @@ def add_parser(sub) -> None:
                    help="the cost model of each adaptive VeriCache variant starts cold and "
                         "explores its first rounds (default: it first calibrates through the "
                         "variant's own backends, untimed, as `vericache serve` does at start-up)")
+    g.add_argument("--warm-requests", type=int, default=0, metavar="N",
+                   help="each adaptive VeriCache variant then serves N requests about another "
+                        "document, untimed, and plans its timed run from the acceptance it "
+                        "pooled from them, as a server that has been up does (default: 0, the "
+                        "timed requests are its first and start from the prior rate)")
+    g.add_argument("--with-fixed-k", dest="with_fixed", action="store_true",
+                   help="also run both VeriCache schedules with k fixed at --draft-lens (rows "
+                        "<variant>:fixed, summary adaptive_vs_fixed): the cost model's k "
+                        "against a fixed one in the same run")
     g.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="the staggered variant does not draft ahead while drafts are verified")
     g.add_argument("--link-gbps", type=float, default=None, metavar="GBIT",

@@ -39,7 +39,8 @@ def config(args, grid: Grid) -> ScenarioConfig:
         drafter_link_gbps=args.drafter_link_gbps, kv_budget_mb=args.kv_budget_mb,
         kv_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
         schedule=args.schedule, draft_ahead=args.draft_ahead, selections=grid.selections,
-        calibrate=args.calibrate, services=parse_services(args.services) if args.services else None)
+        calibrate=args.calibrate, warm_requests=args.warm_requests, with_fixed=args.with_fixed,
+        services=parse_services(args.services) if args.services else None)
 
 
 def weight_bytes(runner) -> int:
@@ -136,12 +137,16 @@ def run_scenario_cli(args, grid: Grid) -> int:
         raise InvalidArgument("--concurrency must be >= 1", "concurrency")
     lm = load_model(args.model, args.dtype, args.device)
     prompts = shared_document_prompts(lm.tokenizer, args.concurrency, args.context_tokens)
+    # earlier traffic: questions about another document (source modules the timed one does
+    # not reach at 8k tokens)
+    warm = shared_document_prompts(lm.tokenizer, cfg.warm_requests, args.context_tokens,
+                                   start=3) if cfg.warm_requests else []
 
     def step(label: str) -> None:
         if not args.quiet:
             print(f"bench: {label}", file=sys.stderr, flush=True)
 
-    doc = run_scenario(lm, prompts, cfg, step)
+    doc = run_scenario(lm, prompts, cfg, step, warm)
     doc["settings"].update({"dtype": args.dtype, "device": args.device, "threads": args.threads})
     if args.project is not None:
         doc["projection"] = project_run(doc, args.project, weight_bytes(lm.runner))

@@ -15,7 +15,7 @@ lossy mode, the baseline).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vericache.compress import make_compressor
 from vericache.select import make_selection
@@ -112,6 +112,7 @@ class GenStats:
     select_moves: int = 0  # deltas applied to the drafter's set
     select_moved_tokens: int = 0  # tokens moved in, over layers and KV heads
     select_delta_bytes: int = 0  # bytes of those deltas (K/V + slots + positions)
+    drafter_lost: str = ""  # why the drafter stopped serving a vericache request (see lose_drafter)
 
     def record_selection(self, seconds: float, moves: int, moved_tokens: int, delta_bytes: int) -> None:
         """Take a request's selection totals so far (from the verifier, here or a service)."""
@@ -258,6 +259,18 @@ class Generation:
         return self._emit(list(drafted[:accepted]) + [bonus],
                           ["draft"] * accepted + ["bonus" if drafted else "plain"], logprobs)
 
+    def lose_drafter(self, reason: str) -> bool:
+        """The drafter can no longer serve this request (its service died or restarted, or
+        the store evicted a chunk its attach reads). A `vericache` request goes on with plain
+        full-KV decode steps, what `full` mode does: the verifier decides every token as
+        before, so the output is the same; returns True. A `lossy` request decodes on the
+        drafter and cannot: False (the caller fails it)."""
+        if self.params.mode != "vericache":
+            return False
+        self.params = replace(self.params, mode="full")
+        self.stats.drafter_lost = reason
+        return True
+
     def on_lossy(self, token: int) -> list[int]:
         """The lossy baseline's token, taken unverified."""
         self.stats.rounds += 1
@@ -273,5 +286,8 @@ class Generation:
                 "selection": self.selection.spec if self.selection is not None else None,
                 "selection_moves": s.select_moves,
                 "selection_moved_tokens": s.select_moved_tokens,
-                "plain_rounds": s.k_hist.get(0, 0) if self.params.mode == "vericache" else 0,
+                "plain_rounds": (s.k_hist.get(0, 0) if self.params.mode == "vericache" or s.drafter_lost
+                                 else 0),
+                # why a vericache request finished on plain steps without its drafter (None: it did not)
+                "drafter_lost": s.drafter_lost or None,
                 "draft_len_mean": round(s.drafted / s.rounds, 3) if s.rounds else 0.0}

@@ -4,8 +4,12 @@ deadline (`timeout_s`; Release and Health shorter ones of their own, at most `ti
 failed call surfaces as the core's typed error. Only Release and Health are retried (once, on
 UNAVAILABLE): Prefill, Attach, Draft, Verify and Commit change a session's state, so one that
 may have run is never sent twice — the request fails instead, and its sessions are released.
-An Attach that finds a chunk evicted from the store (NOT_FOUND) does not fail the request: the
-verifier decodes it alone, in plain full-KV steps, so it still ends with the same tokens.
+The drafter is what VeriCache can lose without losing a token: an Attach that finds a chunk
+evicted from the store (NOT_FOUND), or a Draft or Commit whose drafter is unreachable or
+restarted (UNAVAILABLE, a deadline, or NOT_FOUND for its session), does not fail a `vericache`
+request: the verifier decodes it alone from then on, in plain full-KV steps
+(`Generation.lose_drafter`), so it still ends with the same tokens. A request not yet attached
+when the drafter stops answering waits on plain steps and attaches once it answers again.
 
 A `vericache` request attaches to the drafter when it first drafts, not at admission: until
 then its rounds are plain steps that never touch the drafter, and a request the cost model
@@ -17,7 +21,6 @@ tokens wait here and go with its first Draft order, as any plain round's do."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +32,7 @@ from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.verifier import Verdict
-from vericache.errors import NotFound, Unavailable, VeriCacheError
+from vericache.errors import DeadlineExceeded, NotFound, Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
 from vericache.spec.logprobs import TokenLogprob
 from vericache.spec.processors import Processing
@@ -42,6 +45,9 @@ dpb, dpb_grpc = load("drafter")
 # a Verify or Draft message with sampled distributions carries k x vocab float32s
 MODEL_MESSAGE_BYTES = 256 << 20
 RELEASE_TIMEOUT_S = 10.0
+# after a drafter call finds it unreachable, requests waiting to attach take plain steps for
+# this long before they try it again (a restart takes seconds; each try costs a connect)
+DRAFTER_RETRY_S = 2.0
 # A restarted drafter or verifier is found again within 5 s (gRPC's default backoff grows
 # to 120 s, and calls fail fast as UNAVAILABLE until the next reconnect attempt).
 _OPTIONS = [("grpc.max_send_message_length", MODEL_MESSAGE_BYTES),
@@ -101,6 +107,10 @@ class RemoteBackends(Backends):
         self._refresh: dict[str, bool] = {}  # rid -> this round's Verify kept exact KV
         self._releaser = ThreadPoolExecutor(4, thread_name_prefix="release")
         self._unattached: dict[str, object] = {}  # rid -> its AttachRequest, sent when it drafts
+        # unattached requests whose PrepareDraft is done -> whether their last Attach passed
+        # its deadline (the drafter may then hold a session for it, freed before the next)
+        self._prepared: dict[str, bool] = {}
+        self._drafter_down_until = 0.0  # monotonic time: no Attach is tried before it
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
@@ -141,10 +151,7 @@ class RemoteBackends(Backends):
         try:
             att = call(self.drafter.Attach, req, self.timeout, "drafter Attach")
         except NotFound as e:
-            if g.params.mode != "vericache":
-                raise
-            log.warning("%s: %s; decoding without drafts", g.rid, e)
-            g.params = dataclasses.replace(g.params, mode="full")
+            self._lose_drafter(g, e)
             return False
         s = g.stats
         s.store_hits += att.store_hits
@@ -157,9 +164,15 @@ class RemoteBackends(Backends):
         out = {g.rid: DraftOut([], None) for g, _ in batch}
         orders = [(g, k) for g, k in batch if k > 0 and self._attached(g)]
         if orders:
-            res = call(self.drafter.Draft, _orders(orders, self._plain), self.timeout, "drafter Draft")
-            for (g, _), r in zip(orders, res.results):
-                out[g.rid] = DraftOut(list(r.tokens), probs_from_bytes(r.probs, len(r.tokens), self.vocab))
+            try:
+                res = call(self.drafter.Draft, _orders(orders, self._plain), self.timeout,
+                           "drafter Draft")
+            except (Unavailable, NotFound) as e:  # the drafter died, or restarted empty
+                for g, _ in orders:
+                    self._lose_drafter(g, e)
+            else:
+                for (g, _), r in zip(orders, res.results):
+                    out[g.rid] = DraftOut(list(r.tokens), probs_from_bytes(r.probs, len(r.tokens), self.vocab))
         for g, _ in batch:
             self._drafted[g.rid] = bool(out[g.rid].tokens)
         return [out[g.rid] for g, _ in batch]
@@ -167,23 +180,62 @@ class RemoteBackends(Backends):
     def _attached(self, g: Generation) -> bool:
         """Whether the drafter holds the request, attaching it now if it has not yet (the
         verifier first writes what its Prefill left for the drafter: PrepareDraft)."""
-        req = self._unattached.pop(g.rid, None)
+        if g.stats.drafter_lost:
+            return False
+        req = self._unattached.get(g.rid)
         if req is None:
             return True
-        prep = call(self.verifier.PrepareDraft, vpb.PrepareDraftRequest(request_id=g.rid),
-                    self.timeout, "verifier PrepareDraft")
-        _record_selection(g, prep.selection)
-        g.stats.store_bytes_written += prep.bytes_written
-        g.stats.store_s += prep.store_seconds
-        req.apply_selection = prep.selection_deltas > 0
-        return self._attach(g, req)
+        if time.monotonic() < self._drafter_down_until:
+            return False  # a plain step; tried again once the drafter may answer
+        if g.rid not in self._prepared:
+            try:
+                prep = call(self.verifier.PrepareDraft, vpb.PrepareDraftRequest(request_id=g.rid),
+                            self.timeout, "verifier PrepareDraft")
+            except DeadlineExceeded:  # the verifier itself did not answer: the request fails
+                raise
+            except Unavailable as e:  # the drafter's part (through the kvstore) cannot be made
+                self._lose_drafter(g, e)
+                return False
+            _record_selection(g, prep.selection)
+            g.stats.store_bytes_written += prep.bytes_written
+            g.stats.store_s += prep.store_seconds
+            req.apply_selection = prep.selection_deltas > 0
+            self._prepared[g.rid] = False
+        elif self._prepared[g.rid]:  # the last Attach may have made a session: free it
+            self._release_on(self.drafter, g.rid)
+        try:
+            attached = self._attach(g, req)
+        except Unavailable as e:
+            self._prepared[g.rid] = isinstance(e, DeadlineExceeded)
+            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
+            return False
+        self._unattached.pop(g.rid, None)
+        self._prepared.pop(g.rid, None)
+        return attached
+
+    def _lose_drafter(self, g: Generation, e: VeriCacheError) -> None:
+        """`g`'s drafter session is gone or unreachable: it goes on without it
+        (`Generation.lose_drafter`), or, in lossy mode, fails with `e`."""
+        if g.stats.drafter_lost:  # lost already (a round of the other lane found it first)
+            return
+        if not g.lose_drafter(str(e)):
+            raise e
+        log.warning("%s: %s; decoding on in plain full-KV steps", g.rid, e)
+        for state in (self._moved, self._plain, self._drafted, self._refresh, self._unattached):
+            state.pop(g.rid, None)
+        self._prepared.pop(g.rid, None)
+        if isinstance(e, Unavailable):
+            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
 
     def draft_ahead(self, batch: list[tuple[Generation, int]]) -> int:
         batch = [(g, k) for g, k in batch if g.rid not in self._unattached]
         if not batch:
             return 0
-        return call(self.drafter.DraftAhead, _orders(batch), self.timeout,
-                    "drafter DraftAhead").drafted
+        try:
+            return call(self.drafter.DraftAhead, _orders(batch), self.timeout,
+                        "drafter DraftAhead").drafted
+        except (Unavailable, NotFound):
+            return 0  # a guess lost; the next Draft or Commit finds the drafter gone
 
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
         res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
@@ -199,20 +251,25 @@ class RemoteBackends(Backends):
                 for (g, _), r in zip(batch, res.results)]
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
+        if g.stats.drafter_lost:
+            return
         moved = self._moved.pop(g.rid, False)
         refresh = self._refresh.pop(g.rid, False) and bonus is not None
         if g.rid in self._unattached or (bonus is not None and not self._drafted.get(g.rid, True)
                                          and not moved):
             self._plain.setdefault(g.rid, []).append(bonus)  # sent with the next Draft order
             return
-        for tok in self._plain.pop(g.rid, []):  # (none after a Draft: it took them)
-            call(self.drafter.Commit, dpb.CommitRequest(request_id=g.rid, accepted=0, bonus=tok),
-                 self.timeout, "drafter Commit")
         req = dpb.CommitRequest(request_id=g.rid, accepted=accepted, refresh_draft=refresh,
                                 apply_selection=moved)
         if bonus is not None:
             req.bonus = bonus
-        call(self.drafter.Commit, req, self.timeout, "drafter Commit")
+        try:
+            for tok in self._plain.pop(g.rid, []):  # (none after a Draft: it took them)
+                call(self.drafter.Commit, dpb.CommitRequest(request_id=g.rid, accepted=0, bonus=tok),
+                     self.timeout, "drafter Commit")
+            call(self.drafter.Commit, req, self.timeout, "drafter Commit")
+        except (Unavailable, NotFound) as e:
+            self._lose_drafter(g, e)
 
     def release(self, g: Generation) -> None:
         """Free both sides, off the caller's thread (the engine ends the request at once; a
@@ -220,19 +277,24 @@ class RemoteBackends(Backends):
         raises (a lost service frees its sessions by TTL)."""
         for state in (self._moved, self._plain, self._drafted, self._refresh, self._unattached):
             state.pop(g.rid, None)
+        self._prepared.pop(g.rid, None)
         self._releaser.submit(self._release, g.rid)
 
     def _release(self, rid: str) -> None:
-        """Release is idempotent: tried once more on UNAVAILABLE (a reset connection)."""
+        self._release_on(self.drafter, rid)
+        self._release_on(self.verifier, rid)
+
+    def _release_on(self, stub, rid: str) -> None:
+        """Release is idempotent: tried once more on UNAVAILABLE (a reset connection); never
+        raises."""
         timeout = min(RELEASE_TIMEOUT_S, self.timeout)
-        for stub in (self.drafter, self.verifier):
-            for attempt in (0, 1):
-                try:
-                    stub.Release(vpb.ReleaseRequest(request_id=rid), timeout=timeout)
-                    break
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        break
+        for attempt in (0, 1):
+            try:
+                stub.Release(vpb.ReleaseRequest(request_id=rid), timeout=timeout)
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    return
 
     def health(self, timeout_s: float = 2.0) -> dict[str, bool]:
         """Whether each service answers its Health now (never raises)."""

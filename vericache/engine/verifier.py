@@ -40,7 +40,7 @@ from vericache.compress.base import CompressedChunk, Compressor, KVSpan
 from vericache.engine.budget import Ledger
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
 from vericache.engine.kvtier import OffloadedTier
-from vericache.errors import InvalidArgument, NotFound, VeriCacheError
+from vericache.errors import InvalidArgument, NotFound, Unavailable, VeriCacheError
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
 from vericache.model.kvcache import KVCache
@@ -181,8 +181,12 @@ class Verifier:
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
         cached = None
         if pc is not None:
-            cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
-                                  extra_capacity, stats)
+            try:
+                cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
+                                      extra_capacity, stats)
+            except Unavailable as e:  # the store is a cache: without it, compute the prompt
+                log.warning("%s: prefix store unavailable (%s); prefilling without it", rid, e)
+                stats.store_errors += 1
         first_chunk = cached.length // chunk_size if cached is not None else 0
         window = compressor.observation_window if compressor else 0
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,
@@ -201,8 +205,12 @@ class Verifier:
                     if top_logprobs is not None else None)
         chunks = (compress_prompt(compressor, pre, len(prompt_ids), chunk_size, first_chunk)
                   if compressor else [])
-        if pc is not None:
-            pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, None, stats)
+        if pc is not None and not stats.store_errors:
+            try:
+                pc.save(prompt_ids, pre.cache, chunks, first_chunk, ts, None, stats)
+            except Unavailable as e:  # not published: a later request computes it again
+                log.warning("%s: prefix store unavailable (%s); prefix not saved", rid, e)
+                stats.store_errors += 1
         n = len(prompt_ids)
         chunk_kept = [compressor.kept_positions(c) for c in chunks] if selection is not None else []
         window_q, window_pos = pre.window_q, pre.window_pos

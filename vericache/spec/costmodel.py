@@ -218,6 +218,9 @@ class CostModel:
     def _forget_traffic(self) -> None:
         """What the model learned from requests, as opposed to times: none yet."""
         self.pooled = [0, 0]  # accepted, reached over every request: the prior of new ones
+        self._forget_counters()
+
+    def _forget_counters(self) -> None:
         self.predicted_tps = 0.0  # running means, for /metrics
         self.measured_tps = 0.0
         self.rounds = 0
@@ -255,6 +258,14 @@ class CostModel:
         with self._lock:
             self._forget_traffic()
             self.calibration = dict(info, fitted=self._fitted())
+
+    def warmed(self) -> None:
+        """Earlier traffic (a benchmark's untimed warm-up requests) is done: keep the times
+        and the pooled acceptance it taught, as a server that has been up has them, and reset
+        the counters that report on the run (rounds, k histogram, predicted and measured
+        tokens/s)."""
+        with self._lock:
+            self._forget_counters()
 
     @property
     def prior_rate(self) -> float:

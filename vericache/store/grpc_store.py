@@ -27,8 +27,8 @@ import grpc
 
 from vericache._proto import load
 from vericache.grpc_token import with_token
-from vericache.errors import (InvalidArgument, NotFound, ResourceExhausted, Unavailable,
-                              VeriCacheError)
+from vericache.errors import (DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted,
+                              Unavailable, VeriCacheError)
 from vericache.store.base import ChunkStore, Value, check_key, url_params
 from vericache.store.link import MAX_MESSAGE_BYTES, PIECE_BYTES, TokenBucket, pieces
 
@@ -37,7 +37,7 @@ STATUS_ERRORS: dict[grpc.StatusCode, type[VeriCacheError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
 # a restarted kvstore is found again within 5 s (gRPC's default backoff grows to 120 s)
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500),

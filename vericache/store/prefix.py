@@ -30,6 +30,7 @@ class TransferStats:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    store_errors: int = 0  # store calls that failed (unavailable): the request went on without it
     extra: dict = field(default_factory=dict)
 
 
