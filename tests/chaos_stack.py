@@ -137,7 +137,7 @@ class Stack:
                           for name in ("kvstore", *MODEL_SERVICES, "gateway")]:
                     f.result()
             deadline = time.monotonic() + 300
-            while httpx.get(f"{self.gateway}/ready", timeout=10).status_code != 200:
+            while not self._ready():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the gateway is not ready:\n{self.logs()}")
                 time.sleep(0.5)
@@ -145,6 +145,14 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _ready(self) -> bool:
+        """/ready answers 200 (a calibrating gateway answers it only when done: a timeout is
+        a no)."""
+        try:
+            return httpx.get(f"{self.gateway}/ready", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _args(self, name: str) -> tuple[list[str], object, float]:
         def via(n: str) -> int:  # the port a client of service n connects to

@@ -250,3 +250,37 @@ def test_warmed_keeps_pooled_acceptance_and_times_but_resets_the_run_counters():
     assert snap["rounds"] == 0 and snap["k_hist"] == {} and snap["fitted"]
     costs.calibrated({"seconds": 1.0})  # a calibration forgets traffic, pooled acceptance too
     assert costs.prior_rate == PRIOR_RATE
+
+
+
+def test_an_offloaded_pass_is_priced_at_the_longer_of_load_and_compute():
+    """Over an offloaded tier a pass's load runs beside its compute. Fed the tier's stall and
+    load seconds (as the engine's rounds do), the model learns the compute alone and the
+    load per context token, and prices a pass of 8 x 4k at max(compute, load) at every k,
+    from calibration-like rounds at 0.5k-2k; the summed times fitted as one line miss it."""
+    load_per_token = 9e-5  # 46 KB a token over 0.5 GB/s
+
+    def compute(tokens, ctx_sum, work):
+        return 0.02 + 0.004 * tokens + 0.05 * (tokens > 1) + 0.01 * ctx_sum / 1e4 + 0.002 * work / 1e5
+
+    def model(report_loads: bool) -> CostModel:
+        costs = CostModel()
+        for batch, ctx in ((1, 1024), (1, 2048), (4, 512)):
+            for k in (0, 1, 2, 4, 8):
+                tokens, ctx_sum = batch * (k + 1), batch * ctx
+                c, load = compute(tokens, ctx_sum, tokens * ctx), load_per_token * ctx_sum
+                total = max(c, load) + 0.002  # the pass waits for layers where the load is longer
+                extra = {"stall_s": total - c, "load_s": load} if report_loads else {}
+                costs.observe_verify(tokens, ctx_sum, tokens * ctx, total, **extra)
+        return costs
+
+    loaded, summed = model(True), model(False)
+    assert loaded.snapshot()["load_s_per_token"] == pytest.approx(load_per_token)
+    assert summed.snapshot()["load_s_per_token"] is None
+    errors = []
+    for k in (0, 4, 16, 30):
+        tokens, work = 8 * (k + 1), 8 * (k + 1) * 4000
+        truth = max(compute(tokens, 32000, work), load_per_token * 32000)
+        assert loaded.verify_s(tokens, 32000, work) == pytest.approx(truth, rel=0.02), k
+        errors.append(abs(summed.verify_s(tokens, 32000, work) / truth - 1))
+    assert max(errors) > 0.04, errors

@@ -10,7 +10,9 @@ A backend pair serves requests (`Generation`s) by id:
 - `release`: free both sides (never raises);
 - `health`: whether each side answers now (never raises);
 - `sessions`: per-request KV sessions each side holds in this process (empty when the sides
-  run elsewhere and report their own).
+  run elsewhere and report their own);
+- `tier_counters`: the offloaded tier's running (stall, load) seconds, where the verifier
+  in this process loads its full KV for each pass (the cost model prices a pass by them).
 
 Two implementations, both here in the core: `vericache.engine.rounds.LocalBackends` (this
 process's runner) and `vericache.engine.remote.RemoteBackends` (the drafter and verifier
@@ -59,6 +61,11 @@ class Backends(ABC):
     def sessions(self) -> dict[str, int]:
         """Sessions held in this process, per side ({} when the sides run elsewhere)."""
         return {}
+
+    def tier_counters(self) -> tuple[float, float]:
+        """(seconds verify passes waited for layers, seconds the loader moved them) so far,
+        over the offloaded tier; (0, 0) where the full KV is resident or elsewhere."""
+        return 0.0, 0.0
 
     def close(self) -> None:
         """Stop background work and close connections."""

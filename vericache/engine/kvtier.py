@@ -206,20 +206,29 @@ class OffloadedTier:
         t0 = time.perf_counter()
         n = 0
         li = 0
+        counted = False
+
+        def count() -> None:  # before the last gate opens: the pass sees its load counted
+            nonlocal counted
+            counted = True
+            with self._lock:
+                self.stats.bytes_loaded += n
+                self.stats.loads += 1
+                self.stats.transfer_s += time.perf_counter() - t0
         try:
             for li, ev in enumerate(load.ready):
                 for s in streams:
                     n += self._load_layer(s, li)
+                if li == len(load.ready) - 1:
+                    count()
                 ev.set()
         except BaseException as e:  # noqa: BLE001 -- handed to the pass that waits on it
             err = Unavailable(f"KV tier: loading layer {li} failed: {type(e).__name__}: {e}")
             err.__cause__ = e
             load.fail(err)  # every gate opens; the pass raises err, never reads unfilled layers
         finally:
-            with self._lock:
-                self.stats.bytes_loaded += n
-                self.stats.loads += 1
-                self.stats.transfer_s += time.perf_counter() - t0
+            if not counted:
+                count()
 
     def write_back(self, s: StreamedKV) -> None:
         """Store the pass's kept new tokens [host.length, s.length) into the tier."""

@@ -158,6 +158,12 @@ class LocalBackends(Backends):
     def sessions(self) -> dict[str, int]:
         return {"drafter": len(self.drafter.sessions), "verifier": len(self.verifier.sessions)}
 
+    def tier_counters(self) -> tuple[float, float]:
+        if self.tier is None:
+            return 0.0, 0.0
+        st = self.tier.stats
+        return st.stall_s, st.transfer_s
+
     def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch],
                                     refresh=[g.rid for g, d in batch if g.refreshes_draft and d.tokens])
@@ -240,12 +246,15 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
     verifying = [g for g in gens if g.params.mode != "lossy"]
     empty = DraftOut([], None)
     shape = [(len(drafts.get(g.rid, empty).tokens) + 1, g.context) for g in verifying]
+    tier0 = backends.tier_counters()
     t1 = time.perf_counter()
     results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying]) if verifying else []
     t2 = time.perf_counter()
+    tier1 = backends.tier_counters()
     if costs is not None and verifying:
         costs.observe_verify(sum(n for n, _ in shape), sum(c for _, c in shape),
-                             sum(n * c for n, c in shape), t2 - t1)
+                             sum(n * c for n, c in shape), t2 - t1,
+                             stall_s=tier1[0] - tier0[0], load_s=tier1[1] - tier0[1])
     emitted, profile = 0, []
     for g, v in zip(verifying, results):
         d, a, bonus = drafts.get(g.rid, empty), v.accepted, v.bonus

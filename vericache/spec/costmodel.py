@@ -15,7 +15,14 @@ Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
 
 The times come from the engine's own rounds (`CostModel.observe_*`): a draft step is linear
 in the sequences drafting and their total context; a verify pass in its tokens, its total
-context (KV read, or loaded from an offloaded tier) and tokens × context (attention). Both
+context (KV read) and tokens × context (attention). Where the full KV is loaded from an
+offloaded tier for each pass, the load runs beside the compute (layer l loads while layer
+l-1 computes), so a pass takes the longer of the two, not their sum: the fit then learns
+the pass's compute alone (its time less the time it waited for layers), the tier's seconds
+per context token loaded are a running estimate of their own, and a pass is priced at
+max(compute, load). Summed into one line, the load made every drafted token look as dear
+as a loaded one: at 8 x 4k over a 4 Gbit/s tier the plan drafted 10-19 tokens where 30
+were accepted. Both
 also carry a step for a pass of more than one row: a one-row pass is a matrix-vector product,
 and on a CPU the first few extra rows cost far more than their share (measured here: 2-16
 rows read the weights at 4-18 GB/s against ~40 for one), so a straight line through 1, 3 and
@@ -208,8 +215,10 @@ class CostModel:
 
     def __init__(self, recency: float = 0.1):
         """`recency`: the weight of a shape's newest time in its running estimate."""
-        self.verify = LinearFit(5, recency)
+        self.recency = recency
+        self.verify = LinearFit(5, recency)  # a verify pass's compute (its whole time when resident)
         self.draft = LinearFit(4, recency)
+        self.load_s_per_token: float | None = None  # offloaded tier: seconds per context token loaded
         self._lock = threading.Lock()
         self._explore = 0
         self._forget_traffic()
@@ -234,12 +243,27 @@ class CostModel:
         with self._lock:
             self.draft.observe(_draft_x(batch, ctx_sum), seconds / steps, _draft_bucket(batch, ctx_sum))
 
-    def observe_verify(self, tokens: int, ctx_sum: float, work: float, seconds: float) -> None:
+    def observe_verify(self, tokens: int, ctx_sum: float, work: float, seconds: float,
+                       stall_s: float = 0.0, load_s: float = 0.0) -> None:
         """A verify pass of `tokens` new tokens over caches of `ctx_sum` tokens in all;
-        `work` = sum over requests of new tokens × context."""
+        `work` = sum over requests of new tokens × context. Where the pass loaded its KV from
+        an offloaded tier: `load_s`, the loader's seconds, and `stall_s`, the seconds the
+        pass waited for layers (see the module docstring)."""
         with self._lock:
+            if load_s > 0 and ctx_sum > 0:
+                per = load_s / ctx_sum
+                self.load_s_per_token = (per if self.load_s_per_token is None else
+                                         self.load_s_per_token + self.recency * (per - self.load_s_per_token))
+                seconds = max(seconds - stall_s, 0.05 * seconds)
             self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens,
                                 _verify_bucket(tokens, ctx_sum))
+
+    def verify_s(self, tokens: int, ctx_sum: float, work: float) -> float:
+        """A verify pass's predicted seconds (call with the lock held)."""
+        t = self.verify.predict(_verify_x(tokens, ctx_sum, work), _verify_bucket(tokens, ctx_sum))
+        if self.load_s_per_token is not None:
+            t = max(t, self.load_s_per_token * ctx_sum)
+        return t
 
     def observe_round(self, emitted: int, seconds: float, profiles: list[tuple[int, int]]) -> None:
         """A group's round emitted `emitted` tokens in `seconds`; (drafted, accepted) per request."""
@@ -286,9 +310,7 @@ class CostModel:
                                             _draft_bucket(len(drafting), dctx))
         tokens = sum(x + 1 for x in ks)
         work = sum((x + 1) * c for x, c in zip(ks, ctxs))
-        t += self.verify.predict(_verify_x(tokens, sum(ctxs), work),
-                                 _verify_bucket(tokens, sum(ctxs)))
-        return t, ks
+        return t + self.verify_s(tokens, sum(ctxs), work), ks
 
     def plan(self, caps: list[int], ctxs: list[int], profiles: list[AcceptanceProfile],
              probes: list[bool]) -> Plan:
@@ -359,4 +381,5 @@ class CostModel:
                     "fitted": self._fitted(), "explore_rounds": self._explore,
                     "calibration": self.calibration,
                     "verify_theta": self.verify.theta.tolist(),
+                    "load_s_per_token": self.load_s_per_token,
                     "draft_theta": self.draft.theta.tolist()}
