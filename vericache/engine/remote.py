@@ -3,7 +3,9 @@ drafter and verifier services exactly as against the in-process ones. Every call
 deadline (`timeout_s`; Release and Health shorter ones of their own, at most `timeout_s`); a
 failed call surfaces as the core's typed error. Only Release and Health are retried (once, on
 UNAVAILABLE): Prefill, Attach, Draft, Verify and Commit change a session's state, so one that
-may have run is never sent twice — the request fails instead, and its sessions are released.
+may have run is never sent twice (an Attach is tried again only after a Release of the
+session it may have made) — the request fails instead, or goes on without its drafter (below),
+and its sessions are released.
 The drafter is what VeriCache can lose without losing a token: an Attach that finds a chunk
 evicted from the store (NOT_FOUND), or a Draft or Commit whose drafter is unreachable or
 restarted (UNAVAILABLE, a deadline, or NOT_FOUND for its session), does not fail a `vericache`
@@ -221,9 +223,7 @@ class RemoteBackends(Backends):
         if not g.lose_drafter(str(e)):
             raise e
         log.warning("%s: %s; decoding on in plain full-KV steps", g.rid, e)
-        for state in (self._moved, self._plain, self._drafted, self._refresh, self._unattached):
-            state.pop(g.rid, None)
-        self._prepared.pop(g.rid, None)
+        self._forget(g.rid)
         if isinstance(e, Unavailable):
             self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
 
@@ -275,10 +275,14 @@ class RemoteBackends(Backends):
         """Free both sides, off the caller's thread (the engine ends the request at once; a
         service that does not answer holds only a releaser thread, for its deadline); never
         raises (a lost service frees its sessions by TTL)."""
-        for state in (self._moved, self._plain, self._drafted, self._refresh, self._unattached):
-            state.pop(g.rid, None)
-        self._prepared.pop(g.rid, None)
+        self._forget(g.rid)
         self._releaser.submit(self._release, g.rid)
+
+    def _forget(self, rid: str) -> None:
+        """Drop what this side keeps of a request's drafter session."""
+        for state in (self._moved, self._plain, self._drafted, self._refresh, self._unattached,
+                      self._prepared):
+            state.pop(rid, None)
 
     def _release(self, rid: str) -> None:
         self._release_on(self.drafter, rid)
