@@ -40,6 +40,49 @@ def chat_ids(lm, text: str) -> list[int]:
 
     return apply_chat(lm.tokenizer, [{"role": "user", "content": text}])
 
+def check_chat_top_logprobs(lm, client, text: str, max_tokens: int) -> tuple[float, float]:
+    """The official client's `logprobs=True, top_logprobs=5` in chat, streamed and not, on a
+    server (`client`): the verifier's logprobs in vericache mode (drafting, k fixed) equal
+    `full` mode's decode steps on the same server, token for token, within fp32 noise; the
+    top 5 are sorted, led by the chosen token, and carry in-process full decoding's
+    logprobs. Returns the largest differences (logprobs, top-5) between the modes."""
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+
+    msgs = [{"role": "user", "content": text}]
+    ref = generate(lm, chat_ids(lm, text), GenParams(mode="full", max_tokens=max_tokens, logprobs=5))
+    runs = {}
+    for mode in ("full", "vericache"):
+        extra = {"vericache": {"mode": mode, "draft_len": 4, "adaptive": False}}
+        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs,
+                                           max_tokens=max_tokens, logprobs=True, top_logprobs=5,
+                                           extra_body=extra)
+        runs[mode] = r.choices[0].logprobs.content
+        chunks = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs,
+                                                max_tokens=max_tokens, logprobs=True,
+                                                top_logprobs=5, stream=True, extra_body=extra)
+        streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                    for c in ch.choices[0].logprobs.content]
+        assert [c.token for c in streamed] == [c.token for c in runs[mode]], mode
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, runs[mode])) < 1e-3
+    full, ver = runs["full"], runs["vericache"]
+    assert [c.token for c in ver] == [c.token for c in full] == \
+        [lm.tokenizer.decode([t]) for t in ref.token_ids]
+    diff = max(abs(a.logprob - b.logprob) for a, b in zip(ver, full))
+    top_diff = max(abs(x.logprob - y.logprob) for a, b in zip(ver, full)
+                   for x, y in zip(a.top_logprobs, b.top_logprobs))
+    assert diff < 1e-3 and top_diff < 1e-3
+    for c, r in zip(ver, ref.logprobs):
+        tops = [t.logprob for t in c.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert abs(tops[0] - c.logprob) < 1e-5  # greedy: the chosen token is the top one
+        assert c.top_logprobs[0].token == c.token
+        # the alternatives' logprobs are in-process full decoding's (values: a near-tie may
+        # swap two alternatives' order between runs)
+        assert max(abs(t - v) for t, (_, v) in zip(tops, r.top)) < 1e-3
+    return diff, top_diff
+
+
 
 def rounds_by_hand(backends, g, plan: list[int], after_round=None) -> list[int]:
     """Run request `g` to its end over `backends` with round i's k = plan[i % len(plan)]

@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from conftest import check_chat_top_logprobs
 from service_process import ServiceProcess, start_serve
 
 from services.gateway.ready import NotReady
@@ -228,6 +229,13 @@ def test_response_format_json_schema(client):
     jsonschema.validate(json.loads(text), PERSON)
     assert text == full.choices[0].message.content and r.choices[0].finish_reason == "stop"
     assert extra(r.usage, "tokens_per_round") > 1
+
+
+def test_chat_top_logprobs_official_client(lm, client):
+    """The official client's `logprobs=True, top_logprobs=5` in chat against `vericache
+    serve`, streamed and not, vericache against full (`conftest.check_chat_top_logprobs`)."""
+    diff, top_diff = check_chat_top_logprobs(lm, client, CHAT[0]["content"], N)
+    print(f"serve chat: logprob max diff vericache vs full {diff:.2e}, top-5 {top_diff:.2e}")
 
 
 def _call(message) -> tuple[str, dict]:

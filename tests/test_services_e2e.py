@@ -14,7 +14,7 @@ import openai  # a required test dependency: missing fails the module, never ski
 import pytest
 import redis
 
-from conftest import chat_ids, long_code_prompt
+from conftest import chat_ids, check_chat_top_logprobs, long_code_prompt
 from vericache._proto import load
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
@@ -368,43 +368,10 @@ def test_penalties_and_logprobs_through_the_services(lm, client):
 
 
 def test_chat_top_logprobs_through_the_services(lm, client):
-    """The official client's `logprobs=True, top_logprobs=5` in chat, streamed and not: the
-    verifier's logprobs in vericache mode (drafting, k fixed) equal `full` mode's decode steps
-    on the same services, token for token, within fp32 noise; the top 5 are sorted, led by the
-    chosen token, and carry in-process full decoding's logprobs."""
-    msgs = [{"role": "user", "content": QUESTIONS[1]}]
-    ids = chat_ids(lm, QUESTIONS[1])
-    ref = generate(lm, ids, GenParams(mode="full", max_tokens=N, logprobs=5))
-    runs = {}
-    for mode in ("full", "vericache"):
-        extra = {"vericache": {"mode": mode, "draft_len": 4, "adaptive": False}}
-        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs,
-                                           max_tokens=N, logprobs=True, top_logprobs=5,
-                                           extra_body=extra)
-        runs[mode] = r.choices[0].logprobs.content
-        chunks = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs,
-                                                max_tokens=N, logprobs=True, top_logprobs=5,
-                                                stream=True, extra_body=extra)
-        streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
-                    for c in ch.choices[0].logprobs.content]
-        assert [c.token for c in streamed] == [c.token for c in runs[mode]], mode
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, runs[mode])) < 1e-3
-    full, ver = runs["full"], runs["vericache"]
-    assert [c.token for c in ver] == [c.token for c in full] == \
-        [lm.tokenizer.decode([t]) for t in ref.token_ids]
-    diff = max(abs(a.logprob - b.logprob) for a, b in zip(ver, full))
-    top_diff = max(abs(x.logprob - y.logprob) for a, b in zip(ver, full)
-                   for x, y in zip(a.top_logprobs, b.top_logprobs))
+    """The official client's `logprobs=True, top_logprobs=5` in chat through the services
+    (`conftest.check_chat_top_logprobs`)."""
+    diff, top_diff = check_chat_top_logprobs(lm, client, QUESTIONS[1], N)
     print(f"services chat: logprob max diff vericache vs full {diff:.2e}, top-5 {top_diff:.2e}")
-    assert diff < 1e-3 and top_diff < 1e-3
-    for c, r in zip(ver, ref.logprobs):
-        tops = [t.logprob for t in c.top_logprobs]
-        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
-        assert abs(tops[0] - c.logprob) < 1e-5  # greedy: the chosen token is the top one
-        assert c.top_logprobs[0].token == c.token
-        # the alternatives' logprobs are in-process full decoding's (values: a near-tie may
-        # swap two alternatives' order between runs)
-        assert max(abs(t - v) for t, (_, v) in zip(tops, r.top)) < 1e-3
 
 
 def test_structured_output_through_the_services(client):
