@@ -284,3 +284,51 @@ def test_an_offloaded_pass_is_priced_at_the_longer_of_load_and_compute():
         assert loaded.verify_s(tokens, 32000, work) == pytest.approx(truth, rel=0.02), k
         errors.append(abs(summed.verify_s(tokens, 32000, work) / truth - 1))
     assert max(errors) > 0.04, errors
+
+
+def test_new_requests_are_planned_from_the_pooled_profile_per_position():
+    """Acceptance that is bimodal (a round fails in its first drafts or is accepted whole)
+    and acceptance at one steady rate pool the same overall rate, 0.968 here. Priced with
+    that one rate, a new request's long drafts look as unlikely in both; per position, the
+    bimodal traffic's late drafts are accepted once reached, and the plan drafts to the cap
+    there while it stops short at the steady rate. Positions no round reached take the rate of
+    the last one reached."""
+    import random
+
+    def model(rounds):
+        costs = CostModel()
+        _simulate(costs, draft_step=0.002, verify_base=0.02, per_token=0.0015,
+                  profile=_profile(0.6), rounds=30)
+        for d, a in rounds:
+            costs.observe_round(a + 1, 0.1, [(d, a)])
+        return costs
+
+    rng = random.Random(0)
+    steady = []
+    for _ in range(200):
+        a = 0
+        while a < 16 and rng.random() < 0.97:
+            a += 1
+        steady.append((16, a))
+    bimodal, flat = model([(16, 16 if i % 3 else 1) for i in range(60)]), model(steady)
+    assert bimodal.prior_rate == pytest.approx(flat.prior_rate, abs=0.01)
+    rates = bimodal.pooled.rates(24)
+    assert rates[1] < bimodal.prior_rate < rates[8] and rates[20] == rates[16]
+    k_bimodal = bimodal.plan([24], [1000], [AcceptanceProfile(24)], [False]).ks[0]
+    k_flat = flat.plan([24], [1000], [AcceptanceProfile(24)], [False]).ks[0]
+    assert k_bimodal == 24 and 4 <= k_flat < 20, (k_bimodal, k_flat)
+
+
+def test_a_request_that_rejects_more_than_the_pool_drafts_shorter():
+    """A request's own rejections scale the pooled rejection rates at the positions it has
+    not reached: one that rejected early in every round expects little of long drafts."""
+    p = AcceptanceProfile(16)
+    pooled = [0.95] * 16
+    assert p.rates(pooled) == pytest.approx(pooled)  # no rounds yet: the pooled profile
+    for _ in range(6):
+        p.update(4, 1)
+    assert p.rates(pooled)[8] < 0.85
+    q = AcceptanceProfile(16)
+    for _ in range(6):
+        q.update(4, 4)
+    assert q.rates(pooled)[8] > 0.95

@@ -202,7 +202,9 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
                 costs.warmed()
                 warm = {"requests": len(warm_prompts), "seconds": round(time.perf_counter() - t0, 3),
                         "drafted": sum(g.stats.drafted for g in earlier),
-                        "pooled_acceptance": round(costs.prior_rate, 4)}
+                        "pooled_acceptance": round(costs.prior_rate, 4),
+                        "pooled_profile": [round(r, 3) for r in costs.pooled.rates(len(costs.pooled.reached))],
+                        "pooled_reached": list(costs.pooled.reached)}
             if after_calibration is not None:
                 after_calibration()
         trace = serve(gens)

@@ -2,8 +2,16 @@
 
 Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
 - acceptance profile of a request: p_j = P(draft j is accepted | drafts 1..j-1 were), for
-  j = 1..k_max, counted from the request's own rounds and shrunk towards its overall rate
-  (and, before it has rounds, towards the rate of every request so far).
+  j = 1..k_max, counted from the request's own rounds and shrunk towards the pooled profile.
+- pooled profile: the same p_j counted over every request's rounds so far, each position
+  shrunk towards the one before it (so positions no round has reached yet take the rate of
+  the last one reached, and before any round, PRIOR_RATE). It is per position because
+  acceptance is not one rate: a round that has reached draft 15 is usually in a stretch the
+  drafter copies well, so late positions are accepted more often than early ones, and one
+  pooled rate (0.972 after a warm-up on a document, whose drafts were accepted whole at
+  k = 32) priced long drafts too low: the plan drafted 10, then 19.
+  A request's own rounds scale the pooled rejection rates by how its rejections compare with
+  what the pooled profile expected at the positions it reached.
 - expected tokens of a round with k drafts: E(k) = 1 + sum_{i=1..k} prod_{j<=i} p_j (the
   bonus token always comes).
 - round time of a group: T(k) = k * t_draft_step + t_verify(pass); with k = 0 the round is a
@@ -43,7 +51,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PRIOR_RATE = 0.6  # acceptance rate assumed before any round has been seen
-SHRINK = 4.0  # pseudo-rounds pulling a position's rate towards the request's overall rate
+SHRINK = 4.0  # pseudo-rounds pulling a position's rate towards its prior
+REJECT_SHRINK = 1.0  # pseudo-rejections in a request's scaling of the pooled rejection rates
 # k of the first rounds while the fits learn (capped by k_max): short drafts, since a draft
 # step's time is fitted per step; varied, since a verify pass's is fitted per token
 EXPLORE = (1, 0, 2, 4, 0, 8, 1, 3)
@@ -187,18 +196,56 @@ class AcceptanceProfile:
             self.reached[j] += 1
             self.accepted[j] += j < accepted
 
-    def rate(self, prior: float) -> float:
-        r, a = sum(self.reached), sum(self.accepted)
-        return (a + SHRINK * prior) / (r + SHRINK)
+    def rates(self, prior: float | list[float]) -> list[float]:
+        """p_j for j < k_max: the request's counts shrunk towards `prior` (one rate, or the
+        pooled profile's rate per position), whose rejection rates are first scaled by this
+        request's rejections over those the prior expected where it reached."""
+        q = [prior] * self.k_max if isinstance(prior, (int, float)) else list(prior[:self.k_max])
+        seen = sum(r - a for r, a in zip(self.reached, self.accepted))
+        expected = sum(r * (1.0 - p) for r, p in zip(self.reached, q))
+        scale = (seen + REJECT_SHRINK) / (expected + REJECT_SHRINK)
+        return [(a + SHRINK * (1.0 - min((1.0 - p) * scale, 0.99))) / (r + SHRINK)
+                for r, a, p in zip(self.reached, self.accepted, q)]
 
-    def expected_tokens(self, prior: float) -> list[float]:
+    def expected_tokens(self, prior: float | list[float]) -> list[float]:
         """[E(0), E(1), ..., E(k_max)]."""
-        overall = self.rate(prior)
         out, alive = [1.0], 1.0
-        for r, a in zip(self.reached, self.accepted):
-            alive *= (a + SHRINK * overall) / (r + SHRINK)
+        for p in self.rates(prior):
+            alive *= p
             out.append(out[-1] + alive)
         return out
+
+
+class PooledProfile:
+    """The pooled profile of the module words: per-position counts over every request's
+    rounds, as long as the longest draft seen."""
+
+    def __init__(self):
+        self.reached: list[int] = []
+        self.accepted: list[int] = []
+
+    def update(self, drafted: int, accepted: int) -> None:
+        n = min(drafted, accepted + 1)
+        if n > len(self.reached):
+            self.reached += [0] * (n - len(self.reached))
+            self.accepted += [0] * (n - len(self.accepted))
+        for j in range(n):
+            self.reached[j] += 1
+            self.accepted[j] += j < accepted
+
+    def rates(self, n: int) -> list[float]:
+        """p_j for j < n, each shrunk towards p_{j-1} (p_{-1} = PRIOR_RATE)."""
+        out, p = [], PRIOR_RATE
+        for j in range(n):
+            r, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0, 0)
+            p = (a + SHRINK * p) / (r + SHRINK)
+            out.append(p)
+        return out
+
+    @property
+    def rate(self) -> float:
+        """The overall rate (accepted over reached), shrunk towards PRIOR_RATE; for reports."""
+        return (sum(self.accepted) + SHRINK * PRIOR_RATE) / (sum(self.reached) + SHRINK)
 
 
 @dataclass
@@ -226,7 +273,7 @@ class CostModel:
 
     def _forget_traffic(self) -> None:
         """What the model learned from requests, as opposed to times: none yet."""
-        self.pooled = [0, 0]  # accepted, reached over every request: the prior of new ones
+        self.pooled = PooledProfile()  # every request's rounds: each request's prior
         self._forget_counters()
 
     def _forget_counters(self) -> None:
@@ -273,8 +320,7 @@ class CostModel:
                 self.measured_tps = tps if self.rounds == 0 else 0.9 * self.measured_tps + 0.1 * tps
             self.rounds += 1
             for d, a in profiles:
-                self.pooled[0] += min(a, d)
-                self.pooled[1] += min(d, a + 1)
+                self.pooled.update(d, a)
 
     def calibrated(self, info: dict) -> None:
         """The start-up calibration (`vericache.engine.calibrate`) is done: keep the times it
@@ -293,8 +339,8 @@ class CostModel:
 
     @property
     def prior_rate(self) -> float:
-        a, r = self.pooled
-        return (a + SHRINK * PRIOR_RATE) / (r + SHRINK)
+        """The pooled overall acceptance rate (reports; the plan uses the pooled profile)."""
+        return self.pooled.rate
 
     def _fitted(self) -> bool:
         return self.verify.ready(shapes=3) and self.draft.ready()
@@ -325,7 +371,7 @@ class CostModel:
                 ks = [min(k, c) for c in caps]
                 self._count(ks)
                 return Plan(ks, None)
-            prior = self.prior_rate
+            prior = self.pooled.rates(max((p.k_max for p in profiles), default=0))
             gains = [p.expected_tokens(prior) for p in profiles]
             dctx = float(sum(ctxs))
             best = (-1.0, [0] * len(caps))
