@@ -6,7 +6,8 @@ and run every window also as one verify pass of all `batch` sequences, in the fa
 (batched rows) and in the bitwise mode (`exact="bitwise"`: each row a pass of its own).
 Reported per cell and mode (`vericache.bench.exactness.Distance`): the largest absolute logit
 difference, rows whose logits or written K/V differ in any bit, the smallest top-2 margin
-seen, and argmax flips. Then tokens/s of `full` and `vericache` in both modes (batch 1).
+seen, and argmax flips. Then tokens/s of `full` and `vericache` (k fixed) in both modes,
+decoding only, at each of --speed-batches requests at once (default 1).
 
     .venv/bin/python benchmarks/exactness.py --context-tokens 2000,8000 --rows 4096 \\
         --ks 4,16,32 --batches 1,16 --dtypes float32,bfloat16 --json out.json
@@ -59,19 +60,52 @@ def prompts_for(lm, batch: int, context: int) -> list[list[int]]:
             for i in range(batch)]
 
 
-def speed(lm, prompt: list[int], tokens: int) -> dict:
+def _run_batch(lm, prompts: list[list[int]], params: GenParams) -> tuple[float, list[list[int]]]:
+    """`prompts` at once through a `BatchEngine` (no cost model calibration; the modes share
+    its defaults): decode seconds (from the last request's first token to the end) and the
+    tokens of each."""
+    from vericache.engine.batch import BatchEngine
+
+    eng = BatchEngine(lm, max_batch=len(prompts))
+    try:
+        streams = [eng.submit(p, params) for p in prompts]
+        firsts, outs = [], []
+        for rs in streams:
+            toks = []
+            for ev in rs:
+                if not toks and ev.token_ids:
+                    firsts.append(time.perf_counter())
+                toks += ev.token_ids
+            outs.append(toks)
+        return time.perf_counter() - max(firsts), outs
+    finally:
+        eng.close()
+
+
+def speed(lm, prompts: list[list[int]], tokens: int, draft_len: int) -> dict:
+    """tokens/s of `full` and `vericache` (k = `draft_len` every round, so that the verify
+    pass's cost shows) in each exact mode, decoding only, over `prompts` at once (one:
+    `generate`, in this thread; more: one `BatchEngine`)."""
     out = {}
     for mode in ("full", "vericache"):
         for exact in ("fast", "bitwise"):
-            t = time.perf_counter()
-            r = generate(lm, prompt, GenParams(mode=mode, max_tokens=tokens, ignore_eos=True,
-                                               exact=exact))
-            dt = time.perf_counter() - t - r.stats.prefill_s
-            out[f"{mode}_{exact}"] = {"tokens_per_s": round(tokens / dt, 3),
-                                      "tokens": r.token_ids}
+            params = GenParams(mode=mode, max_tokens=tokens, ignore_eos=True, exact=exact,
+                               draft_len=draft_len, adaptive=False)
+            if len(prompts) == 1:
+                t = time.perf_counter()
+                r = generate(lm, prompts[0], params)
+                dt, toks = time.perf_counter() - t - r.stats.prefill_s, [r.token_ids]
+                n = tokens
+            else:
+                dt, toks = _run_batch(lm, prompts, params)
+                n = sum(len(x) - 1 for x in toks)  # each request's first token came with prefill
+            out[f"{mode}_{exact}"] = {"tokens_per_s": round(n / dt, 3), "tokens": toks}
     ref = out["full_fast"]["tokens"]
     for v in out.values():
         v["identical_to_full_fast"] = v.pop("tokens") == ref
+    for mode in ("full", "vericache"):
+        out[f"{mode}_bitwise_vs_fast"] = round(out[f"{mode}_bitwise"]["tokens_per_s"]
+                                               / out[f"{mode}_fast"]["tokens_per_s"], 3)
     return out
 
 
@@ -84,6 +118,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--speed-tokens", type=int, default=32,
                     help="tokens per speed run (0: no speed runs; default 32)")
+    ap.add_argument("--speed-batches", default="1",
+                    help="requests at once in the speed runs, comma-separated (default 1)")
+    ap.add_argument("--speed-draft-len", type=int, default=8,
+                    help="vericache's k, fixed, in the speed runs (default 8)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     rows = []
@@ -100,9 +138,9 @@ def main(argv=None) -> int:
                            "seconds": round(time.perf_counter() - t, 1)}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-            if a.speed_tokens:
-                row = {"dtype": dtype, "context": ctx, "speed_batch_1":
-                       speed(lm, prompts_for(lm, 1, ctx)[0], a.speed_tokens)}
+            for batch in (int(b) for b in a.speed_batches.split(",")) if a.speed_tokens else ():
+                row = {"dtype": dtype, "context": ctx, f"speed_batch_{batch}":
+                       speed(lm, prompts_for(lm, batch, ctx), a.speed_tokens, a.speed_draft_len)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if a.json:

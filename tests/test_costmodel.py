@@ -332,3 +332,23 @@ def test_a_request_that_rejects_more_than_the_pool_drafts_shorter():
     for _ in range(6):
         q.update(4, 4)
     assert q.rates(pooled)[8] > 0.95
+
+
+def test_a_request_that_could_end_this_round_drafts_to_its_end_when_that_pays():
+    """Near max_tokens the round's own goodput misses the pass a request's last few tokens
+    would need: with its remaining tokens known, a request drafts to its end when the chance
+    of ending (every draft accepted) times that pass pays for the extra drafts, and not when
+    ending is unlikely."""
+    costs = CostModel()
+    _simulate(costs, draft_step=0.004, verify_base=0.02, per_token=0.002, profile=_profile(0.9),
+              rounds=40)
+
+    def ks(rate: float, remaining: int, told: bool) -> int:
+        p = AcceptanceProfile(24)
+        p.reached, p.accepted = [1000] * 24, [int(1000 * rate)] * 24
+        cap = min(24, remaining - 1)
+        return costs.plan([cap], [1000], [p], [False], [remaining] if told else None).ks[0]
+
+    assert 0 < ks(0.9, 9, told=False) < 8 == ks(0.9, 9, told=True)
+    assert ks(0.6, 9, told=True) == ks(0.6, 9, told=False) < 8
+    assert ks(0.9, 40, told=True) == ks(0.9, 40, told=False)  # cannot end: no change

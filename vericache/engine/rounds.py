@@ -205,7 +205,8 @@ def plan_draft_lens(gens: list[Generation], costs: CostModel) -> None:
     if not group:
         return
     plan = costs.plan([g.k_cap() for g in group], [g.context for g in group],
-                      [g.draftlen.profile for g in group], [g.draftlen.probe for g in group])
+                      [g.draftlen.profile for g in group], [g.draftlen.probe for g in group],
+                      [g.stop.remaining for g in group])
     for g, k in zip(group, plan.ks):
         g.draftlen.choose(k)
 

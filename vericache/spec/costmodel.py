@@ -359,11 +359,17 @@ class CostModel:
         return t + self.verify_s(tokens, sum(ctxs), work), ks
 
     def plan(self, caps: list[int], ctxs: list[int], profiles: list[AcceptanceProfile],
-             probes: list[bool]) -> Plan:
+             probes: list[bool], remaining: list[int] | None = None) -> Plan:
         """k for each request of a group. caps: each request's largest k this round (k_max,
         less near max_tokens); ctxs: their contexts (tokens); probes: requests whose profile
         is stale (plain steps for a while): they draft PROBE_K tokens this round if drafting
-        would pay at OPTIMISTIC_RATE acceptance."""
+        would pay at OPTIMISTIC_RATE acceptance; remaining: the tokens each may still emit
+        (max_tokens less its output), where known: a request that drafts and could end this
+        round (remaining - 1 drafts, all accepted) drafts to its end when the pass that its
+        last few tokens would otherwise need, weighted by the chance of ending, pays for the
+        extra drafts (the goodput of one round does not see that pass: at 32 tokens, 8 x 4k
+        over a 4 Gbit/s tier, the plan drafted 28 where 30 ended most requests, and took 22
+        request-rounds where k = 32 fixed took 17)."""
         with self._lock:
             if not self._fitted():
                 k = EXPLORE[self._explore % len(EXPLORE)]
@@ -394,6 +400,8 @@ class CostModel:
                 g = sum(e[y] for e, y in zip(gains, trial)) / t
                 if g > tps:
                     ks, tps = trial, g
+            if remaining is not None:
+                ks, tps = self._draft_to_the_end(ks, tps, caps, ctxs, dctx, gains, remaining)
             # a stale request drafts a little to refresh its profile, unless drafting would
             # not pay even at a high acceptance rate (then it stays on plain steps)
             if any(p and ks[i] == 0 and caps[i] > 0 for i, p in enumerate(probes)):
@@ -412,6 +420,24 @@ class CostModel:
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
+
+    def _draft_to_the_end(self, ks, tps, caps, ctxs, dctx, gains, remaining):
+        """See `plan` (`remaining`): each round's time is credited with the pass it saves,
+        a one-token pass of the request alone, times the chance that every draft is accepted.
+        The goodput returned is the round's own, without the credit."""
+        for i, x in enumerate(ks):
+            end = remaining[i] - 1
+            if x == 0 or x >= end or caps[i] != end:
+                continue
+            trial = ks[:i] + [end] + ks[i + 1:]
+            t, _ = self._round_s(max(trial), trial, ctxs, dctx)
+            t_now, _ = self._round_s(max(ks), ks, ctxs, dctx)
+            ends = gains[i][end] - gains[i][end - 1]  # P(all `end` drafts accepted)
+            saved = ends * self.verify_s(1, ctxs[i], ctxs[i])
+            gain = sum(e[y] for e, y in zip(gains, trial))
+            if gain / max(t - saved, 1e-9) > sum(e[y] for e, y in zip(gains, ks)) / t_now:
+                ks, tps = trial, gain / t
+        return ks, tps
 
     def _count(self, ks: list[int]) -> None:
         for k in ks:
