@@ -22,7 +22,8 @@ def test_linear_fit_recovers_a_linear_cost():
 def test_a_seen_shape_is_priced_by_its_own_times_not_the_line():
     """Pass times that are not linear in their rows (flat up to 64 rows, then per row, as a
     CPU's): a shape the fit has seen is predicted near its own measured time, where the best
-    line through all of them misses it by far; an unseen shape falls back to the line."""
+    line through all of them misses it by far; an unseen shape between two seen ones is
+    priced between their times, nearer the truth than the line."""
     import numpy as np
 
     def seconds(rows):  # 16 sequences, k = 0..32: rows 16 (a plain step) to 528
@@ -37,7 +38,9 @@ def test_a_seen_shape_is_priced_by_its_own_times_not_the_line():
     assert abs(line(16) - seconds(16)) / seconds(16) > 0.3  # the line alone is far off
     for rows in (16, 32, 80, 528):
         assert f.predict(np.array([1.0, rows]), rows) == pytest.approx(seconds(rows), rel=0.05)
-    assert f.predict(np.array([1.0, 40]), 40) == pytest.approx(line(40))  # not seen: the line
+    unseen = f.predict(np.array([1.0, 40]), 40)  # between 32 and 48, both 0.25
+    assert abs(unseen - seconds(40)) < 0.5 * abs(line(40) - seconds(40))
+    assert f.predict(np.array([1.0, 40])) == pytest.approx(line(40))  # no bucket: the line
 
 
 def test_long_runs_of_one_shape_keep_the_other_shapes_priced():

@@ -152,14 +152,53 @@ class LinearFit:
         return self.n >= MIN_FIT and len(self.shapes) >= shapes
 
     def predict(self, x: np.ndarray, bucket=None) -> float:
-        """θ·x, pulled towards the bucket's own estimate where `bucket` has been seen."""
+        """θ·x, pulled towards the bucket's own estimate where `bucket` has been seen, and
+        otherwise towards what its seen neighbours give (`_anchor`): the line alone prices
+        an unseen shape off the level of the seen ones next to it, and the plan compares the
+        two (a plain step of 4 x 4k seen, its k = 1 round not: the line priced the round so
+        cheaply against the step that the requests drafted once, and started their
+        drafters, where drafting did not pay)."""
         x = np.asarray(x, dtype=float)
         y = float(x @ self.theta)
         b = self._buckets.get(bucket) if bucket is not None else None
         if b is not None:
             w = b[0] / (b[0] + self.SEEN_PRIOR)
             y = w * (b[2] + float((x - b[1]) @ self.theta)) + (1.0 - w) * y
+        elif bucket is not None:
+            anchored = self._anchor(bucket, x)
+            if anchored is not None:
+                w = anchored[1]
+                y = w * anchored[0] + (1.0 - w) * y
         return max(y, self.floor if self.n else 0.0, 1e-6)
+
+    def _anchor(self, bucket, x: np.ndarray) -> tuple[float, float] | None:
+        """An unseen bucket's estimate from the seen buckets sharing the rest of its key (the
+        context bucket) and nearest it in the first (rows or sequences): between two, their
+        times interpolated in that key; beyond them, the nearest one's time; each plus θ times
+        the difference of x from theirs. With its weight: the neighbours' n / (n + SEEN_PRIOR),
+        beyond the seen ones also times how near (the smaller key over the larger)."""
+        first, rest = (bucket[0], bucket[1:]) if isinstance(bucket, tuple) else (bucket, ())
+        below = above = None
+        for key, b in self._buckets.items():
+            f, r = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+            if r != rest or f <= 0:
+                continue
+            if f < first and (below is None or f > below[0]):
+                below = (f, b)
+            if f > first and (above is None or f < above[0]):
+                above = (f, b)
+        if below is None and above is None or first <= 0:
+            return None
+        if below is not None and above is not None:
+            (fb, bb), (fa, ba) = below, above
+            wa = (first - fb) / (fa - fb)
+            level = (1 - wa) * bb[2] + wa * ba[2]
+            mean_x = (1 - wa) * bb[1] + wa * ba[1]
+            n = min(bb[0], ba[0])
+            return level + float((x - mean_x) @ self.theta), n / (n + self.SEEN_PRIOR)
+        f, b = below or above
+        near = min(f, first) / max(f, first)
+        return b[2] + float((x - b[1]) @ self.theta), near * b[0] / (b[0] + self.SEEN_PRIOR)
 
 
 def _verify_x(tokens: int, ctx_sum: float, work: float) -> np.ndarray:
