@@ -355,3 +355,25 @@ def test_a_request_that_could_end_this_round_drafts_to_its_end_when_that_pays():
     assert 0 < ks(0.9, 9, told=False) < 8 == ks(0.9, 9, told=True)
     assert ks(0.6, 9, told=True) == ks(0.6, 9, told=False) < 8
     assert ks(0.9, 40, told=True) == ks(0.9, 40, told=False)  # cannot end: no change
+
+
+def test_a_drafter_starts_only_where_drafting_clearly_pays():
+    """A request's first drafting round starts its drafter (its KV prepared and loaded), a
+    cost no round's price carries: where drafting is predicted to gain less than
+    START_MARGIN over plain steps, a request whose drafter has not started takes plain steps
+    (and is no probe) while one whose drafter runs drafts; above it both draft."""
+    from vericache.spec.costmodel import DRAFT_MARGIN, START_MARGIN
+
+    prof = _profile(0.6)
+    for draft_step in (0.008, 0.002):
+        costs = CostModel()
+        _simulate(costs, draft_step=draft_step, verify_base=0.02, per_token=0.0, profile=prof)
+        e = prof.expected_tokens(costs.prior_rate)
+        gain = max(e[k] * 0.02 / (k * draft_step + 0.02) for k in range(17))
+        plan = lambda started, probe=False: costs.plan(  # noqa: E731
+            [16], [1000], [prof], [probe], started=[started]).ks[0]
+        assert plan(True) > 0
+        if gain < START_MARGIN:
+            assert DRAFT_MARGIN < gain and plan(False) == 0 == plan(False, probe=True), gain
+        else:
+            assert plan(False) == plan(True), gain

@@ -169,6 +169,9 @@ class Generation:
         self.draftlen = DraftLength(params.draft_len, adaptive=params.adaptive)
         self.stats = GenStats(prompt_tokens=len(prompt_ids))
         self.round_draft_s = 0.0  # the last draft phase's seconds (for the cost model's round time)
+        # a round has asked for its drafts: its drafter's part is prepared and loading (the
+        # cost model starts a drafter only where drafting clearly pays: START_MARGIN)
+        self.drafter_started = False
         # one per output token (params.logprobs set), from full-KV logits
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.emitted_kinds: list[str] = []  # how each token of the last emit came (TOKEN_KINDS)

@@ -206,7 +206,7 @@ def plan_draft_lens(gens: list[Generation], costs: CostModel) -> None:
         return
     plan = costs.plan([g.k_cap() for g in group], [g.context for g in group],
                       [g.draftlen.profile for g in group], [g.draftlen.probe for g in group],
-                      [g.stop.remaining for g in group])
+                      [g.stop.remaining for g in group], [g.drafter_started for g in group])
     for g, k in zip(group, plan.ks):
         g.draftlen.choose(k)
 
@@ -218,6 +218,8 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     if costs is not None:
         plan_draft_lens(gens, costs)
     ks = {g.rid: g.k_for_round() for g in gens}
+    for g in gens:
+        g.drafter_started |= ks[g.rid] > 0
     drafting = [g for g in gens if g.params.mode != "full"]
     t0 = time.perf_counter()
     drafts = dict(zip([g.rid for g in drafting],

@@ -64,6 +64,12 @@ PROBE_K = 2  # ... this many tokens
 # prediction is a few percent off (k_table.py: predicted 1.04x, measured 0.93x at 4 x 4k), and
 # a wrong draft costs where a missed one only forgoes a small gain
 DRAFT_MARGIN = 1.05
+# ... and this much before a request's drafter starts: its first drafting round prepares
+# and loads the drafter's KV (over a slow link in remote prefix: 47 MB a 4k request, with
+# 55 MB of selection moves and tails over the near one, and the selection's compute), a cost
+# no round's price carries; a marginal gain never pays it back (remote-prefix on this CPU: one
+# round of k = 1 started every drafter, and the plain steps after it ran 0.84x full mode's)
+START_MARGIN = 1.2
 
 
 def nonnegative_lstsq(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -398,7 +404,8 @@ class CostModel:
         return t + self.verify_s(tokens, sum(ctxs), work), ks
 
     def plan(self, caps: list[int], ctxs: list[int], profiles: list[AcceptanceProfile],
-             probes: list[bool], remaining: list[int] | None = None) -> Plan:
+             probes: list[bool], remaining: list[int] | None = None,
+             started: list[bool] | None = None) -> Plan:
         """k for each request of a group. caps: each request's largest k this round (k_max,
         less near max_tokens); ctxs: their contexts (tokens); probes: requests whose profile
         is stale (plain steps for a while): they draft PROBE_K tokens this round if drafting
@@ -408,7 +415,10 @@ class CostModel:
         last few tokens would otherwise need, weighted by the chance of ending, pays for the
         extra drafts (the goodput of one round does not see that pass: at 32 tokens, 8 x 4k
         over a 4 Gbit/s tier, the plan drafted 28 where 30 ended most requests, and took 22
-        request-rounds where k = 32 fixed took 17)."""
+        request-rounds where k = 32 fixed took 17); started: whether each request's drafter
+        has started (default: all have): one that has not drafts only where the group's
+        drafting beats plain steps by START_MARGIN, and is no probe (it has no profile of
+        its own to refresh)."""
         with self._lock:
             if not self._fitted():
                 k = EXPLORE[self._explore % len(EXPLORE)]
@@ -430,6 +440,14 @@ class CostModel:
             plain_tps = sum(e[0] for e in gains) / plain_t
             if tps < DRAFT_MARGIN * plain_tps:
                 tps, ks = plain_tps, plain_ks
+            if started is not None:
+                probes = [p and s for p, s in zip(probes, started)]
+                if tps < START_MARGIN * plain_tps and any(x and not s for x, s in zip(ks, started)):
+                    ks = [x if s else 0 for x, s in zip(ks, started)]
+                    t, _ = self._round_s(max(ks), ks, ctxs, dctx)
+                    tps = sum(e[x] for e, x in zip(gains, ks)) / t
+                    if tps < DRAFT_MARGIN * plain_tps:
+                        tps, ks = plain_tps, plain_ks
             # a request whose drafts do not pay for their verify tokens takes a plain step
             for i, x in enumerate(ks):
                 if x == 0 or probes[i]:
