@@ -45,6 +45,7 @@ This module is bookkeeping: no tensors, no clocks (callers pass seconds in).
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field
 
@@ -126,6 +127,7 @@ class LinearFit:
         self.shapes: set = set()
         self.floor = float("inf")  # a tenth of the smallest y seen: predictions stay above it
         self._buckets: dict = {}  # bucket -> [observations, mean x, mean y]; oldest first
+        self._firsts: dict = {}  # the rest of a bucket's key -> its buckets' first keys, sorted
 
     def observe(self, x: np.ndarray, y: float, shape=None, bucket=None) -> None:
         """One observation; `shape` counts towards `ready`, `bucket` (default: `shape`) is
@@ -135,7 +137,12 @@ class LinearFit:
         if b is None:
             b = [0, np.zeros(self.dims), 0.0]
             if len(self._buckets) >= self.max_buckets:
-                del self._buckets[next(iter(self._buckets))]
+                old = next(iter(self._buckets))
+                del self._buckets[old]
+                f, rest = _split(old)
+                self._firsts[rest].remove(f)
+            f, rest = _split(key)
+            bisect.insort(self._firsts.setdefault(rest, []), f)
         b[0] += 1
         a = max(1.0 / b[0], self.recency)
         b[1] = b[1] + a * (np.asarray(x, dtype=float) - b[1])
@@ -183,16 +190,11 @@ class LinearFit:
         times interpolated in that key; beyond them, the nearest one's time; each plus θ times
         the difference of x from theirs. With its weight: the neighbours' n / (n + SEEN_PRIOR),
         beyond the seen ones also times how near (the smaller key over the larger)."""
-        first, rest = (bucket[0], bucket[1:]) if isinstance(bucket, tuple) else (bucket, ())
-        below = above = None
-        for key, b in self._buckets.items():
-            f, r = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
-            if r != rest or f <= 0:
-                continue
-            if f < first and (below is None or f > below[0]):
-                below = (f, b)
-            if f > first and (above is None or f < above[0]):
-                above = (f, b)
+        first, rest = _split(bucket)
+        firsts = self._firsts.get(rest, [])
+        i = bisect.bisect_left(firsts, first)  # firsts[i] > first: `bucket` itself is not seen
+        below = next(((f, self._buckets[_join(f, rest)]) for f in firsts[i - 1:i] if f > 0), None)
+        above = next(((f, self._buckets[_join(f, rest)]) for f in firsts[i:i + 1] if f > 0), None)
         if below is None and above is None or first <= 0:
             return None
         if below is not None and above is not None:
@@ -205,6 +207,15 @@ class LinearFit:
         f, b = below or above
         near = min(f, first) / max(f, first)
         return b[2] + float((x - b[1]) @ self.theta), near * b[0] / (b[0] + self.SEEN_PRIOR)
+
+
+def _split(key) -> tuple:
+    """A bucket's key as (first, rest): rows or sequences, and the context bucket (if any)."""
+    return (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+
+
+def _join(first, rest: tuple):
+    return (first, *rest) if rest else first
 
 
 def _verify_x(tokens: int, ctx_sum: float, work: float) -> np.ndarray:
