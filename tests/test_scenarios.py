@@ -126,10 +126,25 @@ def test_bad_scenario_flags_fail_before_the_model_loads(capsys):
     assert vericache_main(["bench", "--scenario", "long-context", "--warm-requests", "-1"]) == 2
     assert vericache_main(["bench", "--scenario", "long-context", "--with-fixed-k",
                            "--fixed-draft-len"]) == 2
+    assert vericache_main(["bench", "--scenario", "long-context", "--repeats", "0"]) == 2
     assert vericache_main(["bench", "--scenario", "long-context", "--services", "drafter=x:1"]) == 2
     err = capsys.readouterr().err
     assert "drafter-link-gbps" in err and "not both" in err and "verifier=HOST:PORT" in err
     assert "--warm-requests must be >= 0" in err and "drop --fixed-draft-len" in err
+    assert "--repeats must be >= 1" in err
+
+
+def test_repeated_runs_report_the_median_and_are_identical_only_if_every_run_was():
+    from vericache.bench.scenario import median_run
+
+    runs = [{"throughput_tps": t, "identical": ok, "identical_requests": n, "tau_mean": t / 2}
+            for t, ok, n in ((5.0, True, 8), (7.0, True, 8), (6.0, False, 7))]
+    row = median_run(runs)
+    assert row["throughput_tps"] == 6.0 and row["tau_mean"] == 3.0  # the median run's row
+    assert row["throughput_runs"] == [5.0, 7.0, 6.0]
+    assert row["identical"] is False and row["identical_requests"] == 7
+    two = median_run(runs[:2])
+    assert two["throughput_tps"] == 7.0 and two["identical"] is True
 
 
 @pytest.mark.slow

@@ -107,6 +107,10 @@ class ScenarioConfig:
     # also run both vericache schedules with k fixed at `draft_len` (rows "<variant>:fixed"):
     # the cost model's choice against a fixed k, in the same run (needs `adaptive`)
     with_fixed: bool = False
+    # run every variant this many times, interleaved (each variant once, then again): each
+    # row is the median run by throughput, `throughput_runs` lists them all. Two runs of the
+    # same variant differ by up to 10-30% on a shared 2-core VM, one after another
+    repeats: int = 1
 
     def __post_init__(self):
         if self.scenario not in SCENARIOS:
@@ -118,6 +122,8 @@ class ScenarioConfig:
             raise InvalidArgument("--concurrency must be >= 1", "concurrency")
         if self.warm_requests < 0:
             raise InvalidArgument("--warm-requests must be >= 0", "warm_requests")
+        if self.repeats < 1:
+            raise InvalidArgument("--repeats must be >= 1", "repeats")
         if self.with_fixed and not self.adaptive:
             raise InvalidArgument("--with-fixed-k compares the adaptive k with a fixed one: "
                                   "drop --fixed-draft-len", "with_fixed")
@@ -326,6 +332,17 @@ def common_prefix(prompts) -> int:
     return n
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One variant's row from its repeated runs: the median run by throughput (the upper one
+    of two), with `throughput_runs` (every run's, in run order); it is `identical` only if
+    every run was."""
+    row = dict(sorted(runs, key=lambda r: r["throughput_tps"])[len(runs) // 2])
+    row["throughput_runs"] = [r["throughput_tps"] for r in runs]
+    row["identical"] = all(r["identical"] for r in runs)
+    row["identical_requests"] = min(r["identical_requests"] for r in runs)
+    return row
+
+
 def run_scenario(lm, prompts, cfg: ScenarioConfig,
                  on_step: Callable[[str], None] | None = None, warm_prompts=()) -> dict:
     """Warm the store, the reference outputs, then every variant; returns the JSON document.
@@ -353,7 +370,7 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
         step(f"reference {p.name}")
         reference.append(generate(lm, p.ids, cfg.params("full"), LocalBackends(lm, store)).token_ids)
         _drop_new_keys(store, published)
-    rows = []
+    runs: dict[str, list[dict]] = {}  # variant -> its rows, one per repeat
     baselines = BASELINES[cfg.scenario]
     if cfg.services is not None:
         import uuid
@@ -361,23 +378,27 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
         tier = verifier_tier(lm, cfg)
         baselines = ("full_resident", None) if tier == "resident" else (None, "full_offloaded")
         run_id = uuid.uuid4().hex[:8]
-        for i, (v, vcfg) in enumerate(cfg.variants(SERVICE_VARIANTS)):
-            # remote-prefix: each variant publishes into its own namespace, so none reuses the
-            # suffix chunks another wrote; long-context: one namespace, every prompt warmed
-            ns = f"bench-{run_id}" + (f"-{i}" if cfg.scenario == "remote-prefix" else "")
-            if cfg.scenario == "remote-prefix" or i == 0:
-                _services_warm(lm, cfg, warm, ns, step)
-            step(f"services: {v}")
-            raw = run_services_variant(lm, prompts, vcfg, v, tier, ns, warm_prompts)
-            rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+        for rep in range(cfg.repeats):
+            for i, (v, vcfg) in enumerate(cfg.variants(SERVICE_VARIANTS)):
+                # remote-prefix: each variant run publishes into its own namespace, so none
+                # reuses the suffix chunks another wrote; long-context: one namespace, every
+                # prompt warmed
+                ns = f"bench-{run_id}" + (f"-{rep}-{i}" if cfg.scenario == "remote-prefix" else "")
+                if cfg.scenario == "remote-prefix" or i == rep == 0:
+                    _services_warm(lm, cfg, warm, ns, step)
+                step(f"services: {v}" + (f" (run {rep + 1} of {cfg.repeats})" if cfg.repeats > 1 else ""))
+                raw = run_services_variant(lm, prompts, vcfg, v, tier, ns, warm_prompts)
+                runs.setdefault(v, []).append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     else:
         run_variant = (run_long_context_variant if cfg.scenario == "long-context"
                        else run_remote_prefix_variant)
-        for v, vcfg in cfg.variants(VARIANTS[cfg.scenario]):
-            step(v)
-            raw = run_variant(lm, prompts, vcfg, v, store, warm_prompts)
-            _drop_new_keys(store, published)
-            rows.append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+        for rep in range(cfg.repeats):
+            for v, vcfg in cfg.variants(VARIANTS[cfg.scenario]):
+                step(v + (f" (run {rep + 1} of {cfg.repeats})" if cfg.repeats > 1 else ""))
+                raw = run_variant(lm, prompts, vcfg, v, store, warm_prompts)
+                _drop_new_keys(store, published)
+                runs.setdefault(v, []).append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+    rows = [median_run(r) for r in runs.values()]
     doc = {"scenario": cfg.scenario, "model": lm.name,
            "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],
                         "shared_prefix_tokens": shared,

@@ -87,6 +87,10 @@ def add_parser(sub) -> None:
                    help="also run both VeriCache schedules with k fixed at --draft-lens (rows "
                         "<variant>:fixed, summary adaptive_vs_fixed): the cost model's k "
                         "against a fixed one in the same run")
+    g.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every variant N times, interleaved (each once, then again); each "
+                        "row is its median run by throughput, throughput_runs lists them all "
+                        "(default: 1)")
     g.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="the staggered variant does not draft ahead while drafts are verified")
     g.add_argument("--link-gbps", type=float, default=None, metavar="GBIT",

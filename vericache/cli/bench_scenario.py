@@ -40,6 +40,7 @@ def config(args, grid: Grid) -> ScenarioConfig:
         kv_budget_caches=args.kv_budget_caches, draft_budget_mb=args.draft_kv_budget_mb,
         schedule=args.schedule, draft_ahead=args.draft_ahead, selections=grid.selections,
         calibrate=args.calibrate, warm_requests=args.warm_requests, with_fixed=args.with_fixed,
+        repeats=args.repeats,
         services=parse_services(args.services) if args.services else None)
 
 
