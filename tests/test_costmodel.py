@@ -377,3 +377,23 @@ def test_a_drafter_starts_only_where_drafting_clearly_pays():
             assert DRAFT_MARGIN < gain and plan(False) == 0 == plan(False, probe=True), gain
         else:
             assert plan(False) == plan(True), gain
+
+
+def test_a_group_that_could_end_this_round_drafts_to_its_end_together():
+    """Eight requests with 17 tokens left each: one alone drafting to its end lengthens the
+    group's draft phase for a single pass saved, all of them together save the group's next
+    round; the plan tries both."""
+    costs = CostModel()
+    _simulate(costs, draft_step=0.02, verify_base=0.2, per_token=0.0005, profile=_profile(0.9),
+              rounds=40)
+
+    def ks(rate: float, told: bool) -> list[int]:
+        profs = []
+        for _ in range(8):
+            p = AcceptanceProfile(24)
+            p.reached, p.accepted = [1000] * 24, [int(1000 * rate)] * 24
+            profs.append(p)
+        return costs.plan([16] * 8, [1000] * 8, profs, [False] * 8, [17] * 8 if told else None).ks
+
+    assert max(ks(0.97, told=False)) < 12 and ks(0.97, told=True) == [16] * 8
+    assert ks(0.6, told=True) == ks(0.6, told=False)

@@ -490,22 +490,32 @@ class CostModel:
             return Plan(ks, tps)
 
     def _draft_to_the_end(self, ks, tps, caps, ctxs, dctx, gains, remaining):
-        """See `plan` (`remaining`): each round's time is credited with the pass it saves,
-        a one-token pass of the request alone, times the chance that every draft is accepted.
-        The goodput returned is the round's own, without the credit."""
-        for i, x in enumerate(ks):
+        """See `plan` (`remaining`): a round's time is credited with the passes it saves, for
+        each request that may end in it a one-token pass of that request alone, times the
+        chance that every draft is accepted. Tried for every request that could end at once
+        (the group's draft steps are shared: one request alone rarely pays for the longer
+        draft phase that all of them together do), then for each alone. The goodput returned
+        is the round's own, without the credit."""
+        def could_end(i, x):
             end = remaining[i] - 1
-            if x == 0 or x >= end or caps[i] != end:
-                continue
-            trial = ks[:i] + [end] + ks[i + 1:]
+            return x > 0 and x < end == caps[i]
+
+        def scored(trial):
             t, _ = self._round_s(max(trial), trial, ctxs, dctx)
-            t_now, _ = self._round_s(max(ks), ks, ctxs, dctx)
-            ends = gains[i][end] - gains[i][end - 1]  # P(all `end` drafts accepted)
-            saved = ends * self.verify_s(1, ctxs[i], ctxs[i])
+            saved = sum((gains[i][y] - gains[i][y - 1]) * self.verify_s(1, ctxs[i], ctxs[i])
+                        for i, y in enumerate(trial) if y and y == remaining[i] - 1)
             gain = sum(e[y] for e, y in zip(gains, trial))
-            if gain / max(t - saved, 1e-9) > sum(e[y] for e, y in zip(gains, ks)) / t_now:
-                ks, tps = trial, gain / t
-        return ks, tps
+            return gain / max(t - saved, 1e-9), gain / t
+
+        best, (credited, tps) = ks, scored(ks)
+        ending = [i for i, x in enumerate(ks) if could_end(i, x)]
+        trials = ([[remaining[i] - 1 if i in ending else x for i, x in enumerate(ks)]] if len(ending) > 1 else [])
+        trials += [ks[:i] + [remaining[i] - 1] + ks[i + 1:] for i in ending]
+        for trial in trials:
+            c, g = scored(trial)
+            if c > credited:
+                best, credited, tps = trial, c, g
+        return best, tps
 
     def _count(self, ks: list[int]) -> None:
         for k in ks:
