@@ -397,3 +397,26 @@ def test_a_group_that_could_end_this_round_drafts_to_its_end_together():
 
     assert max(ks(0.97, told=False)) < 12 and ks(0.97, told=True) == [16] * 8
     assert ks(0.6, told=True) == ks(0.6, told=False)
+
+
+def test_a_draft_step_that_feeds_unseen_tokens_is_not_learned_as_a_step(lm, prompts):
+    """A request's first draft step after plain steps (or its first ever) also feeds the
+    verified tokens its drafter has not seen, a pass of many rows: the draft-step fit learns
+    only rounds whose drafter was at most one plain step behind."""
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+
+    b = LocalBackends(lm)
+    g = Generation(lm, prompts["long"][:300], GenParams(mode="vericache", compressor="snapkv",
+                                                        draft_len=8, max_tokens=40, ignore_eos=True,
+                                                        adaptive=False))
+    costs, learned = CostModel(), []
+    try:
+        start(b, g)
+        for k in (1, 1, 0, 0, 0, 2, 2, 0, 2):
+            g.draftlen.k = k
+            run_round(b, [g], costs)
+            learned.append(costs.draft.n)
+    finally:
+        b.release(g)
+    assert learned == [0, 1, 1, 1, 1, 1, 2, 2, 3]

@@ -218,6 +218,11 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     if costs is not None:
         plan_draft_lens(gens, costs)
     ks = {g.rid: g.k_for_round() for g in gens}
+    # a request's first draft step after plain steps (or its first ever) also feeds the
+    # verified tokens its drafter has not seen: a pass of many rows that the draft-step fit
+    # must not learn as a step (a k = 1 round after 30 plain steps priced every later step at
+    # several times its cost, and the plan never drafted again)
+    steady = {g.rid for g in gens if g.stats.draft_steps and g.draftlen.plain_streak <= 1}
     for g in gens:
         g.drafter_started |= ks[g.rid] > 0
     drafting = [g for g in gens if g.params.mode != "full"]
@@ -231,7 +236,7 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
         g.stats.draft_s += t1 - t0
         g.stats.draft_steps += len(drafts[g.rid].tokens)
     stepped = [g for g in drafting if drafts[g.rid].tokens]
-    if costs is not None and stepped:
+    if costs is not None and stepped and all(g.rid in steady for g in stepped):
         costs.observe_draft(max(len(drafts[g.rid].tokens) for g in stepped), len(stepped),
                             sum(g.context for g in stepped), t1 - t0)
     return drafts
