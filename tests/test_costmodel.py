@@ -420,3 +420,17 @@ def test_a_draft_step_that_feeds_unseen_tokens_is_not_learned_as_a_step(lm, prom
     finally:
         b.release(g)
     assert learned == [0, 1, 1, 1, 1, 1, 2, 2, 3]
+
+
+def test_a_slow_first_pass_of_a_shape_does_not_price_it():
+    """The first pass of a new shape is often slow (memory touched for the first time): its
+    bucket's first times enter as their median, so one slow pass does not raise its price."""
+    import numpy as np
+
+    f = LinearFit(2)
+    x = np.array([1.0, 8.0])
+    for y in (0.3, 0.1, 0.1):
+        f.observe(x, y, 8)
+    assert f.predict(x, 8) == pytest.approx(0.1, rel=0.05)  # the mean would be 0.167
+    f.observe(x, 0.2, 8)  # later times move it as a running mean
+    assert 0.1 < f.predict(x, 8) < 0.2

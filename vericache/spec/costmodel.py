@@ -58,6 +58,7 @@ REJECT_SHRINK = 1.0  # pseudo-rejections in a request's scaling of the pooled re
 # step's time is fitted per step; varied, since a verify pass's is fitted per token
 EXPLORE = (1, 0, 2, 4, 0, 8, 1, 3)
 OPTIMISTIC_RATE = 0.9  # a stale request probes only if drafting would pay at this rate
+FIRST_OBS = 3  # a shape bucket's first times enter as their median (LinearFit)
 MIN_FIT = 6  # observations before a fit is trusted (the verify fit: of >= 3 token counts)
 PROBE_EVERY = 32  # a request on plain steps drafts once this often, to refresh its profile
 PROBE_K = 2  # ... this many tokens
@@ -114,6 +115,13 @@ class LinearFit:
     linear in their rows over the range the plan asks about (a CPU pass of 4 rows costs about
     what 8 do; hundreds of rows cost per row): a line through them priced a 16-row plain step
     at 1.5 times its measured time, and the plan compared k against that, not the step.
+
+    A bucket's first FIRST_OBS times enter as their median (the smaller of the first two), not
+    their mean: the first pass of a new shape is often slow (memory touched for the first
+    time, a new batch's caches), and averaged in it priced the group's plain step above its
+    cost while the drafting round's unseen shape was priced from the line, so every new group
+    drafted once (and started its drafters) where drafting did not pay (serve_mixed: the first
+    batch of 8 requests, each one round of k = 2 and its drafter's load, 0.90x full mode).
     """
 
     SEEN_PRIOR = 0.5
@@ -135,7 +143,7 @@ class LinearFit:
         key = shape if bucket is None else bucket
         b = self._buckets.pop(key, None)
         if b is None:
-            b = [0, np.zeros(self.dims), 0.0]
+            b = [0, np.zeros(self.dims), 0.0, []]
             if len(self._buckets) >= self.max_buckets:
                 old = next(iter(self._buckets))
                 del self._buckets[old]
@@ -146,7 +154,11 @@ class LinearFit:
         b[0] += 1
         a = max(1.0 / b[0], self.recency)
         b[1] = b[1] + a * (np.asarray(x, dtype=float) - b[1])
-        b[2] += a * (y - b[2])
+        if b[0] <= FIRST_OBS:  # the smaller of two, then the median of FIRST_OBS (see the class)
+            b[3].append(y)
+            b[2] = sorted(b[3])[(len(b[3]) - 1) // 2]
+        else:
+            b[2] += a * (y - b[2])
         self._buckets[key] = b  # now the most recently seen
         self.n += 1
         self.floor = min(self.floor, 0.1 * y)
