@@ -361,8 +361,9 @@ def test_a_drafter_starts_only_where_drafting_clearly_pays():
     """A request's first drafting round starts its drafter (its KV prepared and loaded), a
     cost no round's price carries: where drafting is predicted to gain less than
     START_MARGIN over plain steps, a request whose drafter has not started takes plain steps
-    (and is no probe) while one whose drafter runs drafts; above it both draft."""
-    from vericache.spec.costmodel import DRAFT_MARGIN, START_MARGIN
+    while one whose drafter runs drafts; above it both draft. A stale one still probes where
+    drafting would pay by START_MARGIN at OPTIMISTIC_RATE."""
+    from vericache.spec.costmodel import DRAFT_MARGIN, OPTIMISTIC_RATE, PROBE_K, START_MARGIN
 
     prof = _profile(0.6)
     for draft_step in (0.008, 0.002):
@@ -374,7 +375,10 @@ def test_a_drafter_starts_only_where_drafting_clearly_pays():
             [16], [1000], [prof], [probe], started=[started]).ks[0]
         assert plan(True) > 0
         if gain < START_MARGIN:
-            assert DRAFT_MARGIN < gain and plan(False) == 0 == plan(False, probe=True), gain
+            assert DRAFT_MARGIN < gain and plan(False) == 0, gain
+            hopeful = sum(OPTIMISTIC_RATE ** j for j in range(PROBE_K + 1))
+            probe_gain = hopeful * 0.02 / (PROBE_K * draft_step + 0.02)
+            assert probe_gain > START_MARGIN and plan(False, probe=True) == PROBE_K, probe_gain
         else:
             assert plan(False) == plan(True), gain
 

@@ -440,8 +440,9 @@ class CostModel:
         over a 4 Gbit/s tier, the plan drafted 28 where 30 ended most requests, and took 22
         request-rounds where k = 32 fixed took 17); started: whether each request's drafter
         has started (default: all have): one that has not drafts only where the group's
-        drafting beats plain steps by START_MARGIN, and is no probe (it has no profile of
-        its own to refresh)."""
+        drafting beats plain steps by START_MARGIN, and probes only where drafting would
+        beat them by START_MARGIN at OPTIMISTIC_RATE (without probes a long request that
+        starts from a low prior would never learn that its drafts are accepted)."""
         with self._lock:
             if not self._fitted():
                 k = EXPLORE[self._explore % len(EXPLORE)]
@@ -464,7 +465,6 @@ class CostModel:
             if tps < DRAFT_MARGIN * plain_tps:
                 tps, ks = plain_tps, plain_ks
             if started is not None:
-                probes = [p and s for p, s in zip(probes, started)]
                 if tps < START_MARGIN * plain_tps and any(x and not s for x, s in zip(ks, started)):
                     ks = [x if s else 0 for x, s in zip(ks, started)]
                     t, _ = self._round_s(max(ks), ks, ctxs, dctx)
@@ -495,7 +495,7 @@ class CostModel:
                     t, _ = self._round_s(max(trial), trial, ctxs, dctx)
                     g = (sum(e[y] for j, (e, y) in enumerate(zip(gains, trial)) if j != i)
                          + hopeful[trial[i]]) / t
-                    if g > tps:
+                    if g > (tps if started is None or started[i] else START_MARGIN * tps):
                         ks = trial
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
