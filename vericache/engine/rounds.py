@@ -220,8 +220,8 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     ks = {g.rid: g.k_for_round() for g in gens}
     # a request's first draft step after plain steps (or its first ever) also feeds the
     # verified tokens its drafter has not seen: a pass of many rows that the draft-step fit
-    # must not learn as a step (a k = 1 round after 30 plain steps priced every later step at
-    # several times its cost, and the plan never drafted again)
+    # must not learn as a step (a k = 1 round after 30 plain steps would be learned as one
+    # draft step costing a 31-row pass)
     steady = {g.rid for g in gens if g.stats.draft_steps and g.draftlen.plain_streak <= 1}
     for g in gens:
         g.drafter_started |= ks[g.rid] > 0
