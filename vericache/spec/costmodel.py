@@ -208,7 +208,7 @@ class LinearFit:
         i = bisect.bisect_left(firsts, first)  # firsts[i] > first: `bucket` itself is not seen
         below = next(((f, self._buckets[_join(f, rest)]) for f in firsts[i - 1:i] if f > 0), None)
         above = next(((f, self._buckets[_join(f, rest)]) for f in firsts[i:i + 1] if f > 0), None)
-        if below is None and above is None or first <= 0:
+        if first <= 0 or (below is None and above is None):
             return None
         if below is not None and above is not None:
             (fb, bb), (fa, ba) = below, above
@@ -247,6 +247,13 @@ def _draft_bucket(batch: int, ctx_sum: float) -> tuple:
     return batch, round(ctx_sum, -3)
 
 
+def _tally(reached: list[int], accepted_at: list[int], n: int, accepted: int) -> None:
+    """Count a round that reached its first `n` draft positions and accepted `accepted`."""
+    for j in range(n):
+        reached[j] += 1
+        accepted_at[j] += j < accepted
+
+
 @dataclass
 class AcceptanceProfile:
     """One request's p_j (see the module words); `k_max` positions."""
@@ -261,9 +268,7 @@ class AcceptanceProfile:
 
     def update(self, drafted: int, accepted: int) -> None:
         """A round drafted `drafted` tokens; the first `accepted` were accepted."""
-        for j in range(min(drafted, accepted + 1, self.k_max)):
-            self.reached[j] += 1
-            self.accepted[j] += j < accepted
+        _tally(self.reached, self.accepted, min(drafted, accepted + 1, self.k_max), accepted)
 
     def rates(self, prior: float | list[float]) -> list[float]:
         """p_j for j < k_max: the request's counts shrunk towards `prior` (one rate, or the
@@ -298,9 +303,7 @@ class PooledProfile:
         if n > len(self.reached):
             self.reached += [0] * (n - len(self.reached))
             self.accepted += [0] * (n - len(self.accepted))
-        for j in range(n):
-            self.reached[j] += 1
-            self.accepted[j] += j < accepted
+        _tally(self.reached, self.accepted, n, accepted)
 
     def rates(self, n: int) -> list[float]:
         """p_j for j < n, each shrunk towards p_{j-1} (p_{-1} = PRIOR_RATE)."""
@@ -427,6 +430,12 @@ class CostModel:
         work = sum((x + 1) * c for x, c in zip(ks, ctxs))
         return t + self.verify_s(tokens, sum(ctxs), work), ks
 
+    def _goodput(self, ks: list[int], ctxs: list[int], dctx: float,
+                 gains: list[list[float]]) -> tuple[float, float]:
+        """A round at `ks`: its expected tokens over its time, and the time."""
+        t, _ = self._round_s(max(ks), ks, ctxs, dctx)
+        return sum(e[x] for e, x in zip(gains, ks)) / t, t
+
     def plan(self, caps: list[int], ctxs: list[int], profiles: list[AcceptanceProfile],
              probes: list[bool], remaining: list[int] | None = None,
              started: list[bool] | None = None) -> Plan:
@@ -468,8 +477,7 @@ class CostModel:
             if started is not None:
                 if tps < START_MARGIN * plain_tps and any(x and not s for x, s in zip(ks, started)):
                     ks = [x if s else 0 for x, s in zip(ks, started)]
-                    t, _ = self._round_s(max(ks), ks, ctxs, dctx)
-                    tps = sum(e[x] for e, x in zip(gains, ks)) / t
+                    tps, _ = self._goodput(ks, ctxs, dctx, gains)
                     if tps < DRAFT_MARGIN * plain_tps:
                         tps, ks = plain_tps, plain_ks
             # a request whose drafts do not pay for their verify tokens takes a plain step
@@ -477,12 +485,11 @@ class CostModel:
                 if x == 0 or probes[i]:
                     continue
                 trial = ks[:i] + [0] + ks[i + 1:]
-                t, _ = self._round_s(max(trial), trial, ctxs, dctx)
-                g = sum(e[y] for e, y in zip(gains, trial)) / t
+                g, _ = self._goodput(trial, ctxs, dctx, gains)
                 if g > tps:
                     ks, tps = trial, g
             if remaining is not None:
-                ks, tps = self._draft_to_the_end(ks, tps, caps, ctxs, dctx, gains, remaining)
+                ks, tps = self._draft_to_the_end(ks, caps, ctxs, dctx, gains, remaining)
             # a stale request drafts a little to refresh its profile, unless drafting would
             # not pay even at a high acceptance rate (then it stays on plain steps)
             if any(p and ks[i] == 0 and caps[i] > 0 for i, p in enumerate(probes)):
@@ -502,7 +509,7 @@ class CostModel:
             self._count(ks)
             return Plan(ks, tps)
 
-    def _draft_to_the_end(self, ks, tps, caps, ctxs, dctx, gains, remaining):
+    def _draft_to_the_end(self, ks, caps, ctxs, dctx, gains, remaining):
         """See `plan` (`remaining`): a round's time is credited with the passes it saves, for
         each request that may end in it a one-token pass of that request alone, times the
         chance that every draft is accepted. Tried for every request that could end at once
@@ -514,11 +521,10 @@ class CostModel:
             return x > 0 and x < end == caps[i]
 
         def scored(trial):
-            t, _ = self._round_s(max(trial), trial, ctxs, dctx)
+            g, t = self._goodput(trial, ctxs, dctx, gains)
             saved = sum((gains[i][y] - gains[i][y - 1]) * self.verify_s(1, ctxs[i], ctxs[i])
                         for i, y in enumerate(trial) if y and y == remaining[i] - 1)
-            gain = sum(e[y] for e, y in zip(gains, trial))
-            return gain / max(t - saved, 1e-9), gain / t
+            return g * t / max(t - saved, 1e-9), g
 
         best, (credited, tps) = ks, scored(ks)
         ending = [i for i, x in enumerate(ks) if could_end(i, x)]
