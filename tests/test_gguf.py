@@ -170,3 +170,20 @@ def test_gguf_full_equals_generate(gguf_model):
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, PROMPT, dtype=torch.long),
                       max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert res.token_ids == out[0, PROMPT:].tolist(), name
+
+
+def test_gguf_conversion_raced_by_another_process(tmp_path):
+    """The drafter and verifier services starting together on a new node both convert the
+    same GGUF file: the one that finishes second keeps the first one's folder (it failed
+    with 'Directory not empty' and the drafter did not start) and leaves no temporary one."""
+    from vericache.model.loader import _convert_gguf
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf("llama", path)
+    out = tmp_path / "models" / "converted"
+    out.parent.mkdir()
+    _convert_gguf(path, out)
+    first = (out / "model.safetensors").read_bytes()
+    _convert_gguf(path, out)  # the slower process: its rename finds the folder in place
+    assert (out / "model.safetensors").read_bytes() == first
+    assert sorted(p.name for p in out.parent.iterdir()) == ["converted"]

@@ -101,7 +101,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(str(tmp))
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            # another process (the drafter and verifier services starting together on a new
+            # node) converted the same file first: theirs is the same, keep it
+            if not (out / "model.safetensors").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
