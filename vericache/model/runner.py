@@ -8,8 +8,8 @@ over them, so that
   L queries and all query heads of a KV group (GQA folded into the query rows);
 - several sequences run in one pass: projections and MLPs over the concatenated tokens, and
   one attention call (torch SDPA) per layer for all of them: their caches sit side by side
-  in a `KVPool` (made when the pass's set of caches changes, so a steady batch is copied
-  once), each sequence's rows padded to the longest (decode 1, verify k + 1, a prefill
+  in a `KVPool` (a steady batch is copied once; requests that end free their slots and
+  requests that join take free ones, see `vericache.model.kvcache`), each sequence's rows padded to the longest (decode 1, verify k + 1, a prefill
   chunk), masks for the ragged lengths. Items that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
@@ -255,7 +255,8 @@ class Runner:
                     pasts: list[int], starts: list[int]) -> "_Plan":
         """The attention of the items `group` (indices into items) as one call per layer.
 
-        Caches: one cache read directly, several held in one `KVPool` (slot b = batch row b).
+        Caches: one cache read directly, several held in one `KVPool` (slot b = batch row b;
+        a slot of the pool with no cache in this pass has only padding rows).
         Queries: each sequence's rows padded to the longest, GQA folded into the rows (rows
         (g, l) of KV head h), so K/V are read once per KV head, never repeated per query head.
         Masks ([B, 1 or Hkv, G Lq, Lk], True: seen; None where nothing is hidden) hide a row's
@@ -269,7 +270,7 @@ class Runner:
         else:
             pool = KVPool.hold(caches)
             slots = [c.slot for c in caches]
-        B = len(slots)
+        B = len(slots) if pool is None else pool.size
         lq = max(lens[i] for i in group)
         slot_t = torch.tensor(slots, device=dev)
         L_t = torch.zeros(B, dtype=torch.long, device=dev)
