@@ -424,6 +424,8 @@ def test_a_draft_step_that_feeds_unseen_tokens_is_not_learned_as_a_step(lm, prom
     finally:
         b.release(g)
     assert learned == [0, 1, 1, 1, 1, 1, 2, 2, 3]
+    # the verify fit: not the first pass (it pooled the cache), every pass after it
+    assert costs.verify.n == len(learned) - 1
 
 
 def test_a_slow_first_pass_of_a_shape_does_not_price_it():
@@ -438,3 +440,22 @@ def test_a_slow_first_pass_of_a_shape_does_not_price_it():
     assert f.predict(x, 8) == pytest.approx(0.1, rel=0.05)  # the mean would be 0.167
     f.observe(x, 0.2, 8)  # later times move it as a running mean
     assert 0.1 < f.predict(x, 8) < 0.2
+
+
+def test_one_slow_pass_of_a_seen_shape_moves_its_price_by_at_most_the_outlier_bound():
+    """A seen shape's later times enter at most OUTLIER times its estimate: one 18x pass (a
+    batch pooled anew) moves the plain step's price a little, not past what drafting costs;
+    a machine that stays slower still moves it all the way."""
+    import numpy as np
+
+    from vericache.spec.costmodel import OUTLIER
+
+    f = LinearFit(2)
+    x = np.array([1.0, 8.0])
+    for _ in range(10):
+        f.observe(x, 0.25, 8)
+    f.observe(x, 4.5, 8)
+    assert f.predict(x, 8) <= 0.25 * (1 + f.recency * (OUTLIER - 1)) + 1e-9
+    for _ in range(40):
+        f.observe(x, 1.0, 8)
+    assert f.predict(x, 8) == pytest.approx(1.0, rel=0.02)

@@ -259,7 +259,10 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
     results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying]) if verifying else []
     t2 = time.perf_counter()
     tier1 = backends.tier_counters()
-    if costs is not None and verifying:
+    # a request's first pass after its prefill also moves its cache into the batch's pool
+    # (`vericache.model.kvcache.KVPool`): not learned as a pass of its shape
+    joined = any(g.stats.rounds == 0 for g in verifying)
+    if costs is not None and verifying and not joined:
         costs.observe_verify(sum(n for n, _ in shape), sum(c for _, c in shape),
                              sum(n * c for n, c in shape), t2 - t1,
                              stall_s=tier1[0] - tier0[0], load_s=tier1[1] - tier0[1])

@@ -46,10 +46,13 @@ This module is bookkeeping: no tensors, no clocks (callers pass seconds in).
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 PRIOR_RATE = 0.6  # acceptance rate assumed before any round has been seen
 SHRINK = 4.0  # pseudo-rounds pulling a position's rate towards its prior
@@ -59,6 +62,7 @@ REJECT_SHRINK = 1.0  # pseudo-rejections in a request's scaling of the pooled re
 EXPLORE = (1, 0, 2, 4, 0, 8, 1, 3)
 OPTIMISTIC_RATE = 0.9  # a stale request probes only if drafting would pay at this rate
 FIRST_OBS = 3  # a shape bucket's first times enter as their median (LinearFit)
+OUTLIER = 2.0  # ... and later ones at most this multiple of its estimate
 MIN_FIT = 6  # observations before a fit is trusted (the verify fit: of >= 3 token counts)
 PROBE_EVERY = 32  # a request on plain steps drafts once this often, to refresh its profile
 PROBE_K = 2  # ... this many tokens
@@ -123,6 +127,10 @@ class LinearFit:
     cost while the drafting round's unseen shape was priced from the line, so every new group
     drafted once (and started its drafters) where drafting did not pay (serve_mixed: the first
     batch of 8 requests, each one round of k = 2 and its drafter's load, 0.90x full mode).
+    Later times enter at most OUTLIER times the bucket's estimate: one slow pass (a batch's
+    caches pooled for the first time: 4.5 s where its steps take 0.25) moved a seen plain
+    step's price to 1.2 s, and the group drafted and started its drafters (the services,
+    0.84x full mode); a machine that really slows down still moves it, by OUTLIER a time.
     """
 
     SEEN_PRIOR = 0.5
@@ -159,7 +167,7 @@ class LinearFit:
             b[3].append(y)
             b[2] = sorted(b[3])[(len(b[3]) - 1) // 2]
         else:
-            b[2] += a * (y - b[2])
+            b[2] += a * (min(y, OUTLIER * b[2]) - b[2])
         self._buckets[key] = b  # now the most recently seen
         self.n += 1
         self.floor = min(self.floor, 0.1 * y)
@@ -361,6 +369,8 @@ class CostModel:
             return
         with self._lock:
             self.draft.observe(_draft_x(batch, ctx_sum), seconds / steps, _draft_bucket(batch, ctx_sum))
+            log.debug("draft phase: %d steps, %d sequences, context %d: %.4f s a step", steps,
+                      batch, ctx_sum, seconds / steps)
 
     def observe_verify(self, tokens: int, ctx_sum: float, work: float, seconds: float,
                        stall_s: float = 0.0, load_s: float = 0.0) -> None:
@@ -376,6 +386,7 @@ class CostModel:
                 seconds = max(seconds - stall_s, 0.05 * seconds)
             self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens,
                                 _verify_bucket(tokens, ctx_sum))
+            log.debug("verify pass: %d tokens, context %d: %.4f s", tokens, ctx_sum, seconds)
 
     def verify_s(self, tokens: int, ctx_sum: float, work: float) -> float:
         """A verify pass's predicted seconds (call with the lock held)."""
@@ -391,6 +402,7 @@ class CostModel:
                 tps = emitted / seconds
                 self.measured_tps = tps if self.rounds == 0 else 0.9 * self.measured_tps + 0.1 * tps
             self.rounds += 1
+            log.debug("round: %d tokens in %.4f s, (drafted, accepted) %s", emitted, seconds, profiles)
             for d, a in profiles:
                 self.pooled.update(d, a)
 
@@ -505,6 +517,8 @@ class CostModel:
                          + hopeful[trial[i]]) / t
                     if g > (tps if started is None or started[i] else START_MARGIN * tps):
                         ks = trial
+            log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in %.4f s)",
+                      ctxs, ks, tps, plain_tps, plain_t)
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
