@@ -459,3 +459,40 @@ def test_one_slow_pass_of_a_seen_shape_moves_its_price_by_at_most_the_outlier_bo
     for _ in range(40):
         f.observe(x, 1.0, 8)
     assert f.predict(x, 8) == pytest.approx(1.0, rel=0.02)
+
+
+def test_committing_a_drafting_requests_outcome_is_priced_into_its_round():
+    """A round that drafts also commits each drafting request's outcome to its drafter (an
+    RPC per request behind the services): where drafting gains 40% without it, a commit that
+    costs more than the gain keeps plain steps; the engine's rounds feed that price."""
+    prof = _profile(0.6)
+
+    def last(commit_s):
+        costs = CostModel()
+        if commit_s:
+            costs.observe_commit(4, 4 * commit_s)
+        return _simulate(costs, draft_step=0.004, verify_base=0.02, per_token=0.0, profile=prof)[-10:]
+
+    assert set(last(0.0)) != {0}
+    assert last(0.03) == [0] * 10
+
+
+def test_the_engine_feeds_the_commit_price(lm, prompts):
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+
+    b = LocalBackends(lm)
+    g = Generation(lm, prompts["long"][:300], GenParams(mode="vericache", compressor="snapkv",
+                                                        draft_len=4, max_tokens=20, ignore_eos=True,
+                                                        adaptive=False))
+    costs = CostModel()
+    try:
+        start(b, g)
+        g.draftlen.k = 0
+        run_round(b, [g], costs)
+        assert costs.snapshot()["commit_s"] == 0.0  # a plain step commits nothing to price
+        g.draftlen.k = 4
+        run_round(b, [g], costs)
+    finally:
+        b.release(g)
+    assert costs.snapshot()["commit_s"] > 0.0

@@ -14,8 +14,11 @@ Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
   what the pooled profile expected at the positions it reached.
 - expected tokens of a round with k drafts: E(k) = 1 + sum_{i=1..k} prod_{j<=i} p_j (the
   bonus token always comes).
-- round time of a group: T(k) = k * t_draft_step + t_verify(pass); with k = 0 the round is a
-  plain full-KV decode step (no draft step, a verify pass of one token per request).
+- round time of a group: T(k) = k * t_draft_step + t_verify(pass) + n * t_commit, n the
+  requests drafting; with k = 0 the round is a plain full-KV decode step (no draft step, a
+  verify pass of one token per request, nothing to commit). t_commit is what handing one
+  drafting request's outcome to its drafter costs (a Commit RPC per request behind the
+  services: left out, a round of 8 drafting requests was priced 5-10% cheap there).
 - goodput: the group's expected tokens over its round time, sum_i E_i(k_i) / T. The group
   drafts a common K (a draft step runs while any request drafts) when its goodput beats
   plain steps' by DRAFT_MARGIN; a request whose own expected gain does not pay for its verify
@@ -346,6 +349,8 @@ class CostModel:
         self.verify = LinearFit(5, recency)  # a verify pass's compute (its whole time when resident)
         self.draft = LinearFit(4, recency)
         self.load_s_per_token: float | None = None  # offloaded tier: seconds per context token loaded
+        self.commit_s: float = 0.0  # seconds to commit one drafting request's outcome (module words)
+        self._commits = 0
         self._lock = threading.Lock()
         self._explore = 0
         self._forget_traffic()
@@ -387,6 +392,17 @@ class CostModel:
             self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens,
                                 _verify_bucket(tokens, ctx_sum))
             log.debug("verify pass: %d tokens, context %d: %.4f s", tokens, ctx_sum, seconds)
+
+    def observe_commit(self, requests: int, seconds: float) -> None:
+        """The outcomes of a round in which `requests` requests drafted were committed to
+        their drafters in `seconds`."""
+        if requests < 1:
+            return
+        with self._lock:
+            per = seconds / requests
+            self._commits += 1
+            a = max(1.0 / self._commits, self.recency)
+            self.commit_s += a * (per - self.commit_s)
 
     def verify_s(self, tokens: int, ctx_sum: float, work: float) -> float:
         """A verify pass's predicted seconds (call with the lock held)."""
@@ -438,6 +454,7 @@ class CostModel:
             steps = max(ks)
             t += steps * self.draft.predict(_draft_x(len(drafting), dctx),
                                             _draft_bucket(len(drafting), dctx))
+            t += len(drafting) * self.commit_s
         tokens = sum(x + 1 for x in ks)
         work = sum((x + 1) * c for x, c in zip(ks, ctxs))
         return t + self.verify_s(tokens, sum(ctxs), work), ks
@@ -482,6 +499,7 @@ class CostModel:
                 if g > best[0]:
                     best = (g, ks)
             tps, ks = best
+            drafting_tps = tps
             plain_t, plain_ks = self._round_s(0, caps, ctxs, dctx)
             plain_tps = sum(e[0] for e in gains) / plain_t
             if tps < DRAFT_MARGIN * plain_tps:
@@ -517,8 +535,9 @@ class CostModel:
                          + hopeful[trial[i]]) / t
                     if g > (tps if started is None or started[i] else START_MARGIN * tps):
                         ks = trial
-            log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in %.4f s)",
-                      ctxs, ks, tps, plain_tps, plain_t)
+            log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in "
+                      "%.4f s; the best common k: %.2f; commit %.4f s a request)", ctxs, ks, tps,
+                      plain_tps, plain_t, drafting_tps, self.commit_s)
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
@@ -565,4 +584,5 @@ class CostModel:
                     "calibration": self.calibration,
                     "verify_theta": self.verify.theta.tolist(),
                     "load_s_per_token": self.load_s_per_token,
+                    "commit_s": self.commit_s,
                     "draft_theta": self.draft.theta.tolist()}
