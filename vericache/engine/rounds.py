@@ -224,6 +224,7 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     # must not learn as a step (a k = 1 round after 30 plain steps would be learned as one
     # draft step costing a 31-row pass)
     steady = {g.rid for g in gens if g.stats.draft_steps and g.draftlen.plain_streak <= 1}
+    starting = [g for g in gens if ks[g.rid] > 0 and not g.drafter_started]
     for g in gens:
         g.drafter_started |= ks[g.rid] > 0
     drafting = [g for g in gens if g.params.mode != "full"]
@@ -240,6 +241,12 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     if costs is not None and stepped and all(g.rid in steady for g in stepped):
         costs.observe_draft(max(len(drafts[g.rid].tokens) for g in stepped), len(stepped),
                             sum(g.context for g in stepped), t1 - t0)
+    elif costs is not None and starting:
+        # the drafters' start (their KV prepared and loaded) is what the phase took beyond
+        # its steps; a start in the background (async attach) costs the phase nothing
+        steps = max((len(drafts[g.rid].tokens) for g in stepped), default=0)
+        step = costs.draft_step_s(len(stepped), sum(g.context for g in stepped)) if steps else 0.0
+        costs.observe_start(sum(g.context for g in starting), t1 - t0 - steps * step)
     return drafts
 
 
