@@ -383,6 +383,50 @@ def test_a_drafter_starts_only_where_drafting_clearly_pays():
             assert plan(False) == plan(True), gain
 
 
+def test_a_drafter_starts_only_where_the_time_saved_pays_for_its_start():
+    """Above START_MARGIN, the start's measured price (per context token) must also be paid
+    back by the time drafting saves over the group's next tokens (each request's remaining,
+    at most START_HORIZON): a start that costs more than that keeps plain steps, and more
+    tokens left pay for it."""
+    from vericache.spec.costmodel import START_HORIZON
+
+    prof = _profile(0.6)
+    costs = CostModel()
+    _simulate(costs, draft_step=0.002, verify_base=0.02, per_token=0.0, profile=prof)
+    plan = lambda left: costs.plan([16], [1000], [prof], [False], [left], [False]).ks[0]  # noqa: E731
+    assert plan(64) > 0  # nothing measured yet: the margin alone
+    e = prof.expected_tokens(costs.prior_rate)
+    k = max(range(1, 17), key=lambda k: e[k] / (0.002 * k + 0.02))
+    saved_per_token = 0.02 - (0.002 * k + 0.02) / e[k]  # a plain step's time less a drafted token's
+    costs.observe_start(1000, 64 * saved_per_token * 2)  # twice what 64 tokens save
+    assert plan(64) == 0 and plan(200) > 0
+    assert plan(10_000) == plan(START_HORIZON) > 0
+
+
+def test_the_engine_prices_a_drafters_start(lm, prompts):
+    """A request whose drafter is loaded when it first drafts (a store: `draft_later`): that
+    round's draft phase is not learned as steps, it prices the start."""
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+    from vericache.store.memory import MemoryStore
+
+    b = LocalBackends(lm, MemoryStore())
+    g = Generation(lm, prompts["long"][:600], GenParams(mode="vericache", compressor="snapkv",
+                                                        draft_len=4, max_tokens=20, ignore_eos=True,
+                                                        adaptive=False))
+    costs = CostModel()
+    try:
+        start(b, g)
+        g.draftlen.k = 0
+        run_round(b, [g], costs)
+        g.draftlen.k = 2
+        run_round(b, [g], costs)
+    finally:
+        b.release(g)
+    snap = costs.snapshot()
+    assert snap["start_s_per_token"] > 0 and costs.draft.n == 0
+
+
 def test_a_group_that_could_end_this_round_drafts_to_its_end_together():
     """Eight requests with 17 tokens left each: one alone drafting to its end lengthens the
     group's draft phase for a single pass saved, all of them together save the group's next
@@ -459,3 +503,40 @@ def test_one_slow_pass_of_a_seen_shape_moves_its_price_by_at_most_the_outlier_bo
     for _ in range(40):
         f.observe(x, 1.0, 8)
     assert f.predict(x, 8) == pytest.approx(1.0, rel=0.02)
+
+
+def test_committing_a_drafting_requests_outcome_is_priced_into_its_round():
+    """A round that drafts also commits each drafting request's outcome to its drafter (an
+    RPC per request behind the services): where drafting gains 40% without it, a commit that
+    costs more than the gain keeps plain steps; the engine's rounds feed that price."""
+    prof = _profile(0.6)
+
+    def last(commit_s):
+        costs = CostModel()
+        if commit_s:
+            costs.observe_commit(4, 4 * commit_s)
+        return _simulate(costs, draft_step=0.004, verify_base=0.02, per_token=0.0, profile=prof)[-10:]
+
+    assert set(last(0.0)) != {0}
+    assert last(0.03) == [0] * 10
+
+
+def test_the_engine_feeds_the_commit_price(lm, prompts):
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+
+    b = LocalBackends(lm)
+    g = Generation(lm, prompts["long"][:300], GenParams(mode="vericache", compressor="snapkv",
+                                                        draft_len=4, max_tokens=20, ignore_eos=True,
+                                                        adaptive=False))
+    costs = CostModel()
+    try:
+        start(b, g)
+        g.draftlen.k = 0
+        run_round(b, [g], costs)
+        assert costs.snapshot()["commit_s"] == 0.0  # a plain step commits nothing to price
+        g.draftlen.k = 4
+        run_round(b, [g], costs)
+    finally:
+        b.release(g)
+    assert costs.snapshot()["commit_s"] > 0.0

@@ -180,6 +180,9 @@ def _draft_len_families(k_hist: dict, costs: dict):
         GaugeMetricFamily("vericache_cost_model_calibration_seconds", "how long the start-up "
                           "calibration's timed rounds took (0: none ran)",
                           value=(costs.get("calibration") or {}).get("seconds", 0.0)),
+        GaugeMetricFamily("vericache_cost_model_commit_seconds", "what committing one drafting "
+                          "request's outcome to its drafter costs a round (running mean)",
+                          value=costs.get("commit_s", 0.0)),
     ]
 
 

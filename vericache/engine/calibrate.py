@@ -12,9 +12,10 @@ the model pools, its round counters and its k histogram are reset afterwards
 
 Every calibration request has the same prompt (seeded token ids, the longer contexts
 extending the shorter), in its own namespace, so a prefix store holds it once and the batch's
-other requests load it from there. The first round of each shape drafts untimed: it carries
-the drafter's attach (loaded when a request first drafts, or in the background), which is not
-a draft step's cost.
+other requests load it from there. The first rounds of each shape (k = 1 until every
+drafter is attached) carry the drafter's attach (loaded when a request first drafts, or in
+the background): not a draft step's cost, they price only a drafter's start
+(`CostModel.start_s_per_token`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def calibrate(backends: Backends, lm, costs: CostModel, params: GenParams,
             for g in gens:
                 start(backends, g)
                 admitted.append(g)
-            _first_draft(backends, gens)
+            _first_draft(backends, gens, costs)
             for k in ks:
                 for g in gens:
                     g.draftlen.k = k
@@ -96,14 +97,16 @@ def calibrate(backends: Backends, lm, costs: CostModel, params: GenParams,
     return costs.calibration
 
 
-def _first_draft(backends: Backends, gens: list[Generation]) -> None:
-    """Untimed rounds of k = 1 until every request has drafted once (its drafter side is
-    attached), waiting at most ATTACH_WAIT_S and FIRST_ROUNDS rounds for a background load."""
+def _first_draft(backends: Backends, gens: list[Generation], costs: CostModel) -> None:
+    """Rounds of k = 1 until every request has drafted once (its drafter side is attached),
+    waiting at most ATTACH_WAIT_S and FIRST_ROUNDS rounds for a background load. Their draft
+    phases price only the drafters' start, and the pass that pools the new requests' caches
+    is not learned (`vericache.engine.rounds`): the start is what `CostModel.start_s` needs."""
     deadline = time.monotonic() + ATTACH_WAIT_S
     for _ in range(FIRST_ROUNDS):
         for g in gens:
             g.draftlen.k = 1
-        run_round(backends, gens)
+        run_round(backends, gens, costs)
         if all(g.stats.draft_steps for g in gens) or time.monotonic() > deadline:
             return
         time.sleep(0.05)

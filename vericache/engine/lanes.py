@@ -287,7 +287,8 @@ class LaneRunner:
                 if g.rid in self._doomed:
                     res.failed[g.rid] = self._doomed.pop(g.rid)
             gens = [g for g in gens if g.rid not in res.failed]
-            commit_outcomes(self.backends, gens, self._outcomes)
+            commit_outcomes(self.backends, gens, self._outcomes, self.costs,
+                            {rid for rid, n in self._drafted.items() if n})
             out = draft_phase(self.backends, gens, self.costs) if gens else {}
             self._drafted.update({rid: len(d.tokens) for rid, d in out.items()})
             self._drafts.update(out)

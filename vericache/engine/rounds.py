@@ -5,6 +5,7 @@ same code in-process (`LocalBackends`, here) and over gRPC (`vericache.engine.re
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
@@ -223,6 +224,7 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     # must not learn as a step (a k = 1 round after 30 plain steps would be learned as one
     # draft step costing a 31-row pass)
     steady = {g.rid for g in gens if g.stats.draft_steps and g.draftlen.plain_streak <= 1}
+    starting = [g for g in gens if ks[g.rid] > 0 and not g.drafter_started]
     for g in gens:
         g.drafter_started |= ks[g.rid] > 0
     drafting = [g for g in gens if g.params.mode != "full"]
@@ -239,6 +241,12 @@ def draft_phase(backends: Backends, gens: list[Generation], costs: CostModel | N
     if costs is not None and stepped and all(g.rid in steady for g in stepped):
         costs.observe_draft(max(len(drafts[g.rid].tokens) for g in stepped), len(stepped),
                             sum(g.context for g in stepped), t1 - t0)
+    elif costs is not None and starting:
+        # the drafters' start (their KV prepared and loaded) is what the phase took beyond
+        # its steps; a start in the background (async attach) costs the phase nothing
+        steps = max((len(drafts[g.rid].tokens) for g in stepped), default=0)
+        step = costs.draft_step_s(len(stepped), sum(g.context for g in stepped)) if steps else 0.0
+        costs.observe_start(sum(g.context for g in starting), t1 - t0 - steps * step)
     return drafts
 
 
@@ -266,11 +274,14 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
         costs.observe_verify(sum(n for n, _ in shape), sum(c for _, c in shape),
                              sum(n * c for n, c in shape), t2 - t1,
                              stall_s=tier1[0] - tier0[0], load_s=tier1[1] - tier0[1])
-    emitted, profile = 0, []
+    emitted, profile, commit_s, committed = 0, [], 0.0, 0
     for g, v in zip(verifying, results):
         d, a, bonus = drafts.get(g.rid, empty), v.accepted, v.bonus
         if g.params.mode == "vericache":
+            t = time.perf_counter()
             _commit(backends, g, a, bonus, outcomes)
+            commit_s += time.perf_counter() - t
+            committed += bool(d.tokens) and outcomes is None
         out[g.rid] = g.on_round(d.tokens, a, bonus, v.logprobs)
         g.stats.verify_s += t2 - t1
         emitted += a + 1
@@ -278,6 +289,8 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
     if costs is not None and verifying:
         draft_s = max((g.round_draft_s for g in verifying), default=0.0)
         costs.observe_round(emitted, draft_s + t2 - t1, profile)
+        if committed:
+            costs.observe_commit(committed, commit_s)
     for g in gens:
         if g.params.mode == "lossy":
             _commit(backends, g, 1, None, outcomes)
@@ -292,8 +305,15 @@ def _commit(backends, g: Generation, accepted: int, bonus: int | None, outcomes)
         outcomes[g.rid] = (accepted, bonus)
 
 
-def commit_outcomes(backends, gens: list[Generation], outcomes: dict[str, tuple[int, int | None]]) -> None:
-    """Commit the deferred verification outcomes of `gens` (those that have one)."""
+def commit_outcomes(backends, gens: list[Generation], outcomes: dict[str, tuple[int, int | None]],
+                    costs: CostModel | None = None, drafted: Collection[str] = ()) -> None:
+    """Commit the deferred verification outcomes of `gens` (those that have one); with
+    `costs`, the time feeds the cost model's commit price, per request of `drafted` (those
+    whose round drafted) committed."""
+    t, n = time.perf_counter(), 0
     for g in gens:
         if g.rid in outcomes:
+            n += g.rid in drafted
             backends.commit(g, *outcomes.pop(g.rid))
+    if costs is not None and n:
+        costs.observe_commit(n, time.perf_counter() - t)

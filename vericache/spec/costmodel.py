@@ -14,8 +14,11 @@ Words (draft, accepted, bonus and round as in `vericache.spec.accept`):
   what the pooled profile expected at the positions it reached.
 - expected tokens of a round with k drafts: E(k) = 1 + sum_{i=1..k} prod_{j<=i} p_j (the
   bonus token always comes).
-- round time of a group: T(k) = k * t_draft_step + t_verify(pass); with k = 0 the round is a
-  plain full-KV decode step (no draft step, a verify pass of one token per request).
+- round time of a group: T(k) = k * t_draft_step + t_verify(pass) + n * t_commit, n the
+  requests drafting; with k = 0 the round is a plain full-KV decode step (no draft step, a
+  verify pass of one token per request, nothing to commit). t_commit is what handing one
+  drafting request's outcome to its drafter costs (a Commit RPC per request behind the
+  services: left out, a round of 8 drafting requests was priced 5-10% cheap there).
 - goodput: the group's expected tokens over its round time, sum_i E_i(k_i) / T. The group
   drafts a common K (a draft step runs while any request drafts) when its goodput beats
   plain steps' by DRAFT_MARGIN; a request whose own expected gain does not pay for its verify
@@ -77,6 +80,12 @@ DRAFT_MARGIN = 1.05
 # round of k = 1 per request started every drafter, 0.78x full near, against 0.92x in a run
 # where none drafted)
 START_MARGIN = 1.2
+# ... and where the time it saves over the group's next tokens (each request's remaining
+# tokens, at most START_HORIZON of them) pays for the drafters' start, priced per context
+# token from the extra time of draft phases that started drafters (over the services, 8 starts
+# of 0.3k-4k requests cost 2.3 s, where drafting 1.2x faster than plain steps over 64-token
+# answers saved about as much)
+START_HORIZON = 256
 
 
 def nonnegative_lstsq(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -346,6 +355,10 @@ class CostModel:
         self.verify = LinearFit(5, recency)  # a verify pass's compute (its whole time when resident)
         self.draft = LinearFit(4, recency)
         self.load_s_per_token: float | None = None  # offloaded tier: seconds per context token loaded
+        self.commit_s: float = 0.0  # seconds to commit one drafting request's outcome (module words)
+        self._commits = 0
+        self.start_s_per_token: float = 0.0  # seconds to start a drafter, per context token
+        self._starts = 0
         self._lock = threading.Lock()
         self._explore = 0
         self._forget_traffic()
@@ -387,6 +400,35 @@ class CostModel:
             self.verify.observe(_verify_x(tokens, ctx_sum, work), seconds, tokens,
                                 _verify_bucket(tokens, ctx_sum))
             log.debug("verify pass: %d tokens, context %d: %.4f s", tokens, ctx_sum, seconds)
+
+    def observe_commit(self, requests: int, seconds: float) -> None:
+        """The outcomes of a round in which `requests` requests drafted were committed to
+        their drafters in `seconds`."""
+        if requests < 1:
+            return
+        with self._lock:
+            per = seconds / requests
+            self._commits += 1
+            a = max(1.0 / self._commits, self.recency)
+            self.commit_s += a * (per - self.commit_s)
+
+    def observe_start(self, ctx_sum: int, seconds: float) -> None:
+        """A draft phase that started drafters of `ctx_sum` context tokens in all took
+        `seconds` more than its steps' predicted time (`draft_step_s`)."""
+        if ctx_sum < 1:
+            return
+        with self._lock:
+            per = max(seconds, 0.0) / ctx_sum
+            self._starts += 1
+            a = max(1.0 / self._starts, self.recency)
+            self.start_s_per_token += a * (per - self.start_s_per_token)
+
+    def draft_step_s(self, batch: int, ctx_sum: float) -> float:
+        """A draft step's predicted seconds (0 before any was seen)."""
+        with self._lock:
+            if not self.draft.n:
+                return 0.0
+            return self.draft.predict(_draft_x(batch, ctx_sum), _draft_bucket(batch, ctx_sum))
 
     def verify_s(self, tokens: int, ctx_sum: float, work: float) -> float:
         """A verify pass's predicted seconds (call with the lock held)."""
@@ -438,6 +480,7 @@ class CostModel:
             steps = max(ks)
             t += steps * self.draft.predict(_draft_x(len(drafting), dctx),
                                             _draft_bucket(len(drafting), dctx))
+            t += len(drafting) * self.commit_s
         tokens = sum(x + 1 for x in ks)
         work = sum((x + 1) * c for x, c in zip(ks, ctxs))
         return t + self.verify_s(tokens, sum(ctxs), work), ks
@@ -462,9 +505,10 @@ class CostModel:
         over a 4 Gbit/s tier, the plan drafted 28 where 30 ended most requests, and took 22
         request-rounds where k = 32 fixed took 17); started: whether each request's drafter
         has started (default: all have): one that has not drafts only where the group's
-        drafting beats plain steps by START_MARGIN, and probes only where drafting would
-        beat them by START_MARGIN at OPTIMISTIC_RATE (without probes a long request that
-        starts from a low prior would never learn that its drafts are accepted)."""
+        drafting pays for the start (`_starts_pay`: by START_MARGIN over plain steps, and by
+        the time saved over the next tokens against the measured start), and probes only
+        where drafting at OPTIMISTIC_RATE would (without probes a long request that starts
+        from a low prior would never learn that its drafts are accepted)."""
         with self._lock:
             if not self._fitted():
                 k = EXPLORE[self._explore % len(EXPLORE)]
@@ -482,12 +526,14 @@ class CostModel:
                 if g > best[0]:
                     best = (g, ks)
             tps, ks = best
+            drafting_tps = tps
             plain_t, plain_ks = self._round_s(0, caps, ctxs, dctx)
             plain_tps = sum(e[0] for e in gains) / plain_t
             if tps < DRAFT_MARGIN * plain_tps:
                 tps, ks = plain_tps, plain_ks
             if started is not None:
-                if tps < START_MARGIN * plain_tps and any(x and not s for x, s in zip(ks, started)):
+                starts = sum(c for x, s, c in zip(ks, started, ctxs) if x and not s)
+                if starts and not self._starts_pay(tps, plain_tps, starts, remaining, len(caps)):
                     ks = [x if s else 0 for x, s in zip(ks, started)]
                     tps, _ = self._goodput(ks, ctxs, dctx, gains)
                     if tps < DRAFT_MARGIN * plain_tps:
@@ -515,13 +561,27 @@ class CostModel:
                     t, _ = self._round_s(max(trial), trial, ctxs, dctx)
                     g = (sum(e[y] for j, (e, y) in enumerate(zip(gains, trial)) if j != i)
                          + hopeful[trial[i]]) / t
-                    if g > (tps if started is None or started[i] else START_MARGIN * tps):
+                    if (g > tps if started is None or started[i]
+                            else self._starts_pay(g, tps, ctxs[i], remaining, len(caps))):
                         ks = trial
-            log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in %.4f s)",
-                      ctxs, ks, tps, plain_tps, plain_t)
+            log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in "
+                      "%.4f s; the best common k: %.2f; commit %.4f s a request, start %.2e s a "
+                      "token)", ctxs, ks, tps, plain_tps, plain_t, drafting_tps, self.commit_s,
+                      self.start_s_per_token)
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
+
+    def _starts_pay(self, tps: float, plain_tps: float, start_ctx: int,
+                    remaining: list[int] | None, n: int) -> bool:
+        """Whether drafting at goodput `tps` against plain steps' `plain_tps` pays for
+        starting drafters of `start_ctx` context tokens: by START_MARGIN, and by the time it
+        saves over the group's next tokens (START_HORIZON) against the start's measured
+        price."""
+        if tps < START_MARGIN * plain_tps:
+            return False
+        tokens = sum(min(r, START_HORIZON) for r in remaining) if remaining else n * START_HORIZON
+        return tokens * (1.0 / plain_tps - 1.0 / tps) >= start_ctx * self.start_s_per_token
 
     def _draft_to_the_end(self, ks, caps, ctxs, dctx, gains, remaining):
         """See `plan` (`remaining`): a round's time is credited with the passes it saves, for
@@ -565,4 +625,5 @@ class CostModel:
                     "calibration": self.calibration,
                     "verify_theta": self.verify.theta.tolist(),
                     "load_s_per_token": self.load_s_per_token,
+                    "commit_s": self.commit_s, "start_s_per_token": self.start_s_per_token,
                     "draft_theta": self.draft.theta.tolist()}
