@@ -406,25 +406,31 @@ def test_a_drafter_starts_only_where_the_time_saved_pays_for_its_start():
 def test_the_engine_prices_a_drafters_start(lm, prompts):
     """A request whose drafter is loaded when it first drafts (a store: `draft_later`): that
     round's draft phase is not learned as steps, it prices the start."""
-    from vericache.engine.generation import Generation, GenParams
-    from vericache.engine.rounds import LocalBackends, run_round, start
     from vericache.store.memory import MemoryStore
 
-    b = LocalBackends(lm, MemoryStore())
-    g = Generation(lm, prompts["long"][:600], GenParams(mode="vericache", compressor="snapkv",
-                                                        draft_len=4, max_tokens=20, ignore_eos=True,
-                                                        adaptive=False))
-    costs = CostModel()
+    costs, snaps = _engine_rounds(lm, prompts["long"][:600], (0, 2), MemoryStore())
+    assert snaps[-1]["start_s_per_token"] > 0 and costs.draft.n == 0
+
+
+def _engine_rounds(lm, ids, ks, store=None):
+    """One adaptive-off vericache request through in-process rounds at `ks`: the cost model
+    they fed, and its snapshot after each round."""
+    from vericache.engine.generation import Generation, GenParams
+    from vericache.engine.rounds import LocalBackends, run_round, start
+
+    b = LocalBackends(lm, store)
+    g = Generation(lm, ids, GenParams(mode="vericache", compressor="snapkv", draft_len=max(ks),
+                                      max_tokens=20, ignore_eos=True, adaptive=False))
+    costs, snaps = CostModel(), []
     try:
         start(b, g)
-        g.draftlen.k = 0
-        run_round(b, [g], costs)
-        g.draftlen.k = 2
-        run_round(b, [g], costs)
+        for k in ks:
+            g.draftlen.k = k
+            run_round(b, [g], costs)
+            snaps.append(costs.snapshot())
     finally:
         b.release(g)
-    snap = costs.snapshot()
-    assert snap["start_s_per_token"] > 0 and costs.draft.n == 0
+    return costs, snaps
 
 
 def test_a_group_that_could_end_this_round_drafts_to_its_end_together():
@@ -522,21 +528,6 @@ def test_committing_a_drafting_requests_outcome_is_priced_into_its_round():
 
 
 def test_the_engine_feeds_the_commit_price(lm, prompts):
-    from vericache.engine.generation import Generation, GenParams
-    from vericache.engine.rounds import LocalBackends, run_round, start
-
-    b = LocalBackends(lm)
-    g = Generation(lm, prompts["long"][:300], GenParams(mode="vericache", compressor="snapkv",
-                                                        draft_len=4, max_tokens=20, ignore_eos=True,
-                                                        adaptive=False))
-    costs = CostModel()
-    try:
-        start(b, g)
-        g.draftlen.k = 0
-        run_round(b, [g], costs)
-        assert costs.snapshot()["commit_s"] == 0.0  # a plain step commits nothing to price
-        g.draftlen.k = 4
-        run_round(b, [g], costs)
-    finally:
-        b.release(g)
-    assert costs.snapshot()["commit_s"] > 0.0
+    _, snaps = _engine_rounds(lm, prompts["long"][:300], (0, 4))
+    assert snaps[0]["commit_s"] == 0.0  # a plain step commits nothing to price
+    assert snaps[1]["commit_s"] > 0.0
