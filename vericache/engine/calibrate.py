@@ -15,7 +15,7 @@ extending the shorter), in its own namespace, so a prefix store holds it once an
 other requests load it from there. The first rounds of each shape (k = 1 until every
 drafter is attached) carry the drafter's attach (loaded when a request first drafts, or in
 the background): not a draft step's cost, they price only a drafter's start
-(`CostModel.start_s_per_token`).
+(`CostModel.start`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _first_draft(backends: Backends, gens: list[Generation], costs: CostModel) -
     """Rounds of k = 1 until every request has drafted once (its drafter side is attached),
     waiting at most ATTACH_WAIT_S and FIRST_ROUNDS rounds for a background load. Their draft
     phases price only the drafters' start, and the pass that pools the new requests' caches
-    is not learned (`vericache.engine.rounds`): the start is what `CostModel.start_s` needs."""
+    is not learned (`vericache.engine.rounds`): the start is what `CostModel.start` needs."""
     deadline = time.monotonic() + ATTACH_WAIT_S
     for _ in range(FIRST_ROUNDS):
         for g in gens:

@@ -274,14 +274,12 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
         costs.observe_verify(sum(n for n, _ in shape), sum(c for _, c in shape),
                              sum(n * c for n, c in shape), t2 - t1,
                              stall_s=tier1[0] - tier0[0], load_s=tier1[1] - tier0[1])
-    emitted, profile, commit_s, committed = 0, [], 0.0, 0
+    emitted, profile = 0, []
+    pending = {} if outcomes is None else outcomes
     for g, v in zip(verifying, results):
         d, a, bonus = drafts.get(g.rid, empty), v.accepted, v.bonus
         if g.params.mode == "vericache":
-            t = time.perf_counter()
-            _commit(backends, g, a, bonus, outcomes)
-            commit_s += time.perf_counter() - t
-            committed += bool(d.tokens) and outcomes is None
+            pending[g.rid] = (a, bonus)
         out[g.rid] = g.on_round(d.tokens, a, bonus, v.logprobs)
         g.stats.verify_s += t2 - t1
         emitted += a + 1
@@ -289,8 +287,9 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
     if costs is not None and verifying:
         draft_s = max((g.round_draft_s for g in verifying), default=0.0)
         costs.observe_round(emitted, draft_s + t2 - t1, profile)
-        if committed:
-            costs.observe_commit(committed, commit_s)
+    if outcomes is None:
+        commit_outcomes(backends, verifying, pending, costs,
+                        {g.rid for g in verifying if drafts.get(g.rid, empty).tokens})
     for g in gens:
         if g.params.mode == "lossy":
             _commit(backends, g, 1, None, outcomes)

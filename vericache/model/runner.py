@@ -9,8 +9,9 @@ over them, so that
 - several sequences run in one pass: projections and MLPs over the concatenated tokens, and
   one attention call (torch SDPA) per layer for all of them: their caches sit side by side
   in a `KVPool` (a steady batch is copied once; requests that end free their slots and
-  requests that join take free ones, see `vericache.model.kvcache`), each sequence's rows padded to the longest (decode 1, verify k + 1, a prefill
-  chunk), masks for the ragged lengths. Items that ask for votes take the explicit-score
+  requests that join take free ones, see `vericache.model.kvcache`), each sequence's rows
+  padded to the longest (decode 1, verify k + 1, a prefill chunk), masks for the ragged
+  lengths. Items that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position

@@ -239,6 +239,18 @@ class LinearFit:
         return b[2] + float((x - b[1]) @ self.theta), near * b[0] / (b[0] + self.SEEN_PRIOR)
 
 
+class RunningMean:
+    """A mean of the first 1 / `recency` values, then an exponential one that gives the
+    newest `recency` of the weight (0 before any)."""
+
+    def __init__(self, recency: float):
+        self.recency, self.n, self.value = recency, 0, 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(1.0 / self.n, self.recency) * (x - self.value)
+
+
 def _split(key) -> tuple:
     """A bucket's key as (first, rest): rows or sequences, and the context bucket (if any)."""
     return (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
@@ -355,10 +367,8 @@ class CostModel:
         self.verify = LinearFit(5, recency)  # a verify pass's compute (its whole time when resident)
         self.draft = LinearFit(4, recency)
         self.load_s_per_token: float | None = None  # offloaded tier: seconds per context token loaded
-        self.commit_s: float = 0.0  # seconds to commit one drafting request's outcome (module words)
-        self._commits = 0
-        self.start_s_per_token: float = 0.0  # seconds to start a drafter, per context token
-        self._starts = 0
+        self.commit = RunningMean(recency)  # seconds to commit a drafting request's outcome
+        self.start = RunningMean(recency)  # seconds to start a drafter, per context token
         self._lock = threading.Lock()
         self._explore = 0
         self._forget_traffic()
@@ -404,24 +414,16 @@ class CostModel:
     def observe_commit(self, requests: int, seconds: float) -> None:
         """The outcomes of a round in which `requests` requests drafted were committed to
         their drafters in `seconds`."""
-        if requests < 1:
-            return
-        with self._lock:
-            per = seconds / requests
-            self._commits += 1
-            a = max(1.0 / self._commits, self.recency)
-            self.commit_s += a * (per - self.commit_s)
+        if requests >= 1:
+            with self._lock:
+                self.commit.add(seconds / requests)
 
     def observe_start(self, ctx_sum: int, seconds: float) -> None:
         """A draft phase that started drafters of `ctx_sum` context tokens in all took
         `seconds` more than its steps' predicted time (`draft_step_s`)."""
-        if ctx_sum < 1:
-            return
-        with self._lock:
-            per = max(seconds, 0.0) / ctx_sum
-            self._starts += 1
-            a = max(1.0 / self._starts, self.recency)
-            self.start_s_per_token += a * (per - self.start_s_per_token)
+        if ctx_sum >= 1:
+            with self._lock:
+                self.start.add(max(seconds, 0.0) / ctx_sum)
 
     def draft_step_s(self, batch: int, ctx_sum: float) -> float:
         """A draft step's predicted seconds (0 before any was seen)."""
@@ -480,7 +482,7 @@ class CostModel:
             steps = max(ks)
             t += steps * self.draft.predict(_draft_x(len(drafting), dctx),
                                             _draft_bucket(len(drafting), dctx))
-            t += len(drafting) * self.commit_s
+            t += len(drafting) * self.commit.value
         tokens = sum(x + 1 for x in ks)
         work = sum((x + 1) * c for x, c in zip(ks, ctxs))
         return t + self.verify_s(tokens, sum(ctxs), work), ks
@@ -566,8 +568,8 @@ class CostModel:
                         ks = trial
             log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in "
                       "%.4f s; the best common k: %.2f; commit %.4f s a request, start %.2e s a "
-                      "token)", ctxs, ks, tps, plain_tps, plain_t, drafting_tps, self.commit_s,
-                      self.start_s_per_token)
+                      "token)", ctxs, ks, tps, plain_tps, plain_t, drafting_tps, self.commit.value,
+                      self.start.value)
             self.predicted_tps = tps if self.rounds == 0 else 0.9 * self.predicted_tps + 0.1 * tps
             self._count(ks)
             return Plan(ks, tps)
@@ -581,7 +583,7 @@ class CostModel:
         if tps < START_MARGIN * plain_tps:
             return False
         tokens = sum(min(r, START_HORIZON) for r in remaining) if remaining else n * START_HORIZON
-        return tokens * (1.0 / plain_tps - 1.0 / tps) >= start_ctx * self.start_s_per_token
+        return tokens * (1.0 / plain_tps - 1.0 / tps) >= start_ctx * self.start.value
 
     def _draft_to_the_end(self, ks, caps, ctxs, dctx, gains, remaining):
         """See `plan` (`remaining`): a round's time is credited with the passes it saves, for
@@ -625,5 +627,5 @@ class CostModel:
                     "calibration": self.calibration,
                     "verify_theta": self.verify.theta.tolist(),
                     "load_s_per_token": self.load_s_per_token,
-                    "commit_s": self.commit_s, "start_s_per_token": self.start_s_per_token,
+                    "commit_s": self.commit.value, "start_s_per_token": self.start.value,
                     "draft_theta": self.draft.theta.tolist()}
