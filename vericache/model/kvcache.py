@@ -134,16 +134,9 @@ class KVPool:
         self.k = c0.k.new_zeros(layers, self.size, hkv, capacity, d)
         self.v = torch.zeros_like(self.k)
         self.pos = None if c0.pos is None else c0.pos.new_zeros(layers, self.size, hkv, capacity)
+        self._owners: list[weakref.ref] = [None] * self.size  # each slot's member, set below
         for s, c in enumerate(caches):
-            n = c.length
-            self.k[:, s, :, :n] = c.k[:, :, :n]
-            self.v[:, s, :, :n] = c.v[:, :, :n]
-            c.k, c.v = self.k[:, s], self.v[:, s]
-            if self.pos is not None:
-                self.pos[:, s, :, :n] = c.pos[:, :, :n]
-                c.pos = self.pos[:, s]
-            c.pool, c.slot = self, s
-        self._owners = [weakref.ref(c) for c in caches]
+            self._adopt(c, s)
 
     def _held(self, s: int) -> bool:
         """Whether slot `s` still belongs to a live member (one released, or grown out of
@@ -153,7 +146,7 @@ class KVPool:
 
     def _adopt(self, c: KVCache, s: int) -> None:
         """Move `c` into free slot `s`: its live tokens are copied; what the slot holds past
-        them is a former member's finite K/V (read masked, like any slot's tail)."""
+        them is zeros or a former member's finite K/V (read masked, like any slot's tail)."""
         n = c.length
         with torch.inference_mode(False):
             self.k[:, s, :, :n] = c.k[:, :, :n]
