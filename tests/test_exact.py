@@ -27,21 +27,28 @@ def lm_bf16():
 def test_bitwise_verify_pass_equals_decode_steps(lm, lm_bf16, dtype):
     model = lm if dtype == "float32" else lm_bf16
     prompt = long_code_prompt(model, 400)
-    d = measure(model.runner, [prompt], rows=16, k=7)
-    bit, fast = d["bitwise"], d["fast"]
+    d = measure(model.runner, [prompt], rows=16, ks=(7,))
+    bit, fast = d["bitwise", 7, 1], d["fast", 7, 1]
     print(dtype, "fast:", fast.as_dict(), "bitwise:", bit.as_dict())
     assert bit.rows == 16 and fast.rows == 16
     assert bit.max_abs_logit == 0 and bit.logit_rows_differing == 0
     assert bit.kv_rows_differing == 0 and bit.argmax_flips == 0
 
 
-def test_bitwise_is_batch_invariant(lm):
-    """16 sequences in one verify pass, each equal to its own decode steps."""
-    prompts = [chat_ids(lm, f"Write the number {i} in words, then in Roman numerals.")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bitwise_is_batch_invariant(lm, lm_bf16, dtype):
+    """16 sequences in one verify pass (rows of every count: 2 and 4 a sequence, 32 and 64 a
+    pass), each equal to its own decode steps at batch 1; the fast pass is not."""
+    model = lm if dtype == "float32" else lm_bf16
+    prompts = [chat_ids(model, f"Write the number {i} in words, then in Roman numerals.")
                for i in range(16)]
-    d = measure(lm.runner, prompts, rows=2, k=1, modes=("bitwise",))["bitwise"]
-    assert d.rows == 32
-    assert d.max_abs_logit == 0 and d.logit_rows_differing == 0 and d.kv_rows_differing == 0
+    d = measure(model.runner, prompts, rows=4, ks=(1, 3), batches=(16,))
+    for k in (1, 3):
+        bit = d["bitwise", k, 16]
+        assert bit.rows == 64
+        assert bit.max_abs_logit == 0 and bit.logit_rows_differing == 0
+        assert bit.kv_rows_differing == 0
+        assert d["fast", k, 16].logit_rows_differing > 0  # what the invariant pass removes
 
 
 def test_vericache_bitwise_equals_full_bitwise_in_bf16(lm_bf16):

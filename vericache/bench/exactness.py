@@ -1,20 +1,23 @@
 """How far a verify pass is from decode steps: logits and K/V, bit for bit.
 
-Words: a *window* is k+1 consecutive tokens of full greedy decoding of a prompt. The *steps*
-decode it one token per pass, as full decoding does (the reference: the base cache advances
-by them). The *verify pass* runs the same window in one pass over a copy of the cache from
-before the window, as VeriCache's verifier does with the pending token and k drafts that
-are all accepted.
-With `batch` > 1, the verify pass holds `batch` sequences at once (each its own prompt and
-continuation), and the steps run each sequence alone.
+Words: the *steps* decode a prompt's continuation one token per pass, as full decoding does
+at batch 1 (the reference). A *window* is k+1 consecutive rows of it; the *verify pass* runs
+a window in one pass from the cache as it was before the window, as VeriCache's verifier
+does with the pending token and k drafts that are all accepted. At batch B the verify pass
+holds B sequences' windows at once (each its own prompt and continuation).
+
+A *mode* is how full-KV passes run: "fast" (batched rows) or "bitwise" (items marked
+`bitwise`: `Runner._invariant_pass`). Each mode is compared with its own steps (a decode
+step of that mode), over the same tokens: the fast steps choose the continuation (greedy),
+the bitwise steps follow it.
 
 Per window row (a token position of one sequence) `measure` compares:
 - logits: the largest absolute difference, and whether any bit differs;
 - the K/V the row wrote, in every layer: whether any bit differs;
 - the steps' top-2 margin (how near a tie the reference was), and argmax flips (the verify
   row's argmax differs from the step's: a token VeriCache would have emitted differently).
-`bitwise=True` marks the verify items `bitwise` (Runner.forward runs their rows one pass
-each): every difference must then be zero.
+The steps run once per mode; every k and batch reuses them (a window's cache is the steps'
+cache cropped to the window's start).
 """
 
 from __future__ import annotations
@@ -66,40 +69,74 @@ def prefill_cache(runner: Runner, ids: list[int], room: int, chunk: int = 256) -
     return cache, int(lg[-1].argmax())
 
 
-def measure(runner: Runner, prompts: list[list[int]], rows: int, k: int,
-            modes: tuple[str, ...] = ("fast", "bitwise")) -> dict[str, Distance]:
-    """Decode `rows` greedy tokens of every prompt in windows of k+1 by single steps (the
-    reference), and run each window also as one verify pass of every sequence at once, per
-    mode ("fast": batched rows; "bitwise": items marked bitwise), from copies of the cache
-    before the window. Returns the distance per mode (see the module docstring)."""
-    out = {m: Distance() for m in modes}
-    firsts, bases = [], []
-    for p in prompts:
-        cache, first = prefill_cache(runner, p, rows + k + 2)
-        bases.append(cache)
-        firsts.append(first)
-    pending = firsts
-    for _ in range(max(1, rows // (k + 1))):
-        starts = [b.length for b in bases]
-        work = {m: [clone(b) for b in bases] for m in modes}
-        windows, refs = [], []
-        for i, b in enumerate(bases):  # the steps: each token's logits, then the next token
-            w, ls, x = [], [], pending[i]
-            for _ in range(k + 1):
-                w.append(x)
-                lg, _ = runner.step([x], b.length, b)
-                ls.append(lg)
-                x = int(lg[-1].argmax())
-            windows.append(w)
-            refs.append(torch.cat(ls))
-            pending[i] = x
-        for m in modes:
-            items = [SeqBatchItem(torch.tensor(w), torch.arange(s0, s0 + k + 1), c, logits="all",
-                                  bitwise=m == "bitwise")
-                     for w, s0, c in zip(windows, starts, work[m])]
-            for b, c, s0, lv, ls in zip(bases, work[m], starts, runner.forward(items), refs):
-                out[m].add(_distance(b, c, s0, k + 1, lv, ls))
+@dataclass
+class Reference:
+    """One mode's steps over every prompt: per sequence the tokens fed (row i's input), the
+    logits of each row [rows, V], and the cache after them (K/V of every row)."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]
+    caches: list[KVCache]
+    start: list[int]  # each sequence's first row's cache slot (its prompt length)
+
+
+def steps(runner: Runner, prompts: list[list[int]], rows: int, bitwise: bool,
+          follow: list[list[int]] | None = None) -> Reference:
+    """`rows` decode steps of each prompt, one token per pass, batch 1: greedy, or feeding
+    `follow`'s tokens (another mode's continuation)."""
+    toks, logits, caches, start = [], [], [], []
+    for i, p in enumerate(prompts):
+        cache, x = prefill_cache(runner, p, rows + 1)
+        start.append(cache.length)
+        fed, ls = [], []
+        for r in range(rows):
+            x = follow[i][r] if follow is not None else x
+            fed.append(x)
+            item = SeqBatchItem(torch.tensor([x]), torch.tensor([cache.length]), cache,
+                                bitwise=bitwise)
+            lg = runner.forward([item])[0]
+            ls.append(lg)
+            x = int(lg[-1].argmax())
+        toks.append(fed)
+        logits.append(torch.cat(ls))
+        caches.append(cache)
+    return Reference(toks, logits, caches, start)
+
+
+def verify_distance(runner: Runner, ref: Reference, k: int, batch: int, bitwise: bool) -> Distance:
+    """Every window of k+1 rows of `ref` as a verify pass, `batch` sequences a pass (their
+    windows side by side), each from the steps' cache cropped to the window's start."""
+    out = Distance()
+    n = len(ref.tokens)
+    work = [clone(c) for c in ref.caches]
+    rows = len(ref.tokens[0])
+    for b0 in range(0, n, batch):
+        seqs = range(b0, min(n, b0 + batch))
+        for w0 in range(0, rows - k, k + 1):
+            items = []
+            for i in seqs:
+                work[i].length = ref.start[i] + w0
+                s0 = work[i].length
+                items.append(SeqBatchItem(torch.tensor(ref.tokens[i][w0: w0 + k + 1]),
+                                          torch.arange(s0, s0 + k + 1), work[i], logits="all",
+                                          bitwise=bitwise))
+            for i, lv in zip(seqs, runner.forward(items)):
+                s0 = ref.start[i] + w0
+                out.add(_distance(ref.caches[i], work[i], s0, k + 1, lv,
+                                  ref.logits[i][w0: w0 + k + 1]))
     return out
+
+
+def measure(runner: Runner, prompts: list[list[int]], rows: int, ks=(4,), batches=(1,),
+            modes: tuple[str, ...] = ("fast", "bitwise")) -> dict[tuple[str, int, int], Distance]:
+    """Per (mode, k, batch): the distance of verify passes from that mode's steps over
+    `rows` greedy tokens of every prompt (see the module docstring)."""
+    refs, follow = {}, None
+    for m in sorted(modes, key=lambda m: m != "fast"):  # the fast steps choose the tokens
+        refs[m] = steps(runner, prompts, rows, m == "bitwise", follow)
+        follow = refs[m].tokens
+    return {(m, k, b): verify_distance(runner, refs[m], k, b, m == "bitwise")
+            for m in modes for k in ks for b in batches}
 
 
 def _distance(ref: KVCache, got: KVCache, start: int, n: int, lv: torch.Tensor,

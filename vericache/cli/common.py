@@ -91,8 +91,9 @@ def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                         "each verify pass's attention re-ranks (verify:every=4,tokens=32)")
     g.add_argument("--exact", default=env("EXACT", "fast"), choices=EXACT,
                    help="fast (default): batched full-KV passes, output identical to full "
-                        "greedy decoding up to near-ties; bitwise: every full-KV row runs as a "
-                        "decode step's pass, identical bit for bit, slower ($VERICACHE_EXACT)")
+                        "greedy decoding up to near-ties; bitwise: full-KV passes in the invariant "
+                        "pass (fixed GEMM blocks, one thread, attention row by row), verify = "
+                        "decode steps bit for bit, slower ($VERICACHE_EXACT)")
     g.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, lossless in distribution")

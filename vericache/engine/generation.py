@@ -26,7 +26,7 @@ from vericache.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from vericache.spec.processors import Processing
 
 MODES = ("full", "lossy", "vericache")
-EXACT = ("fast", "bitwise")  # how full-KV passes run: batched, or row by row (Runner.forward)
+EXACT = ("fast", "bitwise")  # how full-KV passes run: batched, or invariant (Runner.forward)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class GenParams:
     refresh_draft: bool = True  # overwrite the drafter's KV of accepted tokens with the exact KV
     selection: str = "question"  # how the drafter's set moves (vericache.select): static|question|verify
     namespace: str = ""  # tenant: prefix-cache keys are namespaced by it
-    exact: str = "fast"  # bitwise: every full-KV row a decode step's pass (EXACT)
+    exact: str = "fast"  # bitwise: full-KV passes invariant: verify = steps, bit for bit (EXACT)
     sampling: Processing = field(init=False, repr=False, compare=False)  # from the fields above
 
     def __post_init__(self):

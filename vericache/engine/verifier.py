@@ -85,7 +85,7 @@ class VerifySession:
     gen: torch.Generator = field(default_factory=torch.Generator)
     selection: SelectionRecord | None = None
     limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
-    bitwise: bool = False  # its passes run row by row (GenParams.exact == "bitwise")
+    bitwise: bool = False  # its passes are invariant ones (GenParams.exact == "bitwise")
 
 
 @dataclass
@@ -155,8 +155,8 @@ class Verifier:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
         anything, as with a compressor that keeps every token: the base set stays).
         `sampling`: the request's logits processing; `top_logprobs`: None, or return each
-        emitted token's raw logprob with that many alternatives. `bitwise`: its verify passes
-        run row by row, each row a decode step's pass. `draft_later`: the exact tail and the
+        emitted token's raw logprob with that many alternatives. `bitwise`: its passes (verify and
+        plain steps) run in the runner's invariant pass, a row's bits whatever shares it. `draft_later`: the exact tail and the
         selection wait for `prepare_draft` (with a resident KV only: an offloaded one leaves the
         device here)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache

@@ -40,6 +40,13 @@ __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # CI machine from a lane thread, 1 thread took 59 / 127 / 183 / 293 ms at 1 / 4 / 16 / 33
 # tokens against 87 / 206 / 266 / 312 ms with 2, and 2 threads win from 64 tokens on.
 SMALL_PASS_ROWS = 48
+# The invariant pass (items marked `bitwise`) runs every matrix product in calls of exactly
+# this many rows, on one thread: a GEMM's reduction order is fixed by its call's shape and
+# thread count, so a row's result is then the same whatever shares the pass (measured on
+# this machine's MKL: a row's bits change with the rows in the call from 1 to 4 and from 15
+# to 16, and with the thread count; benchmarks/row_invariance.py). 4 costs a decode step
+# little (its one row padded to 4; the step is bound by reading the weights).
+ROW_BLOCK = 4
 
 
 @dataclass
@@ -54,7 +61,7 @@ class SeqBatchItem:
     captured: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hq, R, D] out
     votes: bool = False  # return the attention mass each cached key gets from this pass
     attn_votes: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hkv, n] out
-    bitwise: bool = False  # each row a pass of its own: a decode step's bits (Runner.forward)
+    bitwise: bool = False  # the invariant pass: a row's bits whatever shares it (Runner.forward)
 
 
 @dataclass
@@ -203,41 +210,51 @@ class Runner:
     def forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
         """Run one pass over every item's new tokens; returns each item's logits (fp32).
 
-        Items marked `bitwise` run row by row instead: each of their rows is a pass of its own
-        (one token of one sequence, in order), the pass a decode step is. So their logits and
-        the K/V they write are a decode step's, bit for bit, whatever else would have shared
-        the pass (other rows of a verify pass, other requests of a batch): a matrix product's
-        reduction order depends on how many rows it has, and a row's result with it."""
-        if any(it.bitwise for it in items):
-            return self._forward_rowwise(items)
-        return self._pass(items)
-
-    def _forward_rowwise(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        Items marked `bitwise` run in the invariant pass (`_invariant_pass`): each of their
+        rows gets the bits it gets in a pass of its own, so a verify pass's logits and the K/V
+        it writes are those of the decode steps over the same tokens, and a batch's rows those
+        of batch 1. Other items run in the fast pass, where a matrix product's reduction order
+        depends on how many rows share it, and a row's low bits with it."""
         fast = [it for it in items if not it.bitwise]
+        if len(fast) == len(items):
+            return self._pass(items)
+        bit = [it for it in items if it.bitwise]
         done = dict(zip(map(id, fast), self._pass(fast))) if fast else {}
-        out: list[torch.Tensor | None] = []
-        for it in items:
-            if not it.bitwise:
-                out.append(done[id(it)])
-                continue
-            if it.capture_q is not None:
-                raise ValueError("a bitwise item cannot capture queries (prefill is not bitwise)")
-            n, past = int(it.tokens.shape[0]), it.cache.length
-            if it.votes:
-                it.attn_votes = torch.zeros(self.num_layers, self.num_kv_heads, past + n,
-                                            dtype=torch.float32, device=self.device)
-            rows = []
-            for j in range(n):
-                keep = it.logits == "all" or (it.logits == "last" and j == n - 1)
-                one = SeqBatchItem(it.tokens[j:j + 1], it.positions[j:j + 1], it.cache,
-                                   "last" if keep else "none", votes=it.votes)
-                lg = self._pass([one])[0]
-                if keep:
-                    rows.append(lg)
-                if it.votes:
-                    it.attn_votes[:, :, : past + j + 1] += one.attn_votes
-            out.append(None if not rows else rows[0] if len(rows) == 1 else torch.cat(rows))
-        return out
+        done.update(zip(map(id, bit), self._invariant_pass(bit)))
+        return [done[id(it)] for it in items]
+
+    def _invariant_pass(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+        """The pass with every row's reduction order fixed by that row's operands alone:
+        - on one intra-op thread (a GEMM's split across threads changes its sums);
+        - projections, MLP and LM head in GEMM calls of exactly ROW_BLOCK rows
+          (`_block_linear`), whatever the rows' number;
+        - attention row by row (`_attend_rows`): each row one SDPA call over exactly the keys
+          it sees, the call a decode step makes, so the KV length's split is the row's own;
+        - norms, RoPE and activations are per-row elementwise or last-dim reductions.
+        Its cost against the fast pass: small GEMMs (no blocking across more rows) and one
+        attention call per row and layer (benchmarks/exactness.py measures both)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._forward(items, invariant=True)
+        finally:
+            torch.set_num_threads(threads)
+
+    @staticmethod
+    def _block_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, b) in calls of exactly ROW_BLOCK rows (the last padded with zeros)."""
+        m = x.shape[0]
+        n = -(-m // ROW_BLOCK) * ROW_BLOCK
+        if n != m:
+            x = torch.cat([x, x.new_zeros(n - m, x.shape[1])])
+        out = x.new_empty(n, w.shape[0])
+        wt = w.t()
+        for s in range(0, n, ROW_BLOCK):
+            if b is None:
+                torch.mm(x[s: s + ROW_BLOCK], wt, out=out[s: s + ROW_BLOCK])
+            else:
+                torch.addmm(b, x[s: s + ROW_BLOCK], wt, out=out[s: s + ROW_BLOCK])
+        return out[:m]
 
     def _pass(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
         """One pass over every item's rows. On CPU a pass of fewer than SMALL_PASS_ROWS
@@ -352,11 +369,13 @@ class Runner:
         return out if p.in_order else out[p.pad]
 
     @torch.inference_mode()
-    def _forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
+    def _forward(self, items: list[SeqBatchItem], invariant: bool = False) -> list[torch.Tensor | None]:
         """The pass. Attention: the items whose caches one pool can hold (plain caches, no
         votes asked) in one call per layer (`_batch_plan`); any other cache (the offloaded
         tier's working copies) in a call of its own per layer; items that ask for votes on the
-        explicit-score path (`_attend`), which returns each key's attention mass."""
+        explicit-score path (`_attend`), which returns each key's attention mass.
+        `invariant`: the invariant pass's products and attention (`_invariant_pass`); the
+        explicit path then gives votes only."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         lens = [int(it.tokens.shape[0]) for it in items]
         tokens = torch.cat([it.tokens for it in items]).to(self.device)  # [T]
@@ -373,6 +392,10 @@ class Runner:
             pasts.append(past)
             starts.append(start)
             start += L
+            if invariant and it.capture_q is not None:
+                raise ValueError("an invariant pass cannot capture queries (prefill is not bitwise)")
+            if invariant and self.windowed and getattr(it.cache, "pos", None) is not None:
+                raise ValueError("an invariant pass needs dense caches for sliding-window layers")
             if it.capture_q is not None:
                 it.captured = torch.empty(self.num_layers, hq, it.capture_q.shape[0], d,
                                           dtype=self.dtype, device=self.device)
@@ -382,18 +405,19 @@ class Runner:
                     it.cache.pos[:, :, past: past + L] = it.positions.to(it.cache.pos.device)
                 it.attn_votes = torch.empty(self.num_layers, hkv, past + L,
                                             dtype=torch.float32, device=self.device)
-        rest = [i for i in range(len(items)) if not items[i].votes]
+        rest = [] if invariant else [i for i in range(len(items)) if not items[i].votes]
         groups = [rest] if rest and KVPool.poolable([items[i].cache for i in rest]) else [[i] for i in rest]
         plans = [self._batch_plan(gr, items, lens, pasts, starts) for gr in groups]
         masks = {i: self._masks(items[i], lens[i], pasts[i]) for i in explicit}
         captures = [(it, s0, L) for it, s0, L in zip(items, starts, lens) if it.capture_q is not None]
         one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
+        lin = self._block_linear if invariant else F.linear
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         for li, lyr in enumerate(self.layers):
             x = self._rms(h, lyr.ln_attn_in)
-            qkv = F.linear(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
+            qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm is not None:
                 qk = self._rms(qk, lyr.qk_norm)
@@ -402,7 +426,14 @@ class Runner:
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             for it, s0, L in captures:
                 it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
-            if one:
+            if invariant:
+                attn = q.new_empty(q.shape[0], hq * d)
+                for i, it in enumerate(items):
+                    s0, L = starts[i], lens[i]
+                    attn[s0: s0 + L] = self._attend_rows(it, li, lyr, q, k, v, s0, L, pasts[i])
+                    if it.votes:  # the votes only: the rows' output is the SDPA calls'
+                        self._attend_explicit(it, li, lyr, q, k, v, s0, L, pasts[i], masks[i])
+            elif one:
                 attn = self._attend_batch(plans[0], li, lyr, q, k, v)
             else:
                 attn = q.new_empty(q.shape[0], hq * d)
@@ -411,19 +442,38 @@ class Runner:
                 for i in explicit:
                     attn[starts[i]: starts[i] + lens[i]] = self._attend_explicit(
                         items[i], li, lyr, q, k, v, starts[i], lens[i], pasts[i], masks[i])
-            attn = F.linear(attn, lyr.w_o)
+            attn = lin(attn, lyr.w_o)
             if lyr.ln_attn_out is not None:
                 attn = self._rms(attn, lyr.ln_attn_out)
             h = h + attn
             x = self._rms(h, lyr.ln_mlp_in)
-            gu = F.linear(x, lyr.w_gate_up)
-            y = F.linear(self.act(gu[:, : self.intermediate]) * gu[:, self.intermediate:], lyr.w_down)
+            gu = lin(x, lyr.w_gate_up)
+            y = lin(self.act(gu[:, : self.intermediate]) * gu[:, self.intermediate:], lyr.w_down)
             if lyr.ln_mlp_out is not None:
                 y = self._rms(y, lyr.ln_mlp_out)
             h = h + y
         for it, L in zip(items, lens):
             it.cache.length += L
-        return self._logits(items, lens, h)
+        return self._logits(items, lens, h, lin)
+
+    def _attend_rows(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
+                     past: int) -> torch.Tensor:
+        """One item's layer in the invariant pass: write its rows' K/V, then each row one SDPA
+        call over the keys it sees (slots [lo, its own + 1), a window's start lo), shaped as
+        a one-row decode step's: [L, Hq D]."""
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
+        ck[:, past: past + L] = k[s0: s0 + L].transpose(0, 1)
+        cv[:, past: past + L] = v[s0: s0 + L].transpose(0, 1)
+        out = q.new_empty(L, hkv * g * d)
+        for j in range(L):
+            hi = past + j + 1
+            lo = 0 if lyr.window is None else max(0, hi - lyr.window)
+            qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(1, hkv, g, d)
+            o = F.scaled_dot_product_attention(qj, ck[None, :, lo:hi], cv[None, :, lo:hi],
+                                               scale=self.scale)
+            out[j] = o.reshape(-1)
+        return out
 
     def _attend_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
                          past: int, item_masks: dict) -> torch.Tensor:
@@ -441,8 +491,8 @@ class Runner:
         return self._attend(q[s0: s0 + L], ck[:, lo: past + L], cv[:, lo: past + L], mask,
                             votes[:, lo:])
 
-    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor):
-        """Logits (fp32) only for the rows asked for."""
+    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin=F.linear):
+        """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
         rows, spans, start = [], [], 0
         for it, L in zip(items, lens):
             if it.logits == "all":
@@ -457,7 +507,7 @@ class Runner:
         if not rows:
             return [None] * len(items)
         hs = self._rms(h[torch.cat(rows).to(self.device)], self.norm)
-        logits = F.linear(hs, self.lm_head)
+        logits = lin(hs, self.lm_head)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         logits = logits.float()
