@@ -1,18 +1,19 @@
 """How far a verify pass is from decode steps, and what the bitwise mode costs.
 
-For each dtype, k and batch: decode `--rows` greedy tokens of each of `batch` long prompts
-(code and prose alternating, about `--context-tokens` each) in windows of k+1 by single steps,
-and run every window also as one verify pass of all `batch` sequences, in the fast mode
-(batched rows) and in the bitwise mode (`exact="bitwise"`: each row a pass of its own).
-Reported per cell and mode (`vericache.bench.exactness.Distance`): the largest absolute logit
-difference, rows whose logits or written K/V differ in any bit, the smallest top-2 margin
-seen, and argmax flips. Then tokens/s of `full` and `vericache` (k fixed) in both modes,
-decoding only, at each of --speed-batches requests at once (default 1).
+For each dtype and context: decode `--rows` greedy tokens of each of `--sequences` long
+prompts (code and prose alternating, about `--context-tokens` each) by single steps, in each
+mode (fast: batched passes; bitwise: the runner's invariant pass), and run every window of
+k+1 rows also as a verify pass, one sequence a pass (batch 1) or `batch` at once, per mode
+against that mode's steps (`vericache.bench.exactness`). Reported per cell: the largest
+absolute logit difference, rows whose logits or written K/V differ in any bit, the smallest
+top-2 margin seen, and argmax flips. Then tokens/s of `full` and `vericache` (k fixed) in
+both modes, decoding only, at each of --speed-batches requests at once (default 1).
 
-    .venv/bin/python benchmarks/exactness.py --context-tokens 2000,8000 --rows 4096 \\
-        --ks 4,16,32 --batches 1,16 --dtypes float32,bfloat16 --json out.json
+    .venv/bin/python benchmarks/exactness.py --context-tokens 2000,8000 --rows 256 \\
+        --sequences 16 --ks 4,16,32 --batches 1,16 --dtypes float32,bfloat16 --json out.json
 
-(the issue's grid: hours on a 2-core CPU; `--rows 64 --batches 1,4` takes minutes).
+(16 sequences x 256 rows = 4096 positions a cell; the steps run once per mode, dtype and
+context, every k and batch reuses them.)
 """
 
 from __future__ import annotations
@@ -113,8 +114,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context-tokens", default="2000", help="comma-separated (default 2000)")
     ap.add_argument("--rows", type=int, default=64, help="greedy tokens per sequence (default 64)")
+    ap.add_argument("--sequences", type=int, default=16,
+                    help="prompts per context, code and prose alternating (default 16)")
     ap.add_argument("--ks", default="4,16,32")
-    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--batches", default="1,16",
+                    help="sequences per verify pass, comma-separated (default 1,16)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--speed-tokens", type=int, default=32,
                     help="tokens per speed run (0: no speed runs; default 32)")
@@ -128,16 +132,15 @@ def main(argv=None) -> int:
     for dtype in a.dtypes.split(","):
         lm = load_model(None, dtype, "cpu")
         for ctx in (int(c) for c in a.context_tokens.split(",")):
-            for batch in (int(b) for b in a.batches.split(",")):
-                prompts = prompts_for(lm, batch, ctx)
-                for k in (int(x) for x in a.ks.split(",")):
-                    t = time.perf_counter()
-                    d = measure(lm.runner, prompts, a.rows, k)
-                    row = {"dtype": dtype, "context": ctx, "batch": batch, "k": k,
-                           **{m: x.as_dict() for m, x in d.items()},
-                           "seconds": round(time.perf_counter() - t, 1)}
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+            def cell(mode, k, batch, d, seconds, dtype=dtype, ctx=ctx):
+                row = {"dtype": dtype, "context": ctx, "mode": mode, "k": k, "batch": batch,
+                       **d.as_dict(), "seconds": round(seconds, 1)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+
+            measure(lm.runner, prompts_for(lm, a.sequences, ctx), a.rows,
+                    [int(x) for x in a.ks.split(",")], [int(b) for b in a.batches.split(",")],
+                    on_cell=cell)
             for batch in (int(b) for b in a.speed_batches.split(",")) if a.speed_tokens else ():
                 row = {"dtype": dtype, "context": ctx, f"speed_batch_{batch}":
                        speed(lm, prompts_for(lm, batch, ctx), a.speed_tokens, a.speed_draft_len)}

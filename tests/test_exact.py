@@ -51,16 +51,21 @@ def test_bitwise_is_batch_invariant(lm, lm_bf16, dtype):
         assert d["fast", k, 16].logit_rows_differing > 0  # what the invariant pass removes
 
 
-def test_vericache_bitwise_equals_full_bitwise_in_bf16(lm_bf16):
+@pytest.mark.parametrize("selection", ["question", "verify:every=1"])
+def test_vericache_bitwise_equals_full_bitwise_in_bf16(lm_bf16, selection):
     """In bf16, where fast passes differ from steps in low bits, the bitwise mode's output is
-    full decoding's token for token, and drafting ran (tokens per round > 1)."""
+    full decoding's token for token, and drafting ran (tokens per round > 1). With `verify`
+    the verify passes also return attention votes (computed beside the invariant rows)."""
     prompt = long_code_prompt(lm_bf16, 400)
     ref = generate(lm_bf16, prompt, GenParams(mode="full", max_tokens=20, ignore_eos=True,
                                               exact="bitwise"))
     out = generate(lm_bf16, prompt, GenParams(mode="vericache", max_tokens=20, ignore_eos=True,
-                                              exact="bitwise", draft_len=8, adaptive=False))
+                                              exact="bitwise", draft_len=8, adaptive=False,
+                                              selection=selection))
     assert out.token_ids == ref.token_ids
     assert out.stats.rounds < 20 / 1.5  # drafts were accepted: > 1.5 tokens a round
+    if selection != "question":
+        assert out.stats.select_moves > 1  # the votes moved the drafter's set
 
 
 def test_exact_takes_fast_or_bitwise():

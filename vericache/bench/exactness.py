@@ -22,6 +22,7 @@ cache cropped to the window's start).
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -107,36 +108,43 @@ def verify_distance(runner: Runner, ref: Reference, k: int, batch: int, bitwise:
     """Every window of k+1 rows of `ref` as a verify pass, `batch` sequences a pass (their
     windows side by side), each from the steps' cache cropped to the window's start."""
     out = Distance()
-    n = len(ref.tokens)
-    work = [clone(c) for c in ref.caches]
-    rows = len(ref.tokens[0])
+    n, rows = len(ref.tokens), len(ref.tokens[0])
     for b0 in range(0, n, batch):
         seqs = range(b0, min(n, b0 + batch))
+        work = {i: clone(ref.caches[i]) for i in seqs}
         for w0 in range(0, rows - k, k + 1):
             items = []
             for i in seqs:
-                work[i].length = ref.start[i] + w0
-                s0 = work[i].length
+                s0 = work[i].length = ref.start[i] + w0
                 items.append(SeqBatchItem(torch.tensor(ref.tokens[i][w0: w0 + k + 1]),
                                           torch.arange(s0, s0 + k + 1), work[i], logits="all",
                                           bitwise=bitwise))
             for i, lv in zip(seqs, runner.forward(items)):
-                s0 = ref.start[i] + w0
-                out.add(_distance(ref.caches[i], work[i], s0, k + 1, lv,
+                out.add(_distance(ref.caches[i], work[i], ref.start[i] + w0, k + 1, lv,
                                   ref.logits[i][w0: w0 + k + 1]))
+        del work
     return out
 
 
 def measure(runner: Runner, prompts: list[list[int]], rows: int, ks=(4,), batches=(1,),
-            modes: tuple[str, ...] = ("fast", "bitwise")) -> dict[tuple[str, int, int], Distance]:
+            modes: tuple[str, ...] = ("fast", "bitwise"),
+            on_cell=None) -> dict[tuple[str, int, int], Distance]:
     """Per (mode, k, batch): the distance of verify passes from that mode's steps over
-    `rows` greedy tokens of every prompt (see the module docstring)."""
-    refs, follow = {}, None
+    `rows` greedy tokens of every prompt (see the module docstring). `on_cell(mode, k, batch,
+    distance, seconds)` is called as each cell ends (the steps' time goes to a mode's first)."""
+    out, follow = {}, None
     for m in sorted(modes, key=lambda m: m != "fast"):  # the fast steps choose the tokens
-        refs[m] = steps(runner, prompts, rows, m == "bitwise", follow)
-        follow = refs[m].tokens
-    return {(m, k, b): verify_distance(runner, refs[m], k, b, m == "bitwise")
-            for m in modes for k in ks for b in batches}
+        t = time.perf_counter()
+        ref = steps(runner, prompts, rows, m == "bitwise", follow)
+        follow = ref.tokens
+        for k in ks:
+            for b in batches:
+                out[m, k, b] = d = verify_distance(runner, ref, k, b, m == "bitwise")
+                if on_cell is not None:
+                    on_cell(m, k, b, d, time.perf_counter() - t)
+                t = time.perf_counter()
+        del ref
+    return out
 
 
 def _distance(ref: KVCache, got: KVCache, start: int, n: int, lv: torch.Tensor,

@@ -44,9 +44,11 @@ SMALL_PASS_ROWS = 48
 # this many rows, on one thread: a GEMM's reduction order is fixed by its call's shape and
 # thread count, so a row's result is then the same whatever shares the pass (measured on
 # this machine's MKL: a row's bits change with the rows in the call from 1 to 4 and from 15
-# to 16, and with the thread count; benchmarks/row_invariance.py). 4 costs a decode step
-# little (its one row padded to 4; the step is bound by reading the weights).
-ROW_BLOCK = 4
+# to 16, and with the thread count; benchmarks/row_invariance.py). Measured at 2k context
+# (ms a pass, fast / invariant): with 16, 57 / 119 for a decode step (its row padded to 16),
+# 190 / 452 for a 33-row verify pass, 296 / 320 for a batch-16 step; with 4, 58 / 92,
+# 192 / 603 and 304 / 418. 16 serves batches and verify passes; 4 only batch-1 steps.
+ROW_BLOCK = 16
 
 
 @dataclass
