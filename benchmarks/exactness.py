@@ -96,11 +96,15 @@ def speed(lm, prompts: list[list[int]], tokens: int, draft_len: int) -> dict:
                 t = time.perf_counter()
                 r = generate(lm, prompts[0], params)
                 dt, toks = time.perf_counter() - t - r.stats.prefill_s, [r.token_ids]
-                n = tokens
+                n, extra = tokens, {"rounds": r.stats.rounds}
             else:
                 dt, toks = _run_batch(lm, prompts, params)
                 n = sum(len(x) - 1 for x in toks)  # each request's first token came with prefill
-            out[f"{mode}_{exact}"] = {"tokens_per_s": round(n / dt, 3), "tokens": toks}
+                extra = {}
+            out[f"{mode}_{exact}"] = {"tokens_per_s": round(n / dt, 3), "tokens": toks, **extra}
+    for exact in ("fast", "bitwise"):  # each mode's guarantee: its own full decoding
+        out[f"vericache_{exact}"]["identical_to_full_same_mode"] = (
+            out[f"vericache_{exact}"]["tokens"] == out[f"full_{exact}"]["tokens"])
     ref = out["full_fast"]["tokens"]
     for v in out.values():
         v["identical_to_full_fast"] = v.pop("tokens") == ref
@@ -113,7 +117,7 @@ def speed(lm, prompts: list[list[int]], tokens: int, draft_len: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context-tokens", default="2000", help="comma-separated (default 2000)")
-    ap.add_argument("--rows", type=int, default=64, help="greedy tokens per sequence (default 64)")
+    ap.add_argument("--rows", type=int, default=64, help="greedy tokens per sequence (default 64; 0: speed runs only)")
     ap.add_argument("--sequences", type=int, default=16,
                     help="prompts per context, code and prose alternating (default 16)")
     ap.add_argument("--ks", default="4,16,32")
@@ -138,9 +142,10 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
 
-            measure(lm.runner, prompts_for(lm, a.sequences, ctx), a.rows,
-                    [int(x) for x in a.ks.split(",")], [int(b) for b in a.batches.split(",")],
-                    on_cell=cell)
+            if a.rows:
+                measure(lm.runner, prompts_for(lm, a.sequences, ctx), a.rows,
+                        [int(x) for x in a.ks.split(",")], [int(b) for b in a.batches.split(",")],
+                        on_cell=cell)
             for batch in (int(b) for b in a.speed_batches.split(",")) if a.speed_tokens else ():
                 row = {"dtype": dtype, "context": ctx, f"speed_batch_{batch}":
                        speed(lm, prompts_for(lm, batch, ctx), a.speed_tokens, a.speed_draft_len)}

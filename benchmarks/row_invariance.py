@@ -12,8 +12,11 @@ row's result independent of the pass it shares (every M that is a multiple of B 
 
     .venv/bin/python benchmarks/row_invariance.py --json out.json
 
-The answer belongs to this machine's BLAS and CPU (the kernel a library picks for a shape);
-the runner's `exact="bitwise"` mode does not depend on it (each row runs as a pass of its own).
+The answer belongs to this machine's BLAS and CPU (the kernel a library picks for a shape).
+The runner's invariant pass (`exact="bitwise"`) does not rest on which row counts agree: its
+GEMM calls always have exactly ROW_BLOCK rows, on one thread, so it needs only that one call
+shape gives a row the same bits whatever the other rows hold and wherever it sits in the
+block (`row_moves` here; tests/test_exact.py checks the whole pass).
 """
 
 from __future__ import annotations
