@@ -63,21 +63,28 @@ def prompts_for(lm, batch: int, context: int) -> list[list[int]]:
 
 def _run_batch(lm, prompts: list[list[int]], params: GenParams) -> tuple[float, list[list[int]]]:
     """`prompts` at once through a `BatchEngine` (no cost model calibration; the modes share
-    its defaults): decode seconds (from the last request's first token to the end) and the
-    tokens of each."""
+    its defaults), each stream read by a thread of its own: decode seconds (from the last
+    request's first token to the end) and the tokens of each."""
+    import threading
+
     from vericache.engine.batch import BatchEngine
 
     eng = BatchEngine(lm, max_batch=len(prompts))
+    firsts, outs = [0.0] * len(prompts), [[] for _ in prompts]
+
+    def read(i, rs):
+        for ev in rs:
+            if not outs[i] and ev.token_ids:
+                firsts[i] = time.perf_counter()
+            outs[i] += ev.token_ids
+
     try:
         streams = [eng.submit(p, params) for p in prompts]
-        firsts, outs = [], []
-        for rs in streams:
-            toks = []
-            for ev in rs:
-                if not toks and ev.token_ids:
-                    firsts.append(time.perf_counter())
-                toks += ev.token_ids
-            outs.append(toks)
+        readers = [threading.Thread(target=read, args=(i, rs)) for i, rs in enumerate(streams)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
         return time.perf_counter() - max(firsts), outs
     finally:
         eng.close()
