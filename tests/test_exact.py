@@ -1,6 +1,6 @@
 """Exactness by construction: with `exact="bitwise"` a verify pass equals decode steps bit for
-bit (logits and the K/V written), at batch 1 and 16, in fp32 and bf16; and VeriCache's output
-in that mode is full decoding's in that mode. The fast mode's distance is measured, not
+bit (logits and the K/V written), at batch 1 (fp32, bf16, fp16) and 16 (fp32, bf16); and
+VeriCache's output in that mode is full decoding's in that mode. The fast mode's distance is measured, not
 asserted (benchmarks/exactness.py reports it)."""
 
 from __future__ import annotations
@@ -23,9 +23,16 @@ def lm_bf16():
     return load_model(None, dtype="bfloat16", device="cpu")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bitwise_verify_pass_equals_decode_steps(lm, lm_bf16, dtype):
-    model = lm if dtype == "float32" else lm_bf16
+@pytest.fixture(scope="module")
+def lm_fp16():
+    from vericache.model.loader import load_model
+
+    return load_model(None, dtype="float16", device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_bitwise_verify_pass_equals_decode_steps(lm, lm_bf16, lm_fp16, dtype):
+    model = {"float32": lm, "bfloat16": lm_bf16, "float16": lm_fp16}[dtype]
     prompt = long_code_prompt(model, 400)
     d = measure(model.runner, [prompt], rows=16, ks=(7,))
     bit, fast = d["bitwise", 7, 1], d["fast", 7, 1]
