@@ -157,6 +157,7 @@ def test_four_concurrent_requests_each_equal_their_reference(lm, client):
     {"mode": "full"},
     {"mode": "vericache", "compressor": "streamingllm", "ratio": 4, "draft_len": 4},
     {"mode": "vericache", "compressor": "snapkv", "draft_len": 4, "selection": "verify:every=1"},
+    {"mode": "vericache", "draft_len": 4, "adaptive": False, "exact": "bitwise"},
 ])
 def test_vericache_field_is_honoured(client, chat_ref, options):
     ref = chat_ref
@@ -164,6 +165,7 @@ def test_vericache_field_is_honoured(client, chat_ref, options):
                                        extra_body={"vericache": options})
     assert r.choices[0].message.content == ref.text
     u = r.usage
+    assert extra(u, "exact") == options.get("exact", "fast")
     if options["mode"] == "full":
         # one token per forward step: the prefill gives the first, each round one more
         # (the round that meets EOS counts too, though EOS is not output)

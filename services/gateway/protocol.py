@@ -122,9 +122,9 @@ class VeriCacheOptions(OpenAIModel):
     selection: str | None = Field(None, description="how the drafter's kept tokens move: static, "
                                                     "question or verify (NAME:key=value,...)")
     exact: Literal["fast", "bitwise"] | None = Field(
-        None, description="bitwise: the full-KV passes run row by row, so the output is full "
-                          "greedy decoding's bit for bit (slower); fast (default): batched passes, "
-                          "identical up to near-ties (README, Exactness)")
+        None, description="bitwise: the full-KV passes run in the runner's invariant pass, "
+                          "so the output is full greedy decoding's bit for bit (slower); fast "
+                          "(default): batched passes, identical up to near-ties (README, Exactness)")
     adaptive: bool | None = Field(None, description="false: draft draft_len tokens every round; "
                                                     "true (default): the cost model chooses k, "
                                                     "0 (a plain decode step) where drafting "
@@ -369,6 +369,8 @@ class UsageInfo(BaseModel):
     selection: str | None = Field(None, description="the selection policy that moved the "
                                                     "drafter's kept tokens (None in full mode)")
     selection_moves: int = Field(0, description="moves of the drafter's set (deltas applied)")
+    exact: str = Field("fast", description="how the full-KV passes ran: fast (identical up to "
+                                           "near-ties) or bitwise (README, Exactness)")
     selection_moved_tokens: int = Field(0, description="tokens the verifier moved into the "
                                                        "drafter's set, over layers and KV heads")
     plain_rounds: int = Field(0, description="rounds the cost model made plain full-KV decode "
@@ -392,6 +394,7 @@ def merge_usage(usages: list[UsageInfo]) -> UsageInfo:
         acceptance_rate=(sum(u.acceptance_rate * u.draft_len_mean * u.rounds for u in usages)
                          / drafted if drafted else 0.0),
         selection=usages[0].selection,
+        exact=usages[0].exact,
         selection_moves=sum(u.selection_moves for u in usages),
         selection_moved_tokens=sum(u.selection_moved_tokens for u in usages),
         plain_rounds=sum(u.plain_rounds for u in usages),

@@ -287,6 +287,7 @@ class Generation:
                 "tokens_per_round": round(s.tokens_per_round, 3),
                 "acceptance_rate": round(s.acceptance_rate, 4),
                 "selection": self.selection.spec if self.selection is not None else None,
+                "exact": self.params.exact,
                 "selection_moves": s.select_moves,
                 "selection_moved_tokens": s.select_moved_tokens,
                 "plain_rounds": (s.k_hist.get(0, 0) if self.params.mode == "vericache" or s.drafter_lost
