@@ -79,3 +79,24 @@ def test_exact_takes_fast_or_bitwise():
     GenParams(exact="bitwise")
     with pytest.raises(InvalidArgument, match="exact"):
         GenParams(exact="exactly")
+
+
+def test_bitwise_through_the_offloaded_tier(lm):
+    """The invariant pass reads the offloaded tier's working copies (layers that land while it
+    computes) as it reads a resident cache: VeriCache over the tier, bitwise, is resident full
+    decoding, bitwise, token for token, and every verify pass loaded the KV."""
+    from vericache.engine.kvtier import make_tier
+    from vericache.engine.rounds import LocalBackends
+
+    prompt = long_code_prompt(lm, 600)
+    ref = generate(lm, prompt, GenParams(mode="full", max_tokens=16, ignore_eos=True,
+                                         exact="bitwise"))
+    tier = make_tier("offloaded", link_gbps=200.0)
+    try:
+        out = generate(lm, prompt, GenParams(mode="vericache", max_tokens=16, ignore_eos=True,
+                                             exact="bitwise", draft_len=6, adaptive=False),
+                       LocalBackends(lm, tier=tier))
+    finally:
+        tier.close()
+    assert out.token_ids == ref.token_ids
+    assert tier.stats.loads == out.stats.rounds > 0
