@@ -121,6 +121,27 @@ def speed(lm, prompts: list[list[int]], tokens: int, draft_len: int) -> dict:
     return out
 
 
+def table(rows: list[dict]) -> str:
+    """The distance rows as markdown: dtype x context x k x batch, fast and bitwise side by
+    side (max |logit diff|, rows differing in logits and in K/V out of those compared, the
+    smallest top-2 margin, argmax flips)."""
+    cells = {(r["dtype"], r["context"], r["k"], r["batch"], r["mode"]): r
+             for r in rows if "mode" in r}
+    out = ["| dtype | context | k | batch | rows | fast: max diff | logits / K/V rows differing "
+           "| smallest margin | flips | bitwise: max diff | rows differing | flips |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted({c[:4] for c in cells}, key=lambda c: (c[0], c[1], c[2], c[3])):
+        f, b = cells.get((*key, "fast")), cells.get((*key, "bitwise"))
+        if f is None or b is None:
+            continue
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {f['rows']} "
+                   f"| {f['max_abs_logit']:.3g} | {f['logit_rows_differing']} / "
+                   f"{f['kv_rows_differing']} | {f['min_top2_margin']:.3g} | {f['argmax_flips']} "
+                   f"| {b['max_abs_logit']:.3g} | {max(b['logit_rows_differing'], b['kv_rows_differing'])} "
+                   f"| {b['argmax_flips']} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context-tokens", default="2000", help="comma-separated (default 2000)")
@@ -138,7 +159,13 @@ def main(argv=None) -> int:
     ap.add_argument("--speed-draft-len", type=int, default=8,
                     help="vericache's k, fixed, in the speed runs (default 8)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--table", type=Path, nargs="+", default=None,
+                    help="print the distance rows of these --json files as a markdown table; "
+                         "no runs")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table([r for f in a.table for r in json.loads(f.read_text())["rows"]]))
+        return 0
     rows = []
     for dtype in a.dtypes.split(","):
         lm = load_model(None, dtype, "cpu")
