@@ -369,10 +369,10 @@ class UsageInfo(BaseModel):
     selection: str | None = Field(None, description="the selection policy that moved the "
                                                     "drafter's kept tokens (None in full mode)")
     selection_moves: int = Field(0, description="moves of the drafter's set (deltas applied)")
-    exact: str = Field("fast", description="how the full-KV passes ran: fast (identical up to "
-                                           "near-ties) or bitwise (README, Exactness)")
     selection_moved_tokens: int = Field(0, description="tokens the verifier moved into the "
                                                        "drafter's set, over layers and KV heads")
+    exact: str = Field("fast", description="how the full-KV passes ran: fast (identical up to "
+                                           "near-ties) or bitwise (README, Exactness)")
     plain_rounds: int = Field(0, description="rounds the cost model made plain full-KV decode "
                                              "steps (k = 0), in vericache mode")
     draft_len_mean: float = Field(0.0, description="drafts verified per round, on average")
@@ -394,9 +394,9 @@ def merge_usage(usages: list[UsageInfo]) -> UsageInfo:
         acceptance_rate=(sum(u.acceptance_rate * u.draft_len_mean * u.rounds for u in usages)
                          / drafted if drafted else 0.0),
         selection=usages[0].selection,
-        exact=usages[0].exact,
         selection_moves=sum(u.selection_moves for u in usages),
         selection_moved_tokens=sum(u.selection_moved_tokens for u in usages),
+        exact=usages[0].exact,
         plain_rounds=sum(u.plain_rounds for u in usages),
         draft_len_mean=drafted / rounds if rounds else 0.0)
 

@@ -155,10 +155,10 @@ class Verifier:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
         anything, as with a compressor that keeps every token: the base set stays).
         `sampling`: the request's logits processing; `top_logprobs`: None, or return each
-        emitted token's raw logprob with that many alternatives. `bitwise`: its passes (verify and
-        plain steps) run in the runner's invariant pass, a row's bits whatever shares it. `draft_later`: the exact tail and the
-        selection wait for `prepare_draft` (with a resident KV only: an offloaded one leaves the
-        device here)."""
+        emitted token's raw logprob with that many alternatives. `bitwise`: its passes (verify
+        and plain steps) run in the runner's invariant pass, a row's bits whatever shares it.
+        `draft_later`: the exact tail and the selection wait for `prepare_draft` (with a
+        resident KV only: an offloaded one leaves the device here)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         per_token = self.runner.kv_bytes_per_token()

@@ -235,10 +235,18 @@ class Runner:
         - norms, RoPE and activations are per-row elementwise or last-dim reductions.
         Its cost against the fast pass: small GEMMs (no blocking across more rows) and one
         attention call per row and layer (benchmarks/exactness.py measures both)."""
+        return self._one_thread(lambda: self._forward(items, invariant=True))
+
+    @staticmethod
+    def _one_thread(run):
+        """run() on one intra-op thread. The setting is this thread's (OpenMP's and MKL's are
+        per thread), so passes of other threads keep theirs."""
         threads = torch.get_num_threads()
+        if threads == 1:
+            return run()
         torch.set_num_threads(1)
         try:
-            return self._forward(items, invariant=True)
+            return run()
         finally:
             torch.set_num_threads(threads)
 
@@ -262,14 +270,9 @@ class Runner:
         """One pass over every item's rows. On CPU a pass of fewer than SMALL_PASS_ROWS
         tokens runs on one intra-op thread."""
         rows = sum(int(it.tokens.shape[0]) for it in items)
-        threads = torch.get_num_threads()  # this thread's setting (OpenMP's is per thread)
-        if self.device.type != "cpu" or rows >= SMALL_PASS_ROWS or threads == 1:
+        if self.device.type != "cpu" or rows >= SMALL_PASS_ROWS:
             return self._forward(items)
-        torch.set_num_threads(1)
-        try:
-            return self._forward(items)
-        finally:
-            torch.set_num_threads(threads)
+        return self._one_thread(lambda: self._forward(items))
 
     def _batch_plan(self, group: list[int], items: list[SeqBatchItem], lens: list[int],
                     pasts: list[int], starts: list[int]) -> "_Plan":
