@@ -1,7 +1,8 @@
 """What a batch's first decode pass costs against its later ones, fast and invariant.
 
-16 caches of about `--context-tokens` tokens (random K/V, ragged lengths: attention's cost
-does not depend on the values), then `--steps` decode passes of one row each, in the fast
+`--batch` (16) caches of about `--context-tokens` tokens (random K/V, ragged lengths:
+attention's cost does not depend on the values), then `--steps` decode passes of one row
+each, in the fast
 pass (`exact=fast`: one attention call per layer over a `KVPool`, which copies every cache
 in at the batch's first pass) and the invariant pass (`exact=bitwise`: one SDPA call per row,
 each cache read where it is), alternating, twice. Prints each pass's milliseconds.
