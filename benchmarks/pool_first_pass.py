@@ -2,10 +2,10 @@
 
 `--batch` (16) caches of about `--context-tokens` tokens (random K/V, ragged lengths:
 attention's cost does not depend on the values), then `--steps` decode passes of one row
-each, in the fast
-pass (`exact=fast`: one attention call per layer over a `KVPool`, which copies every cache
-in at the batch's first pass) and the invariant pass (`exact=bitwise`: one SDPA call per row,
-each cache read where it is), alternating, twice. Prints each pass's milliseconds.
+each, in the fast pass (`exact=fast`: one attention call per layer over a `KVPool`, which
+copies every cache in at the batch's first pass) and the invariant pass (`exact=bitwise`:
+one SDPA call per row, each cache read where it is), alternating, twice. Prints each pass's
+milliseconds.
 
     .venv/bin/python benchmarks/pool_first_pass.py --context-tokens 7600
 """
