@@ -1,7 +1,7 @@
 """Exactness by construction: with `exact="bitwise"` a verify pass equals decode steps bit for
 bit (logits and the K/V written), at batch 1 (fp32, bf16, fp16) and 16 (fp32, bf16); and
-VeriCache's output in that mode is full decoding's in that mode. The fast mode's distance is measured, not
-asserted (benchmarks/exactness.py reports it)."""
+VeriCache's output in that mode is full decoding's in that mode. The fast mode's distance is
+measured, not asserted (benchmarks/exactness.py reports it)."""
 
 from __future__ import annotations
 

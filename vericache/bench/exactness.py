@@ -122,7 +122,7 @@ def verify_distance(runner: Runner, ref: Reference, k: int, batch: int, bitwise:
             for i, lv in zip(seqs, runner.forward(items)):
                 out.add(_distance(ref.caches[i], work[i], ref.start[i] + w0, k + 1, lv,
                                   ref.logits[i][w0: w0 + k + 1]))
-        del work
+        del work  # before the next group's copies: one group's caches at a time
     return out
 
 

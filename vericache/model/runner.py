@@ -251,7 +251,8 @@ class Runner:
             torch.set_num_threads(threads)
 
     @staticmethod
-    def _block_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def _block_linear(x: torch.Tensor, w: torch.Tensor,
+                      b: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, w, b) in calls of exactly ROW_BLOCK rows (the last padded with zeros)."""
         m = x.shape[0]
         n = -(-m // ROW_BLOCK) * ROW_BLOCK
@@ -374,7 +375,8 @@ class Runner:
         return out if p.in_order else out[p.pad]
 
     @torch.inference_mode()
-    def _forward(self, items: list[SeqBatchItem], invariant: bool = False) -> list[torch.Tensor | None]:
+    def _forward(self, items: list[SeqBatchItem],
+                 invariant: bool = False) -> list[torch.Tensor | None]:
         """The pass. Attention: the items whose caches one pool can hold (plain caches, no
         votes asked) in one call per layer (`_batch_plan`); any other cache (the offloaded
         tier's working copies) in a call of its own per layer; items that ask for votes on the
@@ -398,7 +400,8 @@ class Runner:
             starts.append(start)
             start += L
             if invariant and it.capture_q is not None:
-                raise ValueError("an invariant pass cannot capture queries (prefill is not bitwise)")
+                raise ValueError("an invariant pass cannot capture queries "
+                                 "(prefill is not bitwise)")
             if invariant and self.windowed and getattr(it.cache, "pos", None) is not None:
                 raise ValueError("an invariant pass needs dense caches for sliding-window layers")
             if it.capture_q is not None:
@@ -437,7 +440,8 @@ class Runner:
                     s0, L = starts[i], lens[i]
                     attn[s0: s0 + L] = self._attend_rows(it, li, lyr, q, k, v, s0, L, pasts[i])
                     if it.votes:  # the votes only: the rows' output is the SDPA calls'
-                        self._attend_explicit(it, li, lyr, q, k, v, s0, L, pasts[i], masks[i])
+                        self._attend_explicit(it, li, lyr, q, k, v, s0, L, pasts[i], masks[i],
+                                              written=True)
             elif one:
                 attn = self._attend_batch(plans[0], li, lyr, q, k, v)
             else:
@@ -467,25 +471,34 @@ class Runner:
         call over the keys it sees (slots [lo, its own + 1), a window's start lo), shaped as
         a one-row decode step's: [L, Hq D]."""
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
-        ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
-        ck[:, past: past + L] = k[s0: s0 + L].transpose(0, 1)
-        cv[:, past: past + L] = v[s0: s0 + L].transpose(0, 1)
+        ck, cv = self._write_kv(it, li, k, v, s0, L, past)
         out = q.new_empty(L, hkv * g * d)
         for j in range(L):
             hi = past + j + 1
             lo = 0 if lyr.window is None else max(0, hi - lyr.window)
-            qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(1, hkv, g, d)
+            qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
+            qj = qj.reshape(1, hkv, g, d)
             o = F.scaled_dot_product_attention(qj, ck[None, :, lo:hi], cv[None, :, lo:hi],
                                                scale=self.scale)
             out[j] = o.reshape(-1)
         return out
 
-    def _attend_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
-                         past: int, item_masks: dict) -> torch.Tensor:
-        """One item's layer on the explicit-score path (votes): [L, Hq D]."""
-        ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
+    @staticmethod
+    def _write_kv(it: SeqBatchItem, li: int, k, v, s0: int, L: int, past: int):
+        """Write an item's rows' K/V (pass rows [s0, s0 + L)) into its cache's layer `li` at
+        slots [past, past + L); returns that layer's K, V ([Hkv, cap, D])."""
+        ck, cv = it.cache.k[li], it.cache.v[li]
         ck[:, past: past + L] = k[s0: s0 + L].transpose(0, 1)
         cv[:, past: past + L] = v[s0: s0 + L].transpose(0, 1)
+        return ck, cv
+
+    def _attend_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
+                         past: int, item_masks: dict, written: bool = False) -> torch.Tensor:
+        """One item's layer on the explicit-score path (votes): [L, Hq D]. `written`: the
+        rows' K/V are in the cache already (the invariant pass wrote them)."""
+        ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
+        if not written:
+            self._write_kv(it, li, k, v, s0, L, past)
         if lyr.window in item_masks:
             lo, mask = item_masks[lyr.window]
         else:  # a windowed layer over a cache with positions: per layer and KV head
@@ -496,7 +509,8 @@ class Runner:
         return self._attend(q[s0: s0 + L], ck[:, lo: past + L], cv[:, lo: past + L], mask,
                             votes[:, lo:])
 
-    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin=F.linear):
+    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor,
+                lin=F.linear):
         """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
         rows, spans, start = [], [], 0
         for it, L in zip(items, lens):
