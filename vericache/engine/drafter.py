@@ -85,14 +85,16 @@ class Drafter:
 
     def attach(self, rid: str, k: torch.Tensor, v: torch.Tensor, pending: list[int], seq_len: int,
                extra_capacity: int, sampling: Processing = GREEDY, seed: int = 0, region: int = 0,
-               prompt: list[int] | None = None, pos: torch.Tensor | None = None) -> None:
+               prompt: list[int] | None = None, pos: torch.Tensor | None = None,
+               arena=None) -> None:
         """`region`: how many leading slots of k, v hold the prompt region's kept set (the
         compressed chunks' tokens, which a selection policy may move). `pending` holds every
         token generated so far (none is fed yet); `prompt`: what the repetition penalty reads
         besides them (without it drafts only match the verifier less often). `pos`: the
         slots' positions ([layers, Hkv, n], `Compressor.draft_positions`); the cache records
         them when the model has sliding-window layers (without `pos`, k, v are taken for the n
-        tokens right before `pending`)."""
+        tokens right before `pending`). `arena`: the runner pool key its cache sits in
+        (`Runner.new_cache`; the engine's: its group's, so that a group drafts over one pool)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dev, dt = self.runner.device, self.runner.dtype  # an offloaded full KV sits on the host
@@ -100,8 +102,8 @@ class Drafter:
             if self.runner.windowed and pos is None:
                 p0 = seq_len - len(pending) - k.shape[2]
                 pos = torch.arange(p0, p0 + k.shape[2])
-            cache = KVCache.from_tensors(k.to(dev, dt), v.to(dev, dt), extra_capacity,
-                                         pos if self.runner.windowed else None)
+            cache = self.runner.cache_from(k.to(dev, dt), v.to(dev, dt), extra_capacity,
+                                           pos if self.runner.windowed else None, arena)
         history = None
         if sampling.penalized:
             history = TokenHistory(prompt or [], self.runner.vocab_size, sampling)
@@ -148,11 +150,13 @@ class Drafter:
 
     def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,
                           tail_start: int, first_token: int, extra_capacity: int,
-                          sampling: Processing = GREEDY, seed: int = 0, namespace: str = "") -> TransferStats:
+                          sampling: Processing = GREEDY, seed: int = 0, namespace: str = "",
+                          arena=None) -> TransferStats:
         k, v, pos, stats = self.load_from_store(rid, prompt, compressor, chunk_size, tail_start,
                                                 namespace)
         self.attach(rid, k, v, [first_token], len(prompt) + 1, extra_capacity, sampling, seed,
-                    region=k.shape[2] - (len(prompt) - tail_start), prompt=prompt, pos=pos)
+                    region=k.shape[2] - (len(prompt) - tail_start), prompt=prompt, pos=pos,
+                    arena=arena)
         return stats
 
     def _next_item(self, s: DraftSession, k: int) -> SeqBatchItem | None:

@@ -175,6 +175,9 @@ class Generation:
         # one per output token (params.logprobs set), from full-KV logits
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.emitted_kinds: list[str] = []  # how each token of the last emit came (TOKEN_KINDS)
+        # the scheduler's group (set at admission; 0 outside an engine): its caches sit in its
+        # group's pools (`Runner.new_cache`), so a group's passes copy no cache to batch them
+        self.group = 0
 
     @property
     def finished(self) -> bool:

@@ -207,6 +207,9 @@ class LaneRunner:
         self.trace.peak_kv = tuple(map(max, self.trace.peak_kv, self.kv_in_use))
 
     def _launch(self, pool: ThreadPoolExecutor, job: Job) -> None:
+        if job.kind == "prefill":
+            for rid in job.rids:
+                self._gens[rid].group = self.sched.group(rid)
         if job.kind == "verify":
             self._overlapped[job] = any(j.kind == "draft" for j in self._running.values())
         elif job.kind == "draft":

@@ -21,16 +21,18 @@ class Prefilled:
 
 
 def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int = 256,
-            window: int = 0, cache: KVCache | None = None, question_window: int = 0) -> Prefilled:
+            window: int = 0, cache: KVCache | None = None, question_window: int = 0,
+            arena=None) -> Prefilled:
     """Run the prompt through the model `chunk_size` tokens per pass (from cache.length on,
     when a cache with a cached prefix is given). Captures the last `window` queries of every
     complete chunk, for compressors that score tokens by them, and the prompt's last
     `question_window` queries, for selection policies. Where the cached prefix reaches into
     that window, its rows' queries come from a pass over them that leaves the cache as it was
-    (`_window_queries`), so a cached chunk is never recomputed for them."""
+    (`_window_queries`), so a cached chunk is never recomputed for them. `arena`: the runner
+    pool key a new cache sits in (`Runner.new_cache`)."""
     n = len(ids)
     if cache is None:
-        cache = runner.new_cache(n + extra_capacity)
+        cache = runner.new_cache(n + extra_capacity, arena=arena)
     else:
         cache.reserve(n - cache.length + extra_capacity)
     if cache.length >= n:

@@ -19,6 +19,12 @@ from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.keys import select_key
 
 
+# Slots of a group's pool each side (`Runner.new_cache`; on CPU unused slots cost address
+# space only): 16 caches of up to the model's context; a larger group fills a second pool,
+# and a pass over both copies its caches into one (`KVPool.hold`)
+ARENA_SLOTS = 16
+
+
 class LocalBackends(Backends):
     """Drafter and verifier in this process. With a store (embedded `vericache serve`: a
     memory:// store) prefixes are cached across requests and the drafter attaches from the
@@ -38,6 +44,9 @@ class LocalBackends(Backends):
         `vericache.engine.kvtier.OffloadedTier`: offloaded). `drafter_store`: the drafter's
         view of the store when it differs from the verifier's (another link)."""
         self.lm, self.store, self.tier = lm, store, tier
+        # each side's caches of a scheduler group sit in one pool (`Runner.new_cache`): a
+        # group's passes then copy no cache to batch it
+        lm.runner.arena_slots = max(lm.runner.arena_slots, ARENA_SLOTS)
         self.grammars = Grammars.of(lm)  # both sides' (structured output)
         self.verifier = Verifier(lm.runner, store, lm.model_id, tier, grammars=self.grammars)
         self.drafter = Drafter(lm.runner, lm.eos_token_ids, drafter_store or store, lm.model_id,
@@ -56,7 +65,8 @@ class LocalBackends(Backends):
         out = self.verifier.prefill(g.rid, g.prompt, g.extra_capacity, p.chunk_size, g.compressor,
                                     g.sampling, g.seed, p.namespace, save_tail=via_store,
                                     selection=g.selection, top_logprobs=p.logprobs,
-                                    bitwise=p.exact == "bitwise", draft_later=later)
+                                    bitwise=p.exact == "bitwise", draft_later=later,
+                                    arena=("verify", g.group))
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -67,7 +77,7 @@ class LocalBackends(Backends):
             elif via_store:
                 tr = self.drafter.attach_from_store(
                     g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
-                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace)
+                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace, arena=("draft", g.group))
                 g.stats.record_transfer(0, tr)
                 g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
             else:
@@ -80,7 +90,8 @@ class LocalBackends(Backends):
                                                        k.shape[0], k.shape[1])
                 self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
                                     g.extra_capacity, g.sampling, g.seed + 1,
-                                    region=k.shape[2] - tail, prompt=g.prompt, pos=pos)
+                                    region=k.shape[2] - tail, prompt=g.prompt, pos=pos,
+                                    arena=("draft", g.group))
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
             if g.rid not in self._attaching:
@@ -117,7 +128,7 @@ class LocalBackends(Backends):
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
                             g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt,
-                            pos=pos)
+                            pos=pos, arena=("draft", g.group))
         g.stats.record_transfer(0, tr)
         g.stats.draft_kv_bytes = tr.bytes_read
         self._apply_deltas(g)

@@ -149,6 +149,8 @@ class Scheduler:
             return job
         new = {"prefill": PREFILL, "draft": DRAFTING, "verify": VERIFYING}[job.kind]
         for rid in job.rids:
+            if job.kind == "prefill":  # admitted: its group holds it from its first cache on
+                self._reqs[rid].group = self._smallest_group()
             self._reqs[rid].state = new
         return job
 
@@ -224,7 +226,6 @@ class Scheduler:
             if rid in finished:
                 r.state = DONE
             elif job.kind == "prefill":
-                r.group = self._smallest_group()
                 r.state = READY_DRAFT
             elif job.kind == "draft":
                 r.state = READY_VERIFY

@@ -33,6 +33,7 @@ import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -151,14 +152,15 @@ class Verifier:
                 namespace: str = "", save_tail: bool = False,
                 selection: SelectionPolicy | None = None,
                 top_logprobs: int | None = None, bitwise: bool = False,
-                draft_later: bool = False) -> PrefillOut:
+                draft_later: bool = False, arena=None) -> PrefillOut:
         """`selection`: the policy that moves the drafter's set (None or one that cannot move
         anything, as with a compressor that keeps every token: the base set stays).
         `sampling`: the request's logits processing; `top_logprobs`: None, or return each
         emitted token's raw logprob with that many alternatives. `bitwise`: its passes (verify
         and plain steps) run in the runner's invariant pass, a row's bits whatever shares it.
         `draft_later`: the exact tail and the selection wait for `prepare_draft` (with a
-        resident KV only: an offloaded one leaves the device here)."""
+        resident KV only: an offloaded one leaves the device here). `arena`: the runner pool key
+        its cache sits in (`Runner.new_cache`; the engine's: its group's)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a verifier session", "request_id")
         per_token = self.runner.kv_bytes_per_token()
@@ -166,12 +168,13 @@ class Verifier:
         with self.ledger.hold(rid, resident):
             out = self._prefill(rid, prompt_ids, extra_capacity, chunk_size, compressor,
                                 sampling, seed, namespace, save_tail, selection, top_logprobs,
-                                draft_later and self.tier is None)
+                                draft_later and self.tier is None, arena)
         self.sessions[rid].bitwise = bitwise
         return out
 
     def _prefill(self, rid, prompt_ids, extra_capacity, chunk_size, compressor, sampling,
-                 seed, namespace, save_tail, selection, top_logprobs, draft_later) -> PrefillOut:
+                 seed, namespace, save_tail, selection, top_logprobs, draft_later,
+                 arena=None) -> PrefillOut:
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
         if selection is not None and (compressor is None or not compressor.drops_tokens
                                       or not selection.moves or ts == 0):
@@ -183,14 +186,15 @@ class Verifier:
         if pc is not None:
             try:
                 cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
-                                      extra_capacity, stats)
+                                      extra_capacity, stats, None if self.tier or arena is None
+                                      else partial(self.runner.new_cache, arena=arena))
             except Unavailable as e:  # the store is a cache: without it, compute the prompt
                 log.warning("%s: prefix store unavailable (%s); prefilling without it", rid, e)
                 stats.store_errors += 1
         first_chunk = cached.length // chunk_size if cached is not None else 0
         window = compressor.observation_window if compressor else 0
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,
-                      question_window=qwin)
+                      question_window=qwin, arena=None if self.tier else arena)
         gen = torch.Generator().manual_seed(seed)
         history = (TokenHistory(prompt_ids, self.runner.vocab_size, sampling)
                    if sampling.penalized else None)

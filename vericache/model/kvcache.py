@@ -115,49 +115,94 @@ class KVPool:
     """Caches in slots of one tensor each: `k`, `v`: [num_layers, S, num_kv_heads, capacity,
     head_dim]; `pos` (caches that record positions): [num_layers, S, num_kv_heads, capacity].
     Slot s is member cache c with c.slot == s and c.pool is this pool; its live tokens are
-    [0, c.length) of the slot, as in a cache of its own. Layer l of every slot is `k[l]`:
-    [S, Hkv, capacity, D], the batch of keys one attention call reads."""
+    [0, c.length) of the slot, as in a cache of its own. Layer l of slots [lo, top) is
+    `k[l, lo:top]`: [top - lo, Hkv, capacity, D], the batch of keys one attention call reads
+    (a view).
 
-    def __init__(self, caches: list[KVCache], capacity: int):
+    Storage is allocated empty and made finite lazily (`ready`): one call reads every slot of
+    its span up to the longest sequence's end, masked past each one's own, and 0 x NaN from
+    uninitialised memory is NaN (a batch with a 700-token sequence once gave NaN logits). A
+    slot's region that no call reads is never touched, so on CPU, where memory is committed on
+    first touch, free slots and unused capacity cost address space, not memory."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 slots: int, dtype: torch.dtype, device: torch.device | str,
+                 positions: bool = False):
         # the runner pools inside its inference mode: the pool must stay a normal tensor, one
         # the engine may write in place later (a drafter's refresh)
         with torch.inference_mode(False):
-            self._fill(caches, capacity)
+            shape = (num_layers, slots, num_kv_heads, capacity, head_dim)
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
+            self.pos = torch.empty(shape[:4], dtype=torch.long, device=device) if positions else None
+        self.size = slots
+        self._owners: list[weakref.ref | None] = [None] * slots  # each slot's member
+        self._finite = [0] * slots  # slot s holds finite K/V (and positions) in [0, _finite[s])
 
-    def _fill(self, caches: list[KVCache], capacity: int) -> None:
+    @classmethod
+    def of(cls, caches: list[KVCache], slots: int = 0) -> "KVPool":
+        """A new pool of max(len(caches), `slots`) slots, with the largest capacity among
+        `caches`, holding them in slots 0.. (their live tokens copied; a cache's old storage is
+        freed when nothing else holds it)."""
         c0 = caches[0]
-        layers, hkv, d = c0.num_layers, c0.k.shape[1], c0.k.shape[3]
-        self.size = len(caches)
-        # zeros, not empty: one call attends over every slot up to the longest sequence, and
-        # a shorter one's free slots, masked out, still meet its probabilities (0 x NaN from
-        # uninitialised memory is NaN: a batch with a 700-token sequence once gave NaN logits)
-        self.k = c0.k.new_zeros(layers, self.size, hkv, capacity, d)
-        self.v = torch.zeros_like(self.k)
-        self.pos = None if c0.pos is None else c0.pos.new_zeros(layers, self.size, hkv, capacity)
-        self._owners: list[weakref.ref] = [None] * self.size  # each slot's member, set below
+        pool = cls(c0.num_layers, c0.k.shape[1], c0.k.shape[3], max(c.capacity for c in caches),
+                   max(len(caches), slots), c0.k.dtype, c0.k.device, c0.pos is not None)
         for s, c in enumerate(caches):
-            self._adopt(c, s)
+            pool._adopt(c, s)
+        return pool
 
     def _held(self, s: int) -> bool:
         """Whether slot `s` still belongs to a live member (one released, or grown out of
         the pool, frees it)."""
-        c = self._owners[s]()
+        c = None if self._owners[s] is None else self._owners[s]()
         return c is not None and c.pool is self and c.slot == s
 
+    def free_slots(self) -> list[int]:
+        """The slots no live member holds, lowest first."""
+        return [s for s in range(self.size) if not self._held(s)]
+
+    def _bind(self, c: KVCache, s: int) -> None:
+        c.k, c.v = self.k[:, s], self.v[:, s]
+        c.pos = None if self.pos is None else self.pos[:, s]
+        c.pool, c.slot = self, s
+        self._owners[s] = weakref.ref(c)
+
     def _adopt(self, c: KVCache, s: int) -> None:
-        """Move `c` into free slot `s`: its live tokens are copied; what the slot holds past
-        them is zeros or a former member's finite K/V (read masked, like any slot's tail)."""
+        """Move `c` into free slot `s`: its live tokens are copied, nothing else."""
         n = c.length
         with torch.inference_mode(False):
             self.k[:, s, :, :n] = c.k[:, :, :n]
             self.v[:, s, :, :n] = c.v[:, :, :n]
             if self.pos is not None:
                 self.pos[:, s, :, :n] = c.pos[:, :, :n]
-        c.k, c.v = self.k[:, s], self.v[:, s]
-        if self.pos is not None:
-            c.pos = self.pos[:, s]
-        c.pool, c.slot = self, s
-        self._owners[s] = weakref.ref(c)
+        self._bind(c, s)
+        self._finite[s] = max(self._finite[s], n)
+
+    def claim(self) -> KVCache | None:
+        """A new empty cache in the lowest free slot (its capacity: the pool's), or None when
+        every slot is held. Nothing is copied: what the cache's owner writes lands in the pool."""
+        free = self.free_slots()
+        if not free:
+            return None
+        c = KVCache.__new__(KVCache)
+        c.length = 0
+        self._bind(c, free[0])
+        return c
+
+    def ready(self, lo: int, top: int, hi: int) -> None:
+        """Make slots [lo, top) finite up to token `hi` (what one call over them reads):
+        each slot's region past what it already holds finite (a member's live tokens, a former
+        member's, or earlier zeros) is zeroed, once."""
+        for s in range(lo, top):
+            c = self._owners[s]() if self._held(s) else None
+            done = max(self._finite[s], 0 if c is None else c.length)
+            if done < hi:
+                with torch.inference_mode(False):
+                    self.k[:, s, :, done:hi] = 0
+                    self.v[:, s, :, done:hi] = 0
+                    if self.pos is not None:
+                        self.pos[:, s, :, done:hi] = 0
+            self._finite[s] = max(done, hi)
 
     @property
     def capacity(self) -> int:
@@ -173,21 +218,24 @@ class KVPool:
                    and (c.pos is None) == (c0.pos is None) for c in caches)
 
     @classmethod
-    def hold(cls, caches: list[KVCache]) -> "KVPool":
-        """A pool holding every cache of `caches` (in any slots; its other slots are free, or
-        members not in this pass): the one most of them share when the rest fit its free
-        slots and its capacity, and `caches` fill at least half its slots (see the module
-        docstring), else a new one with the largest capacity among them (their live tokens
-        copied; a cache's old storage is freed when nothing else holds it)."""
+    def hold(cls, caches: list[KVCache]) -> tuple["KVPool", int, int]:
+        """(pool, lo, top): a pool holding every cache of `caches` in slots [lo, top), which
+        they fill at least half of (the other slots of that span are free, or members not in
+        this pass: padding rows of the call). The pool most of them share when the rest fit its
+        free slots (the lowest) and its capacity; else a new one (`of`), with slots to spare on
+        CPU (the next power of two: a batch growing one request at a time re-pools log2(n)
+        times, not n; unused slots cost no memory there, see the class docstring)."""
         pools = [c.pool for c in caches if c.pool is not None]
         pool = max(pools, key=lambda p: sum(q is p for q in pools), default=None)
-        if pool is not None and 2 * len(caches) >= pool.size:
-            members = {c.slot for c in caches if c.pool is pool}
+        if pool is not None:
             joining = [c for c in caches if c.pool is not pool]
-            free = [s for s in range(pool.size) if s not in members and not pool._held(s)]
-            if (len(members) == len(caches) - len(joining) and len(joining) <= len(free)
-                    and all(c.capacity <= pool.capacity for c in joining)):
-                for c, s in zip(joining, free):
-                    pool._adopt(c, s)
-                return pool
-        return cls(caches, max(c.capacity for c in caches))
+            free = pool.free_slots()
+            if len(joining) <= len(free) and all(c.capacity <= pool.capacity for c in joining):
+                slots = [c.slot for c in caches if c.pool is pool] + free[:len(joining)]
+                lo, top = min(slots), max(slots) + 1
+                if 2 * len(caches) >= top - lo:
+                    for c, s in zip(joining, free):
+                        pool._adopt(c, s)
+                    return pool, lo, top
+        spare = 1 << (len(caches) - 1).bit_length() if caches[0].k.device.type == "cpu" else 0
+        return cls.of(caches, spare), 0, len(caches)

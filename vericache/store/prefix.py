@@ -12,6 +12,7 @@ Every value goes through the pickle-free codec; every key through `keys`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,8 +46,10 @@ class PrefixCache:
         return f"tail/{self.namespace}/{request_id}"
 
     def load_full(self, prompt: list[int], spec: str | None, compress_until: int,
-                  extra_capacity: int, stats: TransferStats) -> KVCache | None:
-        """The cached prefix, never the prompt's last token (prefill computes at least one)."""
+                  extra_capacity: int, stats: TransferStats,
+                  new_cache: Callable[[int], KVCache] | None = None) -> KVCache | None:
+        """The cached prefix, never the prompt's last token (prefill computes at least one),
+        in a cache of `new_cache(capacity)` (default: one of its own)."""
         t = time.perf_counter()
         keys = self.keys(prompt[:len(prompt) - 1])
         n = self.store.longest_prefix([full_key(k) for k in keys])
@@ -71,8 +74,13 @@ class PrefixCache:
         stats.seconds += time.perf_counter() - t
         if not ks:
             return None
-        return KVCache.from_tensors(torch.cat(ks, dim=2), torch.cat(vs, dim=2),
-                                    len(prompt) - len(ks) * self.chunk_size + extra_capacity)
+        if new_cache is None:
+            return KVCache.from_tensors(torch.cat(ks, dim=2), torch.cat(vs, dim=2),
+                                        len(prompt) - len(ks) * self.chunk_size + extra_capacity)
+        cache = new_cache(len(prompt) + extra_capacity)
+        for k, v in zip(ks, vs):
+            cache.append(k, v)
+        return cache
 
     def save(self, prompt: list[int], cache: KVCache, chunks: list[CompressedChunk], first_chunk: int,
              tail_start: int, request_id: str | None, stats: TransferStats) -> None:
