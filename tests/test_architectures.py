@@ -315,6 +315,83 @@ def test_dynamic_rope_is_refused(tmp_path):
         Runner.from_hf(LlamaForCausalLM(cfg))
 
 
+
+@pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])
+def test_caches_of_one_arena_are_pooled_from_their_first_token(positions, tmp_path, monkeypatch):
+    """`Runner.new_cache(arena=key)`: the caches of one key are slots of one pool from the
+    start (the engine's: a scheduler group's), so a pass over them copies no cache, and gives
+    each sequence the logits and K/V of a pass of its own; a released slot is taken again; a
+    full pool starts another, and a pass over caches of both pools copies them into one."""
+    import gc
+
+    from vericache.model.kvcache import KVCache, KVPool
+    from vericache.model.loader import load_model
+    from vericache.model.runner import SeqBatchItem
+
+    build("qwen3", tmp_path)
+    r = load_model(str(tmp_path), dtype="float32").runner
+    r.arena_slots = 4
+    copied = []
+    of = KVPool.of.__func__
+
+    def counted(cls, caches, *a, **k):
+        copied.append(len(caches))
+        return of(cls, caches, *a, **k)
+
+    monkeypatch.setattr(KVPool, "of", classmethod(counted))
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (40, 65, 23, 51, 30)]
+
+    def filled(ids, arena):
+        c = r.new_cache(len(ids) + 4, positions, arena)
+        n = len(ids) - 1
+        r.forward([SeqBatchItem(ids[:n], torch.arange(n), c, "none")])
+        return c
+
+    def decode(caches, idx):  # one pass over every cache: each sequence's last token
+        items = [SeqBatchItem(seqs[i][-1:], torch.tensor([len(seqs[i]) - 1]), c, "last")
+                 for i, c in zip(idx, caches)]
+        return r.forward(items)
+
+    got = [filled(s, "g") for s in seqs[:3]]
+    other = r.new_cache(8, positions, "h")
+    plain = r.new_cache(8, positions)
+    assert [c.slot for c in got] == [0, 1, 2] and all(c.pool is got[0].pool for c in got)
+    assert other.pool is not got[0].pool and plain.pool is None
+    assert got[0].capacity == r.max_positions  # a slot holds the model's context
+    ref = [filled(s, None) for s in seqs[:3]]
+    want = [decode([c], [i])[0] for i, c in enumerate(ref)]
+    out = decode(got, [0, 1, 2])
+    assert copied == []  # pooled already: nothing copied
+    for w, o in zip(want, out):
+        assert float((o - w).abs().max()) <= 1e-4 * float(w.abs().max())
+    for a, b in zip(ref, got):
+        assert torch.allclose(a.view()[0], b.view()[0], atol=1e-5)
+        assert torch.allclose(a.view()[1], b.view()[1], atol=1e-5)
+    pool = got[0].pool
+    del got[1]
+    gc.collect()
+    again = filled(seqs[1], "g")
+    assert again.pool is pool and again.slot == 1  # the released slot
+    fourth = filled(seqs[3], "g")
+    fifth = filled(seqs[4], "g")  # four slots held: a second pool
+    assert fourth.pool is pool and fifth.pool is not pool and fifth.slot == 0
+    caches = [got[0], again, got[1], fourth, fifth]
+    ref = [KVCache.from_tensors(c.k[:, :, :c.length].clone(), c.v[:, :, :c.length].clone(), 4,
+                                None if c.pos is None else c.pos[:, :, :c.length].clone())
+           for c in caches]
+
+    def step(cs):  # one more token for each, at its next position
+        return r.forward([SeqBatchItem(torch.tensor([5]), torch.tensor([c.length]), c, "last")
+                          for c in cs])
+
+    want = [step([c])[0] for c in ref]
+    out = step(caches)
+    assert copied == [5]  # one pool for the pass: five caches copied into it
+    assert all(c.pool is caches[0].pool for c in caches) and caches[0].pool.size == 8
+    for w, o in zip(want, out):
+        assert float((o - w).abs().max()) <= 1e-4 * float(w.abs().max())
+
 @pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])
 @pytest.mark.parametrize("name", ["qwen3", "mistral-sliding", "gemma3_text"])
 def test_one_pass_for_a_ragged_batch(name, positions, tmp_path):

@@ -89,10 +89,17 @@ def test_draft_ahead_tokens_are_used_when_the_guess_holds(lm, prompts):
 
 
 @pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
-def test_batch_engine_schedules_identical_to_full(lm, cases, schedule):
-    """The serving engine (`vericache serve --schedule`): four requests at once."""
+def test_batch_engine_schedules_identical_to_full(lm, cases, schedule, monkeypatch):
+    """The serving engine (`vericache serve --schedule`): four requests at once. Each
+    request's caches are made in its group's pools (`Runner.new_cache(arena=)`), so no pass
+    copies a cache into a pool."""
     from vericache.engine.batch import BatchEngine
+    from vericache.model.kvcache import KVPool
 
+    copied = []
+    of = KVPool.of.__func__
+    monkeypatch.setattr(KVPool, "of", classmethod(
+        lambda cls, caches, *a, **k: copied.append(len(caches)) or of(cls, caches, *a, **k)))
     ids, refs = cases
     engine = BatchEngine(lm, max_batch=8, schedule=schedule)
     try:
@@ -104,6 +111,7 @@ def test_batch_engine_schedules_identical_to_full(lm, cases, schedule):
     finally:
         engine.close()
     assert outs == refs
+    assert copied == []
     overlapped = engine.metrics()["counters"]["overlapped_rounds"]
     assert (overlapped > 0) == (schedule == "staggered")
     with pytest.raises(ValueError, match="lockstep, staggered"):
