@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from vericache.model import kernels
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
 from vericache.model.kvcache import KVCache, KVPool
 
@@ -50,6 +51,12 @@ SMALL_PASS_ROWS = 48
 # 190 / 452 for a 33-row verify pass, 296 / 320 for a batch-16 step; with 4, 58 / 92,
 # 192 / 603 and 304 / 418. 16 serves batches and verify passes; 4 only batch-1 steps.
 ROW_BLOCK = 16
+# The native batch attention (`vericache.model.kernels`) serves passes of at most this many
+# rows a sequence (decode, draft and verify steps); a prefill chunk's rows are a matrix
+# product's work, which SDPA does better
+KERNEL_ROWS = 64
+KERNEL_SPLIT_KEYS = 1 << 16  # keys x KV heads a kernel call reads from which it uses threads
+_outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
 
 @dataclass
@@ -83,6 +90,10 @@ class _Plan:
     in_order: bool  # src and pad are both 0..T-1 (the pass's rows are the padded rows)
     hi: int  # keys read: slots [lo, hi), hi = the longest sequence's end
     masks: dict  # {window: (lo, mask [B, 1, G Lq, hi - lo] or None)}; None: causal only
+    # {window: (lo, hi) [B, G Lq] int64}: each row's keys as a range, for the native kernel
+    # (`vericache.model.kernels`); None: SDPA with `masks`
+    ranges: dict | None
+    keys: int  # the keys the group's sequences read (their caches after the pass, summed)
     positions: torch.Tensor | None  # [B, Lq] rows' positions (caches with positions)
     write_slot: torch.Tensor | None  # [Tp] the batch row each new K/V goes to (a pool)
     write_pos: torch.Tensor  # [Tp] the cache slot it goes to
@@ -125,6 +136,10 @@ class Runner:
         self.arena_slots = 0
         self._arenas: dict = {}  # (key, positions) -> the KVPool new caches of that key claim
         self._arena_lock = threading.Lock()  # the lanes' threads make caches
+        # the fast path's batch attention for float32 on CPU (`vericache.model.kernels`;
+        # None: SDPA with masks, as on other devices and dtypes)
+        self.attend_kernel = (kernels.attend() if self.device.type == "cpu"
+                              and self.dtype == torch.float32 else None)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -272,15 +287,28 @@ class Runner:
     @staticmethod
     def _one_thread(run):
         """run() on one intra-op thread. The setting is this thread's (OpenMP's and MKL's are
-        per thread), so passes of other threads keep theirs."""
+        per thread), so passes of other threads keep theirs; the native attention kernel still
+        splits a large batch's attention across the thread's own count (`_kernel_threads`)."""
         threads = torch.get_num_threads()
         if threads == 1:
             return run()
         torch.set_num_threads(1)
+        _outer.threads = threads
         try:
             return run()
         finally:
+            _outer.threads = None
             torch.set_num_threads(threads)
+
+    @staticmethod
+    def _kernel_threads(p: "_Plan", hkv: int) -> int:
+        """Threads for one kernel call: the calling thread's intra-op count (the one before a
+        small pass's `_one_thread`) when the call reads at least KERNEL_SPLIT_KEYS keys over
+        its KV heads, else 1. A skinny pass's products are bound by one thread's reads of the
+        weights; a batch's attention over long caches is not (16 x 7.6k decode, SmolLM2: a pass
+        took 590 ms with the kernel on two threads, 800 on one, 900 with one-thread SDPA)."""
+        threads = getattr(_outer, "threads", None) or torch.get_num_threads()
+        return threads if p.keys * hkv >= KERNEL_SPLIT_KEYS else 1
 
     @staticmethod
     def _block_linear(x: torch.Tensor, w: torch.Tensor,
@@ -363,10 +391,19 @@ class Runner:
             for w in self.windows:
                 lo = max(0, int((past_t[slot_t] - w + 1).min()))
                 masks[w] = (lo, mask_for(lo, w))
+        ranges = None
+        if self.attend_kernel is not None and lq <= KERNEL_ROWS:
+            # each row's keys as a range (what the kernel takes): [window start, own slot]
+            hi_rows = torch.where(real, row_slot + 1, 0)  # padding rows: no keys
+            ranges = {w: (torch.where(real, (row_slot - w + 1).clamp(min=0), 0).repeat(1, g)
+                          if w else torch.zeros_like(hi_rows).repeat(1, g), hi_rows.repeat(1, g))
+                      for w in [None, *self.windows]}
+            if positions is not None:  # windows by recorded position: SDPA's masks
+                ranges = {None: ranges[None]}
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
         return _Plan(group, pool, caches[0] if pool is None else None, first, B, lq, slot_t, src, pad,
-                     in_order, hi, masks, positions,
+                     in_order, hi, masks, ranges, sum(pasts[i] + lens[i] for i in group), positions,
                      slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
                      torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev))
 
@@ -392,6 +429,11 @@ class Runner:
             qp = qg.new_zeros(p.B * p.lq, self.num_heads, d)
             qp[p.pad] = qg
         qp = qp.view(p.B, p.lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p.B, hkv, g * p.lq, d)
+        if p.ranges is not None and lyr.window in p.ranges:
+            lo_r, hi_r = p.ranges[lyr.window]
+            out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale, self._kernel_threads(p, hkv))
+            out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)
+            return out if p.in_order else out[p.pad]
         if lyr.window in p.masks:
             lo, mask = p.masks[lyr.window]
         else:  # a windowed layer over caches with positions: per layer and KV head
