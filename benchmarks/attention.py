@@ -6,7 +6,9 @@ runner's one-call-per-layer attention, and full decode tokens/s at batch 1 and 1
 
 `before` is the runner of --baseline (a git ref; default: the merge base of HEAD and main)
 exported with `git archive` to a temporary folder and run in a subprocess of this script;
-`after` is this checkout. Both run the same measurement, one after the other:
+`after` is this checkout; with --sdpa-too, `after_sdpa` is this checkout without its native
+attention kernel (`VERICACHE_KERNELS=0`, a subprocess). All run the same measurement, one
+after the other:
 
 - a decode step: B sequences, one new token each, in one pass (the pass full decoding runs
   for B requests), caches of `ctx` tokens (copies of one cache: a built-in prompt's first 512
@@ -163,6 +165,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="git ref of the 'before' runner "
                     "(default: merge base of HEAD and main); 'none' skips it")
     ap.add_argument("--profile", action="store_true", help="profile a batch-16 step (after)")
+    ap.add_argument("--sdpa-too", action="store_true",
+                    help="also measure this checkout with VERICACHE_KERNELS=0 (after_sdpa)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -171,25 +175,32 @@ def main() -> None:
         print("RESULT " + json.dumps(_worker(args)))
         return
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "args": vars(args)}
+
+    def subprocess_worker(pythonpath: str, env: dict) -> list[dict]:
+        cmd = [sys.executable, __file__, "--worker", "--batches", ",".join(map(str, args.batches)),
+               "--ctx", str(args.ctx), "--short", str(args.short), "--steps", str(args.steps)]
+        res = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": pythonpath, **env},
+                             capture_output=True, text=True)
+        if res.returncode:
+            sys.exit(f"a worker failed:\n{res.stderr[-4000:]}")
+        line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        return json.loads(line[7:])
+
     if args.baseline != "none":
         ref = args.baseline or subprocess.check_output(
             ["git", "-C", str(ROOT), "merge-base", "HEAD", "main"], text=True).strip()
         with tempfile.TemporaryDirectory() as tmp:
             sha = _baseline_dir(ref, Path(tmp))
-            cmd = [sys.executable, __file__, "--worker", "--batches", ",".join(map(str, args.batches)),
-                   "--ctx", str(args.ctx), "--short", str(args.short), "--steps", str(args.steps)]
-            env = {**os.environ, "PYTHONPATH": tmp}
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if res.returncode:
-                sys.exit(f"the baseline worker failed:\n{res.stderr[-4000:]}")
-            line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")][-1]
-            out["before"] = {"ref": sha, "points": json.loads(line[7:])}
+            out["before"] = {"ref": sha, "points": subprocess_worker(tmp, {})}
     head = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "HEAD"], text=True).strip()
+    if args.sdpa_too:
+        out["after_sdpa"] = {"ref": head, "points": subprocess_worker(str(ROOT),
+                                                                      {"VERICACHE_KERNELS": "0"})}
     out["after"] = {"ref": head, "points": _worker(args, variants=True)}
-    print(f"{'':8}{'batch':>6}{'ctx':>6}{'step s':>9}{'KV GB/s':>9}{'peak GB/s':>10}{'share':>7}{'tok/s':>8}")
-    for side in ("before", "after"):
+    print(f"{'':11}{'batch':>6}{'ctx':>6}{'step s':>9}{'KV GB/s':>9}{'peak GB/s':>10}{'share':>7}{'tok/s':>8}")
+    for side in ("before", "after_sdpa", "after"):
         for p in out.get(side, {}).get("points", []):
-            print(f"{side:8}{p['batch']:>6}{p['ctx']:>6}{p['step_s']:>9.4f}{p['kv_read_gb_s']:>9.2f}"
+            print(f"{side:11}{p['batch']:>6}{p['ctx']:>6}{p['step_s']:>9.4f}{p['kv_read_gb_s']:>9.2f}"
                   f"{p['peak_read_gb_s']:>10.2f}{p['kv_read_share_of_peak']:>7.0%}{p['decode_tok_s']:>8.2f}")
     if "before" in out:
         out["speedup"] = {str(a["batch"]): a["decode_tok_s"] / b["decode_tok_s"]

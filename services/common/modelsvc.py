@@ -14,6 +14,7 @@ from services.common.auth import add_token_arg
 from vericache.cli.common import BUDGET_FLAGS, add_memory_args, add_model_args, add_tier_args
 from vericache.engine.budget import MB, Ledger, budget_bytes
 from vericache.engine.remote import MODEL_MESSAGE_BYTES
+from vericache.engine.rounds import ARENA_SLOTS
 from vericache.engine.ttl import SessionClock
 from vericache.errors import VeriCacheError
 from vericache.model import load_model
@@ -103,6 +104,9 @@ class ModelService:
             if tier_name == "resident" and a.tier_link_gbps:
                 raise VeriCacheError("--tier-link-gbps needs --kv-tier offloaded")
         lm = load_model(a.model, a.dtype, a.device)
+        # this side's caches in shared pools (`Runner.new_cache(arena=)`): a batch's passes copy
+        # no cache to pool it
+        lm.runner.arena_slots = ARENA_SLOTS
         tier = make_tier(tier_name, a.tier_link_gbps or None, lm.runner.device) if tier_name else None
         mb = a.kv_budget_mb if tier_name else a.draft_kv_budget_mb
         side = "verifier" if tier_name else "drafter"

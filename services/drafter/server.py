@@ -38,7 +38,7 @@ class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
         with self.svc.lock:
             tr = self.core.attach_from_store(rid, ids, comp, size, req.tail_start, first,
                                              req.extra_capacity, proc, req.seed,
-                                             bounded_str(req.namespace, "namespace"))
+                                             bounded_str(req.namespace, "namespace"), arena="draft")
         if req.apply_selection:
             self._apply_selection(rid)
         self.svc.clock.touch(rid, time.monotonic())

@@ -47,7 +47,8 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
             out = self.core.prefill(rid, ids, req.extra_capacity, size,
                                     comp, proc, req.seed, req.namespace, req.save_tail,
                                     selection=sel, top_logprobs=top_logprobs(req),
-                                    bitwise=req.exact == "bitwise", draft_later=req.draft_later)
+                                    bitwise=req.exact == "bitwise", draft_later=req.draft_later,
+                                    arena="verify")
             deltas = self.core.take_deltas(rid)
         moved = self._leave_deltas(rid, deltas)
         tr = out.transfer

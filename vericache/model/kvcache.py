@@ -12,14 +12,18 @@ The runner writes the positions of the tokens it appends to a cache that has the
 
 `KVPool`: the caches of a batch side by side in one tensor per K and V, so that the runner's
 attention reads every sequence of a pass in one call per layer. A member cache's `k`, `v` (and
-`pos`) are views of its slot: the API above is unchanged. The runner pools the caches of a
-multi-sequence pass (`KVPool.hold`): a batch that stays the same from step to step is copied
-once; a cache that outgrows its slot leaves the pool (`reserve`) and the next pass re-pools.
-A batch that loses members keeps its pool (their slots become free), and a cache that joins
-takes a free slot (its tokens copied, nothing else), while at least half the slots are in
-the pass: re-pooling allocates and copies every member (1.9 GB for 8 requests of 5k tokens
-in this model), and with continuous batching, where requests end one by one, it did so at
-every end (passes of 1.9-4.5 s against 0.2 s on a 2-core CPU, behind the services).
+`pos`) are views of its slot: the API above is unchanged. A cache is made in a pool's slot
+(`KVPool.claim`, through `Runner.new_cache(arena=)`: the engine's caches of one scheduler
+group share a pool from their first token, and a batch of them copies nothing), or on its own
+and then copied into a pool at the first pass it shares (`KVPool.hold`): a batch that stays
+the same is copied once; a cache that outgrows its slot leaves the pool (`reserve`) and the
+next pass re-pools. A batch that loses members keeps its pool (their slots become free), and
+a cache that joins takes the lowest free slot (its tokens copied, nothing else), while the
+pass fills at least half the span of slots it reads: re-pooling allocates and copies every
+member (1.9 GB for 8 requests of 5k tokens in this model), and with continuous batching,
+where requests end one by one, it did so at every end (passes of 1.9-4.5 s against 0.2 s on a
+2-core CPU, behind the services); a new pool on CPU has slots to spare (the next power of
+two), so a batch that grows one request at a time re-pools log2(n) times, not n.
 """
 
 from __future__ import annotations

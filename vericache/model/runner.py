@@ -7,11 +7,13 @@ over them, so that
 - a pass of L > 1 new tokens (prefill, verification) reads each layer's cache once for all
   L queries and all query heads of a KV group (GQA folded into the query rows);
 - several sequences run in one pass: projections and MLPs over the concatenated tokens, and
-  one attention call (torch SDPA) per layer for all of them: their caches sit side by side
-  in a `KVPool` (a steady batch is copied once; requests that end free their slots and
-  requests that join take free ones, see `vericache.model.kvcache`), each sequence's rows
-  padded to the longest (decode 1, verify k + 1, a prefill chunk), masks for the ragged
-  lengths. Items that ask for votes take the explicit-score
+  one attention call per layer for all of them: their caches sit side by side in a `KVPool`
+  (made there by `new_cache(arena=)`, or copied in once; requests that end free their slots
+  and requests that join take free ones, see `vericache.model.kvcache`), each sequence's rows
+  padded to the longest (decode 1, verify k + 1, a prefill chunk). The call is the native
+  kernel (`vericache.model.kernels`: each row's keys as a range; float32 on CPU, passes of at
+  most KERNEL_ROWS rows a sequence) or torch SDPA with masks for the ragged lengths. Items
+  that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
