@@ -57,7 +57,7 @@ ROW_BLOCK = 16
 # rows a sequence (decode, draft and verify steps); a prefill chunk's rows are a matrix
 # product's work, which SDPA does better
 KERNEL_ROWS = 64
-KERNEL_SPLIT_KEYS = 1 << 16  # keys x KV heads a kernel call reads from which it uses threads
+KERNEL_SPLIT_KEYS = 1 << 14  # keys x KV heads a kernel call reads from which it uses threads (8 MB here)
 _outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
 

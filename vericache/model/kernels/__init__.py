@@ -8,9 +8,9 @@ decode row), a layer took 6.4 ms on one thread and 3.1-5.4 ms on two, against 9.
 ms for torch's SDPA with the batch's mask (/tmp probe; `benchmarks/attention_rate.py`
 measures it against this machine's read bandwidth).
 
-The library is built once per source, flags and CPU (`-march=native`) into
-`$VERICACHE_CACHE` (default `~/.cache/vericache`)/kernels, atomically, so that concurrent
-processes agree. Without a compiler, or with `VERICACHE_KERNELS=0`, `attend()` is None and the
+The library is built once per source, flags and CPU (`-march=native`) into the models'
+cache folder (`$VERICACHE_CACHE_DIR`, default `~/.cache/vericache`), under kernels/,
+atomically, so that concurrent processes agree. Without a compiler, or with `VERICACHE_KERNELS=0`, `attend()` is None and the
 runner uses SDPA; the reason is logged once. Built with -ffast-math (vector expf): results
 differ from SDPA's in the last bits, as any two attention kernels do; the invariant pass
 (`exact=bitwise`) never uses it.
@@ -51,7 +51,9 @@ def _cpu() -> str:
 
 
 def _build() -> Path:
-    cache = Path(os.environ.get("VERICACHE_CACHE", Path.home() / ".cache" / "vericache"))
+    from vericache.model.loader import cache_root  # (the loader imports the runner, this)
+
+    cache = cache_root()
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *FLAGS, *LIBS, _cpu()]).encode())
     out = cache / "kernels" / f"attend-{key.hexdigest()[:16]}.so"
@@ -75,7 +77,7 @@ class Attend:
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.vc_attend_f32
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, ctypes.c_float, i, i]
+        self._fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, ctypes.c_float, i, i, p]
         self._fn.restype = ctypes.c_int
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
@@ -89,20 +91,47 @@ class Attend:
         q = q.contiguous()
         lo, hi = lo.contiguous(), hi.contiguous()
         B, H, R, D = q.shape
+        tasks = B * H
+        if threads > 1 and tasks < 2 * threads:  # few tasks (batch 1): split the keys instead
+            return self._split_keys(q, k, v, lo, hi, scale, threads)
         out = torch.empty_like(q)
         args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
                 lo.data_ptr(), hi.data_ptr(), out.data_ptr(), H, R, D, float(scale))
-        tasks = B * H
-        n = max(1, min(threads, tasks))
-        cuts = [tasks * i // n for i in range(n + 1)]
+        cuts = [tasks * i // threads for i in range(threads + 1)] if threads > 1 else [0, tasks]
+        self._run([(args, cuts[i], cuts[i + 1], None) for i in range(len(cuts) - 1)])
+        return out
+
+    def _split_keys(self, q, k, v, lo, hi, scale, n: int) -> torch.Tensor:
+        """The keys in `n` even parts, one call each, combined by their rows' log-sum-exps."""
+        B, H, R, D = q.shape
+        first, last = int(lo.min()), int(hi.max())
+        cuts = [first + (last - first) * i // n for i in range(n + 1)]
+        outs = torch.empty(n, B, H, R, D)
+        lses = torch.empty(n, B, H, R)
+        calls, keep = [], []
+        for i in range(n):
+            lo_i, hi_i = lo.clamp(min=cuts[i]), hi.clamp(max=cuts[i + 1])
+            keep.append((lo_i, hi_i))
+            args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                    k.stride(2), lo_i.data_ptr(), hi_i.data_ptr(), outs[i].data_ptr(), H, R, D,
+                    float(scale))
+            calls.append((args, 0, B * H, lses[i].data_ptr()))
+        self._run(calls)
+        w = torch.exp(lses - lses.max(0).values)  # [n, B, H, R]; a part with no keys: 0
+        total = w.sum(0)
+        out = (outs * w[..., None]).sum(0) / total.clamp(min=1e-30)[..., None]
+        return out
+
+    def _run(self, calls: list) -> None:
+        """Each (args, t0, t1, lse) call on a thread of its own (the first on this one)."""
         futures = []
-        if n > 1:
-            pool = self._workers_for(n - 1)
-            futures = [pool.submit(self._fn, *args, cuts[i], cuts[i + 1]) for i in range(1, n)]
-        rc = [self._fn(*args, cuts[0], cuts[1])] + [f.result() for f in futures]
+        if len(calls) > 1:
+            pool = self._workers_for(len(calls) - 1)
+            futures = [pool.submit(self._fn, *a, t0, t1, lse) for a, t0, t1, lse in calls[1:]]
+        a, t0, t1, lse = calls[0]
+        rc = [self._fn(*a, t0, t1, lse)] + [f.result() for f in futures]
         if any(rc):
             raise MemoryError("attend: out of memory for its buffers")
-        return out
 
     def _workers_for(self, n: int) -> ThreadPoolExecutor:
         with _lock:

@@ -9,7 +9,9 @@
  *
  * q, out: [B, H, R, D] contiguous float32; k, v: float32 with element strides sb, sh, sn for
  * b, h and the key, and 1 within a key (a pool's slots as they lie); lo, hi: [B, R] int64.
- * The caller splits [0, B * H) between its threads (ctypes drops the GIL for the call).
+ * lse (NULL, or [B, H, R]): each row's log-sum-exp of its scores (-FLT_MAX: no keys), with
+ * which a caller that split the keys between calls combines their outputs.
+ * The caller splits [0, B * H), or the keys, between its threads (ctypes drops the GIL).
  */
 #include <float.h>
 #include <math.h>
@@ -21,7 +23,7 @@
 
 int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
                   int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t H,
-                  int64_t R, int64_t D, float scale, int64_t t0, int64_t t1) {
+                  int64_t R, int64_t D, float scale, int64_t t0, int64_t t1, float *lse) {
     float *acc = malloc(sizeof(float) * (size_t)(R * D + 2 * R + BLOCK));
     if (!acc) return -1;
     float *m = acc + R * D, *l = m + R, *s = l + R;
@@ -76,6 +78,7 @@ int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, in
         for (int64_t r = 0; r < R; r++) {
             const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
             for (int64_t d = 0; d < D; d++) ob[r * D + d] = acc[r * D + d] * inv;
+            if (lse) lse[t * R + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -FLT_MAX;
         }
     }
     free(acc);
