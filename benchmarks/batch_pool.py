@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from vericache.model import kvcache, load_model
 from vericache.store.registry import open_store
 
 sys.path.insert(0, str(Path(__file__).parent))
-from exactness import prompts_for  # noqa: E402
+from exactness import prompts_for, read_streams  # noqa: E402
 
 
 class PoolCopies:
@@ -59,26 +58,8 @@ class PoolCopies:
 
 
 def run_batch(eng: BatchEngine, prompts: list[list[int]], params: GenParams) -> dict:
-    firsts, outs, errors = [0.0] * len(prompts), [[] for _ in prompts], []
-
-    def read(i, rs):
-        for ev in rs:
-            if ev.error:
-                errors.append(ev.error)
-            if not outs[i] and ev.token_ids:
-                firsts[i] = time.perf_counter()
-            outs[i] += ev.token_ids
-
     t0 = time.perf_counter()
-    streams = [eng.submit(p, params) for p in prompts]
-    readers = [threading.Thread(target=read, args=(i, rs)) for i, rs in enumerate(streams)]
-    for t in readers:
-        t.start()
-    for t in readers:
-        t.join()
-    end = time.perf_counter()
-    if errors:
-        raise RuntimeError(f"requests failed: {errors[:3]}")
+    firsts, end, outs = read_streams(eng, prompts, params)
     decode = end - max(firsts)
     return {"wall_s": round(end - t0, 2), "decode_s": round(decode, 2),
             "decode_tok_s": round(sum(len(o) - 1 for o in outs) / decode, 2), "outputs": outs}

@@ -65,29 +65,40 @@ def _run_batch(lm, prompts: list[list[int]], params: GenParams) -> tuple[float, 
     """`prompts` at once through a `BatchEngine` (no cost model calibration; the modes share
     its defaults), each stream read by a thread of its own: decode seconds (from the last
     request's first token to the end) and the tokens of each."""
-    import threading
-
     from vericache.engine.batch import BatchEngine
 
     eng = BatchEngine(lm, max_batch=len(prompts))
-    firsts, outs = [0.0] * len(prompts), [[] for _ in prompts]
+    try:
+        firsts, end, outs = read_streams(eng, prompts, params)
+        return end - max(firsts), outs
+    finally:
+        eng.close()
+
+
+def read_streams(eng, prompts: list[list[int]], params: GenParams):
+    """`prompts` submitted at once to `eng`, each stream read by a thread of its own: each
+    request's first-token time, the end time and the tokens of each (raises if one failed)."""
+    import threading
+
+    firsts, outs, errors = [0.0] * len(prompts), [[] for _ in prompts], []
 
     def read(i, rs):
         for ev in rs:
+            if ev.error:
+                errors.append(ev.error)
             if not outs[i] and ev.token_ids:
                 firsts[i] = time.perf_counter()
             outs[i] += ev.token_ids
 
-    try:
-        streams = [eng.submit(p, params) for p in prompts]
-        readers = [threading.Thread(target=read, args=(i, rs)) for i, rs in enumerate(streams)]
-        for t in readers:
-            t.start()
-        for t in readers:
-            t.join()
-        return time.perf_counter() - max(firsts), outs
-    finally:
-        eng.close()
+    streams = [eng.submit(p, params) for p in prompts]
+    readers = [threading.Thread(target=read, args=(i, rs)) for i, rs in enumerate(streams)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    return firsts, time.perf_counter(), outs
 
 
 def speed(lm, prompts: list[list[int]], tokens: int, draft_len: int) -> dict:
