@@ -351,13 +351,18 @@ class Runner:
         sees every key (its output is dropped)."""
         dev, g = self.device, self.group
         caches = [items[i].cache for i in group]
+        lq = max(lens[i] for i in group)
+        with_pos = getattr(caches[0], "pos", None) is not None
+        # the kernel reads only each row's own keys; SDPA reads every slot up to `hi`, masked
+        kernel = (self.attend_kernel is not None and lq <= KERNEL_ROWS
+                  and not (with_pos and self.windowed))
         if len(group) == 1:
             pool, first, slots, B = None, 0, [0], 1
         else:
             pool, first, top = KVPool.hold(caches)
             slots, B = [c.slot - first for c in caches], top - first
-            pool.ready(first, top, max(pasts[i] + lens[i] for i in group))
-        lq = max(lens[i] for i in group)
+            if not kernel:
+                pool.ready(first, top, max(pasts[i] + lens[i] for i in group))
         slot_t = torch.tensor(slots, device=dev)
         L_t = torch.zeros(B, dtype=torch.long, device=dev)
         past_t = torch.zeros(B, dtype=torch.long, device=dev)
@@ -394,14 +399,11 @@ class Runner:
                 lo = max(0, int((past_t[slot_t] - w + 1).min()))
                 masks[w] = (lo, mask_for(lo, w))
         ranges = None
-        if self.attend_kernel is not None and lq <= KERNEL_ROWS:
-            # each row's keys as a range (what the kernel takes): [window start, own slot]
+        if kernel:  # each row's keys as a range: [window start, own slot]
             hi_rows = torch.where(real, row_slot + 1, 0)  # padding rows: no keys
             ranges = {w: (torch.where(real, (row_slot - w + 1).clamp(min=0), 0).repeat(1, g)
                           if w else torch.zeros_like(hi_rows).repeat(1, g), hi_rows.repeat(1, g))
                       for w in [None, *self.windows]}
-            if positions is not None:  # windows by recorded position: SDPA's masks
-                ranges = {None: ranges[None]}
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
         return _Plan(group, pool, caches[0] if pool is None else None, first, B, lq, slot_t, src, pad,
