@@ -61,6 +61,16 @@ def test_kernel_refuses_what_it_cannot_read(attend):
         attend(q, k.transpose(2, 3), k.transpose(2, 3), lo, hi, 1.0)
 
 
+def test_loading_it_keeps_subnormals(attend):
+    """The library is linked without -ffast-math's start file, which would set flush-to-zero
+    for the whole process on load (torch and numpy would then lose subnormals)."""
+    import numpy as np
+
+    tiny = np.float32(1e-40)  # a subnormal float32
+    assert tiny * np.float32(2) > 0
+    assert bool((torch.tensor([1e-40]) * 2 > 0).all())
+
+
 def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv("VERICACHE_KERNELS", "0")
     assert kernels.attend() is None

@@ -34,7 +34,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attend.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
+# compiled with -ffast-math (vector expf), linked without it: gcc links a library built with
+# it to crtfastmath.o, which on load sets flush-to-zero for the whole process (subnormals
+# became 0 in torch and numpy alike; hypothesis refused to run)
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
 LIBS = ["-lmvec", "-lm"]
 
 _lock = threading.Lock()
@@ -55,15 +58,17 @@ def _build() -> Path:
 
     cache = cache_root()
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *FLAGS, *LIBS, _cpu()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *FLAGS, "-shared", *LIBS,
+                                     _cpu()]).encode())
     out = cache / "kernels" / f"attend-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        so = Path(tmp) / out.name
-        subprocess.run([cc, *FLAGS, "-o", str(so), str(SOURCE), *LIBS], check=True,
-                       capture_output=True, text=True, timeout=120)
+        obj, so = Path(tmp) / "attend.o", Path(tmp) / out.name
+        for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)],
+                    [cc, "-shared", "-o", str(so), str(obj), *LIBS]):
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(so, out)  # atomic: a concurrent build writes the same bytes
     return out
 
