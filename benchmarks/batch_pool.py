@@ -8,7 +8,9 @@ memory:// prefix store, `--tokens` greedy tokens each, in each `--modes` mode, t
 - `own`: caches of their own (`runner.arena_slots = 0`), copied into a pool at the first
   pass that batches them (`KVPool.hold`), the engine before this benchmark's commit.
 A first run (not timed) fills the prefix store, so every timed run prefills from it alike.
-Variants alternate `--repeats` times. Reports, per run: decode seconds (from the last
+Variants alternate `--repeats` times, `own` first in even repeats and `pools` first in odd
+ones (the engine's cost model, which chooses `vericache`'s draft lengths, learns from every
+run: a mode's first run plans from less). Reports, per run: decode seconds (from the last
 request's first token to the end) and tok/s, pools formed by copying and their seconds and
 bytes, and whether every output equals the first run's (`full`, with the
 default `--modes`).
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
         copies.take()
         for rep in range(a.repeats):
             for mode in a.modes.split(","):
-                for way in ("own", "pools"):
+                # alternate which goes first: the engine's cost model learns from every run
+                for way in ("own", "pools") if rep % 2 == 0 else ("pools", "own"):
                     lm.runner.arena_slots = ARENA_SLOTS if way == "pools" else 0
                     params = GenParams(mode=mode, max_tokens=a.tokens, ignore_eos=True)
                     r = run_batch(eng, prompts, params)
