@@ -57,7 +57,8 @@ ROW_BLOCK = 16
 # rows a sequence (decode, draft and verify steps); a prefill chunk's rows are a matrix
 # product's work, which SDPA does better
 KERNEL_ROWS = 64
-KERNEL_SPLIT_KEYS = 1 << 14  # keys x KV heads a kernel call reads from which it uses threads (8 MB here)
+# keys x KV heads from which a kernel call uses threads (8 MB of KV in SmolLM2)
+KERNEL_SPLIT_KEYS = 1 << 14
 _outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
 
@@ -413,9 +414,10 @@ class Runner:
 
     def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
-        """One layer of a plan: write the rows' K/V into their caches, then one SDPA call over
-        every sequence. q: [T, Hq, D], k, v: [T, Hkv, D] (the pass's rows) -> [Tp, Hq D], the
-        group's rows in pass order."""
+        """One layer of a plan: write the rows' K/V into their caches, then one attention call
+        over every sequence (the native kernel where the plan has ranges, else SDPA).
+        q: [T, Hq, D], k, v: [T, Hkv, D] (the pass's rows) -> [Tp, Hq D], the group's rows in
+        pass order."""
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg, kg, vg = (q, k, v) if p.in_order else (q[p.src], k[p.src], v[p.src])
         if p.pool is None:
@@ -424,7 +426,8 @@ class Runner:
             cv[:, p.write_pos] = vg.transpose(0, 1)
             ck, cv = ck[None], cv[None]
         else:
-            ck, cv = p.pool.k[li, p.lo: p.lo + p.B], p.pool.v[li, p.lo: p.lo + p.B]  # [B, Hkv, cap, D]
+            span = slice(p.lo, p.lo + p.B)
+            ck, cv = p.pool.k[li, span], p.pool.v[li, span]  # [B, Hkv, cap, D]
             ck[p.write_slot, :, p.write_pos] = kg
             cv[p.write_slot, :, p.write_pos] = vg
         if p.in_order:
@@ -435,9 +438,17 @@ class Runner:
         qp = qp.view(p.B, p.lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p.B, hkv, g * p.lq, d)
         if p.ranges is not None and lyr.window in p.ranges:
             lo_r, hi_r = p.ranges[lyr.window]
-            out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale, self._kernel_threads(p, hkv))
-            out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)
-            return out if p.in_order else out[p.pad]
+            out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale,
+                                     self._kernel_threads(p, hkv))
+        else:
+            out = self._attend_sdpa(p, li, lyr, qp, ck, cv)
+        out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)
+        return out if p.in_order else out[p.pad]
+
+    def _attend_sdpa(self, p: "_Plan", li: int, lyr: Layer, qp: torch.Tensor, ck: torch.Tensor,
+                     cv: torch.Tensor) -> torch.Tensor:
+        """SDPA over the plan's slots up to `p.hi`, with its masks: [B, Hkv, G Lq, D]."""
+        hkv, g = self.num_kv_heads, self.group
         if lyr.window in p.masks:
             lo, mask = p.masks[lyr.window]
         else:  # a windowed layer over caches with positions: per layer and KV head
@@ -448,10 +459,8 @@ class Runner:
             old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
-        out = F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi], cv[:, :, lo: p.hi],
-                                             attn_mask=mask, scale=self.scale)
-        out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)
-        return out if p.in_order else out[p.pad]
+        return F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi], cv[:, :, lo: p.hi],
+                                              attn_mask=mask, scale=self.scale)
 
     @torch.inference_mode()
     def _forward(self, items: list[SeqBatchItem],

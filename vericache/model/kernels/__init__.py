@@ -5,14 +5,15 @@ KV head of a pass in one call, each row over its own key range, each key block r
 for every row that sees it, split across threads (ctypes drops the GIL for the call). On a
 2-vCPU EPYC at 16 sequences of 2k tokens (SmolLM2's 3 KV heads, 3 query heads each, one
 decode row), a layer took 6.4 ms on one thread and 3.1-5.4 ms on two, against 9.2 and 6.9
-ms for torch's SDPA with the batch's mask (/tmp probe; `benchmarks/attention_rate.py`
-measures it against this machine's read bandwidth).
+ms for torch's SDPA with the batch's mask (/tmp probe; `benchmarks/attention.py --sdpa-too`
+measures both against this machine's read bandwidth).
 
 The library is built once per source, flags and CPU (`-march=native`) into the models'
 cache folder (`$VERICACHE_CACHE_DIR`, default `~/.cache/vericache`), under kernels/,
-atomically, so that concurrent processes agree. Without a compiler, or with `VERICACHE_KERNELS=0`, `attend()` is None and the
-runner uses SDPA; the reason is logged once. Built with -ffast-math (vector expf): results
-differ from SDPA's in the last bits, as any two attention kernels do; the invariant pass
+atomically, so that concurrent processes agree. Without a compiler, or with
+`VERICACHE_KERNELS=0`, `attend()` is None and the runner uses SDPA; the reason is logged
+once. Compiled with -ffast-math (vector expf; linked without it, see FLAGS): results differ
+from SDPA's in the last bits, as any two attention kernels do; the invariant pass
 (`exact=bitwise`) never uses it.
 """
 
