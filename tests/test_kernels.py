@@ -82,7 +82,7 @@ def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
     from vericache.model.runner import SeqBatchItem
 
     r = lm.runner
-    assert r.attend_kernel is not None
+    assert isinstance(r.attend_kernel, kernels.Attend)
     ids = [prompts["code"][:900], prompts["long"][:1500], prompts["json"][:300]]
     news = [1, 9, 5]
 
