@@ -93,6 +93,7 @@ class _Plan:
     in_order: bool  # src and pad are both 0..T-1 (the pass's rows are the padded rows)
     hi: int  # keys read: slots [lo, hi), hi = the longest sequence's end
     masks: dict  # {window: (lo, mask [B, 1, G Lq, hi - lo] or None)}; None: causal only
+    # (empty where `ranges` serve every layer)
     # {window: (lo, hi) [B, G Lq] int64}: each row's keys as a range, for the native kernel
     # (`vericache.model.kernels`); None: SDPA with `masks`
     ranges: dict | None
@@ -394,17 +395,18 @@ class Runner:
                 return None
             return seen[:, None].expand(B, g, lq, hi - lo).reshape(B, 1, g * lq, hi - lo)
 
-        masks = {None: (0, mask_for(0, None))}
-        if positions is None:
-            for w in self.windows:
-                lo = max(0, int((past_t[slot_t] - w + 1).min()))
-                masks[w] = (lo, mask_for(lo, w))
-        ranges = None
-        if kernel:  # each row's keys as a range: [window start, own slot]
+        masks, ranges = {}, None
+        if kernel:  # each row's keys as a range, [window start, own slot], for every layer
             hi_rows = torch.where(real, row_slot + 1, 0)  # padding rows: no keys
             ranges = {w: (torch.where(real, (row_slot - w + 1).clamp(min=0), 0).repeat(1, g)
                           if w else torch.zeros_like(hi_rows).repeat(1, g), hi_rows.repeat(1, g))
                       for w in [None, *self.windows]}
+        else:  # SDPA's masks
+            masks[None] = (0, mask_for(0, None))
+            if positions is None:
+                for w in self.windows:
+                    lo = max(0, int((past_t[slot_t] - w + 1).min()))
+                    masks[w] = (lo, mask_for(lo, w))
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
         return _Plan(group, pool, caches[0] if pool is None else None, first, B, lq, slot_t, src, pad,
