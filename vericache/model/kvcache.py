@@ -28,9 +28,14 @@ two), so a batch that grows one request at a time re-pools log2(n) times, not n.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
+
+# a slot is handed out by `KVPool.claim` (a lane making a cache) and by `KVPool.hold` (a
+# pass adopting a cache that joins): one at a time, or two threads could take one slot
+_slots_lock = threading.Lock()
 
 
 class KVCache:
@@ -185,13 +190,14 @@ class KVPool:
     def claim(self) -> KVCache | None:
         """A new empty cache in the lowest free slot (its capacity: the pool's), or None when
         every slot is held. Nothing is copied: what the cache's owner writes lands in the pool."""
-        free = self.free_slots()
-        if not free:
-            return None
-        c = KVCache.__new__(KVCache)
-        c.length = 0
-        self._bind(c, free[0])
-        return c
+        with _slots_lock:
+            free = self.free_slots()
+            if not free:
+                return None
+            c = KVCache.__new__(KVCache)
+            c.length = 0
+            self._bind(c, free[0])
+            return c
 
     def ready(self, lo: int, top: int, hi: int) -> None:
         """Make slots [lo, top) finite up to token `hi` (what one call over them reads):
@@ -233,13 +239,14 @@ class KVPool:
         pool = max(pools, key=lambda p: sum(q is p for q in pools), default=None)
         if pool is not None:
             joining = [c for c in caches if c.pool is not pool]
-            free = pool.free_slots()
-            if len(joining) <= len(free) and all(c.capacity <= pool.capacity for c in joining):
-                slots = [c.slot for c in caches if c.pool is pool] + free[:len(joining)]
-                lo, top = min(slots), max(slots) + 1
-                if 2 * len(caches) >= top - lo:
-                    for c, s in zip(joining, free):
-                        pool._adopt(c, s)
-                    return pool, lo, top
+            with _slots_lock:
+                free = pool.free_slots()
+                if len(joining) <= len(free) and all(c.capacity <= pool.capacity for c in joining):
+                    slots = [c.slot for c in caches if c.pool is pool] + free[:len(joining)]
+                    lo, top = min(slots), max(slots) + 1
+                    if 2 * len(caches) >= top - lo:
+                        for c, s in zip(joining, free):
+                            pool._adopt(c, s)
+                        return pool, lo, top
         spare = 1 << (len(caches) - 1).bit_length() if caches[0].k.device.type == "cpu" else 0
         return cls.of(caches, spare), 0, len(caches)
