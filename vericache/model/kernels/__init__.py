@@ -101,8 +101,7 @@ class Attend:
         if threads > 1 and tasks < 2 * threads:  # few tasks (batch 1): split the keys instead
             return self._split_keys(q, k, v, lo, hi, scale, threads)
         out = torch.empty_like(q)
-        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                lo.data_ptr(), hi.data_ptr(), out.data_ptr(), H, R, D, float(scale))
+        args = self._args(q, k, v, lo, hi, out, scale)
         cuts = [tasks * i // threads for i in range(threads + 1)] if threads > 1 else [0, tasks]
         self._run([(args, cuts[i], cuts[i + 1], None) for i in range(len(cuts) - 1)])
         return out
@@ -114,19 +113,21 @@ class Attend:
         cuts = [first + (last - first) * i // n for i in range(n + 1)]
         outs = torch.empty(n, B, H, R, D)
         lses = torch.empty(n, B, H, R)
-        calls, keep = [], []
-        for i in range(n):
-            lo_i, hi_i = lo.clamp(min=cuts[i]), hi.clamp(max=cuts[i + 1])
-            keep.append((lo_i, hi_i))
-            args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                    k.stride(2), lo_i.data_ptr(), hi_i.data_ptr(), outs[i].data_ptr(), H, R, D,
-                    float(scale))
-            calls.append((args, 0, B * H, lses[i].data_ptr()))
-        self._run(calls)
+        ranges = [(lo.clamp(min=cuts[i]), hi.clamp(max=cuts[i + 1])) for i in range(n)]
+        self._run([(self._args(q, k, v, lo_i, hi_i, outs[i], scale), 0, B * H, lses[i].data_ptr())
+                   for i, (lo_i, hi_i) in enumerate(ranges)])
         w = torch.exp(lses - lses.max(0).values)  # [n, B, H, R]; a part with no keys: 0
         total = w.sum(0)
         out = (outs * w[..., None]).sum(0) / total.clamp(min=1e-30)[..., None]
         return out
+
+    @staticmethod
+    def _args(q, k, v, lo, hi, out, scale) -> tuple:
+        """The kernel's arguments up to the task range (pointers into the tensors: the
+        caller keeps them alive through the call)."""
+        return (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                lo.data_ptr(), hi.data_ptr(), out.data_ptr(), q.shape[1], q.shape[2], q.shape[3],
+                float(scale))
 
     def _run(self, calls: list) -> None:
         """Each (args, t0, t1, lse) call on a thread of its own (the first on this one)."""
