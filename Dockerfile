@@ -27,8 +27,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH
 
 # Bases without Python (nvidia/cuda) get it from apt; everything goes into a venv either way.
-# gcc and libc6-dev: the native attention kernel is compiled on first use, for the CPU it runs
-# on (vericache.model.kernels; without them the runner uses SDPA and logs why).
+# gcc and libc6-dev: the native attention and product kernels are compiled on first use, for
+# the CPU they run on (vericache.model.kernels; without them the runner uses torch's and
+# logs why).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
         $(command -v python3 >/dev/null || echo python3 python3-venv) \
     && rm -rf /var/lib/apt/lists/* \

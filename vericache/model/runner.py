@@ -59,6 +59,13 @@ ROW_BLOCK = 16
 KERNEL_ROWS = 64
 # keys x KV heads from which a kernel call uses threads (8 MB of KV in SmolLM2)
 KERNEL_SPLIT_KEYS = 1 << 14
+# The native product (`vericache.model.kernels.linear`) serves a fast pass's projections,
+# MLP and LM head up to this many rows, on the caller's threads; F.linear (MKL) the rest.
+# Measured on the 2-vCPU EPYC over one SmolLM2 layer's matrices and its LM head (ms, kernel
+# on 2 threads / MKL on 1 / MKL on 2): 1 row 3.0 / 7.7 / 8.4, 4 rows 3.4 / 13.0 / 12.5,
+# 33 rows 12.5 / 35.4 / 22.6, 256 rows 89 / 193 / 111, 512 rows 332 / 401 / 216
+# (/tmp probe). The weights are read once for all rows; MKL's GEMM blocks better from ~512.
+LINEAR_ROWS = 256
 _outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
 
@@ -142,8 +149,9 @@ class Runner:
         self._arena_lock = threading.Lock()  # the lanes' threads make caches
         # the fast path's batch attention for float32 on CPU (`vericache.model.kernels`;
         # None: SDPA with masks, as on other devices and dtypes)
-        self.attend_kernel = (kernels.attend() if self.device.type == "cpu"
-                              and self.dtype == torch.float32 else None)
+        native = self.device.type == "cpu" and self.dtype == torch.float32
+        self.attend_kernel = kernels.attend() if native else None
+        self.linear_kernel = kernels.linear() if native else None
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -311,8 +319,20 @@ class Runner:
         its KV heads, else 1. A skinny pass's products are bound by one thread's reads of the
         weights; a batch's attention over long caches is not (16 x 7.6k decode, SmolLM2: a pass
         took 590 ms with the kernel on two threads, 800 on one, 900 with one-thread SDPA)."""
-        threads = getattr(_outer, "threads", None) or torch.get_num_threads()
-        return threads if p.keys * hkv >= KERNEL_SPLIT_KEYS else 1
+        return Runner._threads() if p.keys * hkv >= KERNEL_SPLIT_KEYS else 1
+
+    @staticmethod
+    def _threads() -> int:
+        """The calling thread's intra-op thread count (the one before a `_one_thread`)."""
+        return getattr(_outer, "threads", None) or torch.get_num_threads()
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None = None) -> torch.Tensor:
+        """A fast pass's product: the native kernel for at most LINEAR_ROWS rows (on all of
+        the caller's threads: reading the weights is the cost), else F.linear."""
+        if self.linear_kernel is not None and x.shape[0] <= LINEAR_ROWS:
+            return self.linear_kernel(x, w, b, self._threads())
+        return F.linear(x, w, b)
 
     @staticmethod
     def _block_linear(x: torch.Tensor, w: torch.Tensor,
@@ -509,7 +529,7 @@ class Runner:
         masks = {i: self._masks(items[i], lens[i], pasts[i]) for i in explicit}
         captures = [(it, s0, L) for it, s0, L in zip(items, starts, lens) if it.capture_q is not None]
         one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
-        lin = self._block_linear if invariant else F.linear
+        lin = self._block_linear if invariant else self._linear
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -599,8 +619,7 @@ class Runner:
         return self._attend(q[s0: s0 + L], ck[:, lo: past + L], cv[:, lo: past + L], mask,
                             votes[:, lo:])
 
-    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor,
-                lin=F.linear):
+    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin):
         """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
         rows, spans, start = [], [], 0
         for it, L in zip(items, lens):

@@ -8,13 +8,19 @@ decode row), a layer took 6.4 ms on one thread and 3.1-5.4 ms on two, against 9.
 ms for torch's SDPA with the batch's mask (/tmp probe; `benchmarks/attention.py --sdpa-too`
 measures both against this machine's read bandwidth).
 
-The library is built once per source, flags and CPU (`-march=native`) into the models'
+`linear()`: the fast path's products of at most `runner.LINEAR_ROWS` rows (`linear.c`):
+each block of weight rows read once for every row, the output features split between the
+caller's OpenMP threads. At batch 1 the pass reads the weights; MKL's GEMV read them at
+16 GB/s on one thread of this EPYC and no faster on two, the kernel at 42 GB/s on two.
+
+Each library is built once per source, flags and CPU (`-march=native`) into the models'
 cache folder (`$VERICACHE_CACHE_DIR`, default `~/.cache/vericache`), under kernels/,
 atomically, so that concurrent processes agree. Without a compiler, or with
-`VERICACHE_KERNELS=0`, `attend()` is None and the runner uses SDPA; the reason is logged
-once. Compiled with -ffast-math (vector expf; linked without it, see FLAGS): results differ
-from SDPA's in the last bits, as any two attention kernels do; the invariant pass
-(`exact=bitwise`) never uses it.
+`VERICACHE_KERNELS=0`, `attend()` and `linear()` are None and the runner uses SDPA and
+F.linear; the reason is logged once. The attention is compiled with -ffast-math (vector
+expf; linked without it, see LIBRARIES): results differ from SDPA's in the last bits, as
+any two attention kernels do. The products differ from MKL's in the last bits too (another
+summation order). The invariant pass (`exact=bitwise`) uses neither.
 """
 
 from __future__ import annotations
@@ -34,12 +40,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("attend.c")
-# compiled with -ffast-math (vector expf), linked without it: gcc links a library built with
-# it to crtfastmath.o, which on load sets flush-to-zero for the whole process (subnormals
-# became 0 in torch and numpy alike; hypothesis refused to run)
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
-LIBS = ["-lmvec", "-lm"]
+HERE = Path(__file__).parent
+# name -> (source, compile flags, link flags). attend.c is compiled with -ffast-math (vector
+# expf) and linked without it: gcc links a library built with it to crtfastmath.o, which on
+# load sets flush-to-zero for the whole process (subnormals became 0 in torch and numpy
+# alike; hypothesis refused to run). linear.c is compiled without it (its sums keep the order
+# written) and with OpenMP: its libgomp.so.1 is the one torch has loaded.
+LIBRARIES = {
+    "attend": (HERE / "attend.c", ["-O3", "-march=native", "-ffast-math", "-fPIC"],
+               ["-lmvec", "-lm"]),
+    "linear": (HERE / "linear.c", ["-O3", "-march=native", "-fopenmp", "-fPIC"], ["-fopenmp"]),
+}
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -54,21 +65,22 @@ def _cpu() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build() -> Path:
+def _build(name: str) -> Path:
     from vericache.model.loader import cache_root  # (the loader imports the runner, this)
 
+    source, flags, libs = LIBRARIES[name]
     cache = cache_root()
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *FLAGS, "-shared", *LIBS,
+    key = hashlib.sha256("\0".join([source.read_text(), cc, *flags, "-shared", *libs,
                                      _cpu()]).encode())
-    out = cache / "kernels" / f"attend-{key.hexdigest()[:16]}.so"
+    out = cache / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, so = Path(tmp) / "attend.o", Path(tmp) / out.name
-        for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)],
-                    [cc, "-shared", "-o", str(so), str(obj), *LIBS]):
+        obj, so = Path(tmp) / f"{name}.o", Path(tmp) / out.name
+        for cmd in ([cc, *flags, "-c", "-o", str(obj), str(source)],
+                    [cc, "-shared", "-o", str(so), str(obj), *libs]):
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(so, out)  # atomic: a concurrent build writes the same bytes
     return out
@@ -148,16 +160,55 @@ class Attend:
             return self._pool
 
 
-def attend() -> Attend | None:
-    """The compiled kernel, or None (no compiler, a failed build, or VERICACHE_KERNELS=0)."""
+class Linear:
+    """`linear(x, w, b, threads)` -> x w^T + b, for skinny x (`linear.c`): x [m, k], w [n, k],
+    b [n] or None, float32 and contiguous on CPU; the output features split between `threads`
+    OpenMP threads. Each output's sum runs in an order fixed by k alone: a row's result is
+    the same bits whatever other rows share the call and however many threads run it."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.vc_linear_f32
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [p, p, p, p, i, i, i, i]
+        self._fn.restype = None
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                 threads: int = 1) -> torch.Tensor:
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError("linear: float32 on CPU only")
+        if not w.is_contiguous() or (b is not None and not b.is_contiguous()):
+            raise ValueError("linear: w and b must be contiguous")
+        x = x.contiguous()
+        (m, k), n = x.shape, w.shape[0]
+        if w.shape[1] != k:
+            raise ValueError(f"linear: x has {k} columns, w {w.shape[1]}")
+        y = x.new_empty(m, n)
+        self._fn(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                 m, n, k, threads)
+        return y
+
+
+def _load(name: str, kind: type):
+    """The compiled library `name` wrapped in `kind`, or None (no compiler, a failed build, or
+    VERICACHE_KERNELS=0); built once a process."""
     if os.environ.get("VERICACHE_KERNELS", "1") == "0":
         return None
     with _lock:
-        if "attend" not in _loaded:
+        if name not in _loaded:
             try:
-                _loaded["attend"] = Attend(ctypes.CDLL(str(_build())))
+                _loaded[name] = kind(ctypes.CDLL(str(_build(name))))
             except (OSError, subprocess.SubprocessError) as e:
                 detail = getattr(e, "stderr", "") or e
-                log.warning("native attention kernel unavailable (%s); using SDPA", detail)
-                _loaded["attend"] = None
-        return _loaded["attend"]
+                log.warning("native %s kernel unavailable (%s); using torch's", name, detail)
+                _loaded[name] = None
+        return _loaded[name]
+
+
+def attend() -> Attend | None:
+    """The compiled attention kernel, or None (the runner then uses SDPA)."""
+    return _load("attend", Attend)
+
+
+def linear() -> Linear | None:
+    """The compiled skinny-product kernel, or None (the runner then uses F.linear)."""
+    return _load("linear", Linear)
