@@ -39,10 +39,11 @@ from vericache.model.families import SUPPORTED, Layer, Weights, extract
 from vericache.model.kvcache import KVCache, KVPool
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
-# A CPU pass of fewer tokens than this (decode, draft and small verify steps: skinny matrix
-# products, bound by reading the weights) runs on one intra-op thread: measured on the 2-vCPU
-# CI machine from a lane thread, 1 thread took 59 / 127 / 183 / 293 ms at 1 / 4 / 16 / 33
-# tokens against 87 / 206 / 266 / 312 ms with 2, and 2 threads win from 64 tokens on.
+# A CPU pass of fewer tokens than this (decode, draft and small verify steps) runs torch's
+# ops on one intra-op thread: measured on the 2-vCPU CI machine from a lane thread, 1 thread
+# took 59 / 127 / 183 / 293 ms at 1 / 4 / 16 / 33 tokens against 87 / 206 / 266 / 312 ms
+# with 2, and 2 threads won from 64 tokens on (MKL's products, which the native kernels now
+# take where they serve: those run on the thread's own count, `Runner._threads`).
 SMALL_PASS_ROWS = 48
 # The invariant pass (items marked `bitwise`) runs every matrix product in calls of exactly
 # this many rows, on one thread: a GEMM's reduction order is fixed by its call's shape and
@@ -57,8 +58,6 @@ ROW_BLOCK = 16
 # rows a sequence (decode, draft and verify steps); a prefill chunk's rows are a matrix
 # product's work, which SDPA does better
 KERNEL_ROWS = 64
-# keys x KV heads from which a kernel call uses threads (8 MB of KV in SmolLM2)
-KERNEL_SPLIT_KEYS = 1 << 14
 # The native product (`vericache.model.kernels.linear`) serves a fast pass's projections,
 # MLP and LM head up to this many rows, on the caller's threads; F.linear (MKL) the rest.
 # Measured on the 2-vCPU EPYC over one SmolLM2 layer's matrices and its LM head (ms, kernel
@@ -104,7 +103,6 @@ class _Plan:
     # {window: (lo, hi) [B, G Lq] int64}: each row's keys as a range, for the native kernel
     # (`vericache.model.kernels`); None: SDPA with `masks`
     ranges: dict | None
-    keys: int  # the keys the group's sequences read (their caches after the pass, summed)
     positions: torch.Tensor | None  # [B, Lq] rows' positions (caches with positions)
     write_slot: torch.Tensor | None  # [Tp] the batch row each new K/V goes to (a pool)
     write_pos: torch.Tensor  # [Tp] the cache slot it goes to
@@ -299,8 +297,8 @@ class Runner:
     @staticmethod
     def _one_thread(run):
         """run() on one intra-op thread. The setting is this thread's (OpenMP's and MKL's are
-        per thread), so passes of other threads keep theirs; the native attention kernel still
-        splits a large batch's attention across the thread's own count (`_kernel_threads`)."""
+        per thread), so passes of other threads keep theirs; the native kernels still run on
+        the thread's own count (`_threads`)."""
         threads = torch.get_num_threads()
         if threads == 1:
             return run()
@@ -313,17 +311,10 @@ class Runner:
             torch.set_num_threads(threads)
 
     @staticmethod
-    def _kernel_threads(p: "_Plan", hkv: int) -> int:
-        """Threads for one kernel call: the calling thread's intra-op count (the one before a
-        small pass's `_one_thread`) when the call reads at least KERNEL_SPLIT_KEYS keys over
-        its KV heads, else 1. A skinny pass's products are bound by one thread's reads of the
-        weights; a batch's attention over long caches is not (16 x 7.6k decode, SmolLM2: a pass
-        took 590 ms with the kernel on two threads, 800 on one, 900 with one-thread SDPA)."""
-        return Runner._threads() if p.keys * hkv >= KERNEL_SPLIT_KEYS else 1
-
-    @staticmethod
     def _threads() -> int:
-        """The calling thread's intra-op thread count (the one before a `_one_thread`)."""
+        """The calling thread's intra-op thread count (the one before a `_one_thread`): the
+        native kernels' threads, in every pass (OpenMP's hand-off costs microseconds; batch-1
+        decode attention at 7k, SmolLM2 layer: 0.35 ms on two threads, 0.59 on one)."""
         return getattr(_outer, "threads", None) or torch.get_num_threads()
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor,
@@ -430,7 +421,7 @@ class Runner:
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
         return _Plan(group, pool, caches[0] if pool is None else None, first, B, lq, slot_t, src, pad,
-                     in_order, hi, masks, ranges, sum(pasts[i] + lens[i] for i in group), positions,
+                     in_order, hi, masks, ranges, positions,
                      slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
                      torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev))
 
@@ -461,7 +452,7 @@ class Runner:
         if p.ranges is not None and lyr.window in p.ranges:
             lo_r, hi_r = p.ranges[lyr.window]
             out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale,
-                                     self._kernel_threads(p, hkv))
+                                     self._threads())
         else:
             out = self._attend_sdpa(p, li, lyr, qp, ck, cv)
         out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)

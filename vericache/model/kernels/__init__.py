@@ -2,7 +2,8 @@
 
 `attend()`: the batch attention of the runner's fast path (`attend.c`): every sequence and
 KV head of a pass in one call, each row over its own key range, each key block read once
-for every row that sees it, split across threads (ctypes drops the GIL for the call). On a
+for every row that sees it, split across the caller's OpenMP threads (ctypes drops the GIL
+for the call). On a
 2-vCPU EPYC at 16 sequences of 2k tokens (SmolLM2's 3 KV heads, 3 query heads each, one
 decode row), a layer took 6.4 ms on one thread and 3.1-5.4 ms on two, against 9.2 and 6.9
 ms for torch's SDPA with the batch's mask (/tmp probe; `benchmarks/attention.py --sdpa-too`
@@ -33,7 +34,6 @@ import platform
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,10 +45,10 @@ HERE = Path(__file__).parent
 # expf) and linked without it: gcc links a library built with it to crtfastmath.o, which on
 # load sets flush-to-zero for the whole process (subnormals became 0 in torch and numpy
 # alike; hypothesis refused to run). linear.c is compiled without it (its sums keep the order
-# written) and with OpenMP: its libgomp.so.1 is the one torch has loaded.
+# written). Both use OpenMP: the libgomp.so.1 they link is the one torch has loaded.
 LIBRARIES = {
-    "attend": (HERE / "attend.c", ["-O3", "-march=native", "-ffast-math", "-fPIC"],
-               ["-lmvec", "-lm"]),
+    "attend": (HERE / "attend.c", ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"],
+               ["-fopenmp", "-lmvec", "-lm"]),
     "linear": (HERE / "linear.c", ["-O3", "-march=native", "-fopenmp", "-fPIC"], ["-fopenmp"]),
 }
 
@@ -90,15 +90,14 @@ class Attend:
     """`attend(q, k, v, lo, hi, scale, threads)` -> out: q [B, H, R, D] float32 (any
     layout; made contiguous); k, v [B, H, N, D] float32 views with unit stride within a key
     (a pool's slots); lo, hi [B, R] int64: row r of sequence b attends over keys
-    [lo, hi) (none: zeros). `threads` split the B * H tasks."""
+    [lo, hi) (none: zeros). `threads` OpenMP threads split the B * H tasks, or each task's
+    keys when the tasks are few (batch 1)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.vc_attend_f32
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, ctypes.c_float, i, i, p]
+        self._fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, i, ctypes.c_float, i]
         self._fn.restype = ctypes.c_int
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                  hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
@@ -109,55 +108,12 @@ class Attend:
         q = q.contiguous()
         lo, hi = lo.contiguous(), hi.contiguous()
         B, H, R, D = q.shape
-        tasks = B * H
-        if threads > 1 and tasks < 2 * threads:  # few tasks (batch 1): split the keys instead
-            return self._split_keys(q, k, v, lo, hi, scale, threads)
         out = torch.empty_like(q)
-        args = self._args(q, k, v, lo, hi, out, scale)
-        cuts = [tasks * i // threads for i in range(threads + 1)] if threads > 1 else [0, tasks]
-        self._run([(args, cuts[i], cuts[i + 1], None) for i in range(len(cuts) - 1)])
-        return out
-
-    def _split_keys(self, q, k, v, lo, hi, scale, n: int) -> torch.Tensor:
-        """The keys in `n` even parts, one call each, combined by their rows' log-sum-exps."""
-        B, H, R, D = q.shape
-        first, last = int(lo.min()), int(hi.max())
-        cuts = [first + (last - first) * i // n for i in range(n + 1)]
-        outs = torch.empty(n, B, H, R, D)
-        lses = torch.empty(n, B, H, R)
-        ranges = [(lo.clamp(min=cuts[i]), hi.clamp(max=cuts[i + 1])) for i in range(n)]
-        self._run([(self._args(q, k, v, lo_i, hi_i, outs[i], scale), 0, B * H, lses[i].data_ptr())
-                   for i, (lo_i, hi_i) in enumerate(ranges)])
-        w = torch.exp(lses - lses.max(0).values)  # [n, B, H, R]; a part with no keys: 0
-        total = w.sum(0)
-        out = (outs * w[..., None]).sum(0) / total.clamp(min=1e-30)[..., None]
-        return out
-
-    @staticmethod
-    def _args(q, k, v, lo, hi, out, scale) -> tuple:
-        """The kernel's arguments up to the task range (pointers into the tensors: the
-        caller keeps them alive through the call)."""
-        return (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                lo.data_ptr(), hi.data_ptr(), out.data_ptr(), q.shape[1], q.shape[2], q.shape[3],
-                float(scale))
-
-    def _run(self, calls: list) -> None:
-        """Each (args, t0, t1, lse) call on a thread of its own (the first on this one)."""
-        futures = []
-        if len(calls) > 1:
-            pool = self._workers_for(len(calls) - 1)
-            futures = [pool.submit(self._fn, *a, t0, t1, lse) for a, t0, t1, lse in calls[1:]]
-        a, t0, t1, lse = calls[0]
-        rc = [self._fn(*a, t0, t1, lse)] + [f.result() for f in futures]
-        if any(rc):
+        if self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                    k.stride(2), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), B, H, R, D,
+                    float(scale), threads):
             raise MemoryError("attend: out of memory for its buffers")
-
-    def _workers_for(self, n: int) -> ThreadPoolExecutor:
-        with _lock:
-            if self._workers < n:
-                self._pool = ThreadPoolExecutor(n, thread_name_prefix="vericache-attend")
-                self._workers = n
-            return self._pool
+        return out
 
 
 class Linear:

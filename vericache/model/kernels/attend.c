@@ -9,9 +9,9 @@
  *
  * q, out: [B, H, R, D] contiguous float32; k, v: float32 with element strides sb, sh, sn for
  * b, h and the key, and 1 within a key (a pool's slots as they lie); lo, hi: [B, R] int64.
- * lse (NULL, or [B, H, R]): each row's log-sum-exp of its scores (-FLT_MAX: no keys), with
- * which a caller that split the keys between calls combines their outputs.
- * The caller splits [0, B * H), or the keys, between its threads (ctypes drops the GIL).
+ * The work goes to `threads` OpenMP threads (the runtime torch has loaded): whole tasks when
+ * there are enough of them, else each task's keys in parts (batch 1: a few KV heads), each
+ * part with its own running max and sum, combined by them at the end.
  */
 #include <float.h>
 #include <math.h>
@@ -19,68 +19,129 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #define BLOCK 64
 
-int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
-                  int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t H,
-                  int64_t R, int64_t D, float scale, int64_t t0, int64_t t1, float *lse) {
-    float *acc = malloc(sizeof(float) * (size_t)(R * D + 2 * R + BLOCK));
-    if (!acc) return -1;
-    float *m = acc + R * D, *l = m + R, *s = l + R;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t b = t / H, h = t % H;
-        const float *kb = k + b * sb + h * sh, *vb = v + b * sb + h * sh;
-        const float *qb = q + t * R * D;
-        const int64_t *lob = lo + b * R, *hib = hi + b * R;
-        int64_t first = INT64_MAX, last = 0;
-        for (int64_t r = 0; r < R; r++) {
-            m[r] = -FLT_MAX;  /* no infinities: built with -ffast-math (vector expf) */
-            l[r] = 0.0f;
-            if (lob[r] < hib[r]) {
-                if (lob[r] < first) first = lob[r];
-                if (hib[r] > last) last = hib[r];
-            }
-        }
-        memset(acc, 0, sizeof(float) * (size_t)(R * D));
-        for (int64_t j0 = first; j0 < last; j0 += BLOCK) {
-            const int64_t j1 = j0 + BLOCK < last ? j0 + BLOCK : last;
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t a = lob[r] > j0 ? lob[r] : j0, e = hib[r] < j1 ? hib[r] : j1;
-                if (a >= e) continue;
-                const float *qr = qb + r * D;
-                const int64_t n = e - a;
-                for (int64_t i = 0; i < n; i++) {
-                    const float *kj = kb + (a + i) * sn;
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
-                    s[i] = dot * scale;
-                }
-                float mx = m[r];
-                for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-                const float corr = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - mx);
-                float sum = 0.0f;
-                for (int64_t i = 0; i < n; i++) {
-                    s[i] = expf(s[i] - mx);
-                    sum += s[i];
-                }
-                float *ar = acc + r * D;
-                for (int64_t d = 0; d < D; d++) ar[d] *= corr;
-                for (int64_t i = 0; i < n; i++) {
-                    const float *vj = vb + (a + i) * sn;
-                    const float p = s[i];
-                    for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
-                }
-                l[r] = l[r] * corr + sum;
-                m[r] = mx;
-            }
-        }
-        float *ob = out + t * R * D;
-        for (int64_t r = 0; r < R; r++) {
-            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            for (int64_t d = 0; d < D; d++) ob[r * D + d] = acc[r * D + d] * inv;
-            if (lse) lse[t * R + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -FLT_MAX;
+/* Task t's rows over the keys [j_lo, j_hi) (each row's range clipped to it): the unnormalised
+ * output acc [R, D], each row's running max m [R] and sum l [R]; s: BLOCK scratch. */
+static void part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
+                 int64_t sn, const int64_t *lo, const int64_t *hi, int64_t H, int64_t R,
+                 int64_t D, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc,
+                 float *m, float *l, float *s) {
+    const int64_t b = t / H, h = t % H;
+    const float *kb = k + b * sb + h * sh, *vb = v + b * sb + h * sh;
+    const float *qb = q + t * R * D;
+    const int64_t *lob = lo + b * R, *hib = hi + b * R;
+    int64_t first = INT64_MAX, last = 0;
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -FLT_MAX; /* no infinities: built with -ffast-math (vector expf) */
+        l[r] = 0.0f;
+        const int64_t a = lob[r] > j_lo ? lob[r] : j_lo, e = hib[r] < j_hi ? hib[r] : j_hi;
+        if (a < e) {
+            if (a < first) first = a;
+            if (e > last) last = e;
         }
     }
-    free(acc);
-    return 0;
+    memset(acc, 0, sizeof(float) * (size_t)(R * D));
+    for (int64_t j0 = first; j0 < last; j0 += BLOCK) {
+        const int64_t j1 = j0 + BLOCK < last ? j0 + BLOCK : last;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t a = lob[r] > j0 ? lob[r] : j0, e = hib[r] < j1 ? hib[r] : j1;
+            if (a >= e) continue;
+            const float *qr = qb + r * D;
+            const int64_t n = e - a;
+            for (int64_t i = 0; i < n; i++) {
+                const float *kj = kb + (a + i) * sn;
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
+                s[i] = dot * scale;
+            }
+            float mx = m[r];
+            for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+            const float corr = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - mx);
+            float sum = 0.0f;
+            for (int64_t i = 0; i < n; i++) {
+                s[i] = expf(s[i] - mx);
+                sum += s[i];
+            }
+            float *ar = acc + r * D;
+            for (int64_t d = 0; d < D; d++) ar[d] *= corr;
+            for (int64_t i = 0; i < n; i++) {
+                const float *vj = vb + (a + i) * sn;
+                const float p = s[i];
+                for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mx;
+        }
+    }
+}
+
+int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
+                  int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
+                  int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
+    const int64_t tasks = B * H;
+    /* parts a task's keys split into: 1 where the tasks keep every thread busy */
+    const int64_t parts =
+        threads == 1 || tasks >= 2 * threads ? 1 : (2 * threads + tasks - 1) / tasks;
+    int64_t first = INT64_MAX, last = 0;
+    for (int64_t i = 0; i < B * R; i++)
+        if (lo[i] < hi[i]) {
+            if (lo[i] < first) first = lo[i];
+            if (hi[i] > last) last = hi[i];
+        }
+    if (first > last) first = last = 0;
+    /* each unit (task, part): acc [R, D], m [R], l [R] */
+    const int64_t stride = R * (D + 2), units = tasks * parts;
+    float *scratch = malloc(sizeof(float) * (size_t)(units * stride));
+    int failed = scratch == NULL;
+    if (failed) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = malloc(sizeof(float) * BLOCK);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (!s) continue;
+            const int64_t t = u / parts, p = u % parts;
+            /* the parts' bounds on BLOCK multiples from `first` */
+            const int64_t blocks = (last - first + BLOCK - 1) / BLOCK;
+            const int64_t j_lo = first + blocks * p / parts * BLOCK;
+            int64_t j_hi = first + blocks * (p + 1) / parts * BLOCK;
+            if (j_hi > last) j_hi = last;
+            float *acc = scratch + u * stride;
+            part(q, k, v, sb, sh, sn, lo, hi, H, R, D, scale, t, j_lo, j_hi, acc, acc + R * D,
+                 acc + R * D + R, s);
+        }
+        free(s);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            float *ob = out + t * R * D;
+            for (int64_t r = 0; r < R; r++) {
+                float mx = -FLT_MAX, total = 0.0f;
+                for (int64_t p = 0; p < parts; p++) {
+                    const float mp = scratch[(t * parts + p) * stride + R * D + r];
+                    mx = mp > mx ? mp : mx;
+                }
+                float *o = ob + r * D;
+                memset(o, 0, sizeof(float) * (size_t)D);
+                for (int64_t p = 0; p < parts; p++) {
+                    const float *u = scratch + (t * parts + p) * stride;
+                    const float lp = u[R * D + R + r];
+                    if (lp <= 0.0f) continue; /* a part with no keys for this row */
+                    const float w = expf(u[R * D + r] - mx);
+                    total += w * lp;
+                    for (int64_t d = 0; d < D; d++) o[d] += w * u[r * D + d];
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+    free(scratch);
+    return failed ? -1 : 0;
 }
