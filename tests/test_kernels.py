@@ -29,12 +29,13 @@ def _reference(q, k, v, lo, hi, scale):
     return torch.where(seen.any(-1)[:, None, :, None], out, 0.0)
 
 
-@pytest.mark.parametrize("batch,rows,window,threads", [
-    (5, 3, None, 1), (5, 27, None, 2), (5, 9, 40, 2), (5, 64, 300, 1),
-    (1, 3, None, 2), (1, 9, 100, 2), (2, 9, None, 3)])  # few tasks: the keys split by thread
-def test_kernel_equals_sdpa(attend, batch, rows, window, threads):
+@pytest.mark.parametrize("batch,rows,window,threads,D", [
+    (5, 3, None, 1, 64), (5, 27, None, 2, 64), (5, 9, 40, 2, 64), (5, 64, 300, 1, 64),
+    (1, 3, None, 2, 64), (1, 9, 100, 2, 64), (2, 9, None, 3, 64),  # few tasks: keys in parts
+    (3, 6, None, 2, 128), (2, 3, 50, 1, 40)])  # head sizes in vectors (64, 128) and in scalars
+def test_kernel_equals_sdpa(attend, batch, rows, window, threads, D):
     g = torch.Generator().manual_seed(rows)
-    B, H, D, cap = batch, 3, 64, 700
+    B, H, cap = batch, 3, 700
     # a pool's slots: k, v strided views ([L, S, H, cap, D] storage, one layer's slots)
     store = torch.randn(2, 2, B + 2, H, cap, D, generator=g)
     k, v = store[0, 1, 1:B + 1], store[1, 1, 1:B + 1]
@@ -47,8 +48,8 @@ def test_kernel_equals_sdpa(attend, batch, rows, window, threads):
     if B > 1:
         hi[1, :] = 0  # a padding sequence: its rows see nothing
         lo[1, :] = 0
-    out = attend(q, k, v, lo, hi, 0.125, threads)
-    ref = _reference(q, k, v, lo, hi, 0.125)
+    out = attend(q, k, v, lo, hi, D ** -0.5, threads)
+    ref = _reference(q, k, v, lo, hi, D ** -0.5)
     assert float((out - ref).abs().max()) < 2e-5
     if B > 1:
         assert bool((out[1] == 0).all())

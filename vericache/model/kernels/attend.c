@@ -23,12 +23,49 @@
 
 #define BLOCK 64
 
+typedef float vf __attribute__((vector_size(16 * sizeof(float))));
+
+static inline vf load(const float *p) {
+    vf r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+/* lane j: the sum of a[j]'s lanes (16 vectors reduced at once: 15 shuffle-add pairs) */
+static inline vf hsum16(vf *a) {
+    vf c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
 /* Task t's rows over the keys [j_lo, j_hi) (each row's range clipped to it): the unnormalised
- * output acc [R, D], each row's running max m [R] and sum l [R]; s: BLOCK scratch. */
-static void part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
-                 int64_t sn, const int64_t *lo, const int64_t *hi, int64_t H, int64_t R,
-                 int64_t D, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc,
-                 float *m, float *l, float *s) {
+ * output acc [R, D], each row's running max m [R] and sum l [R]; s: BLOCK scratch.
+ * NV > 0: D = 16 NV, in vectors (16 keys' scores at once, the row's output in registers);
+ * NV = 0: any D, in scalar loops. */
+static inline __attribute__((always_inline)) void
+part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh, int64_t sn,
+     const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
+     float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m, float *l,
+     float *s) {
     const int64_t b = t / H, h = t % H;
     const float *kb = k + b * sb + h * sh, *vb = v + b * sb + h * sh;
     const float *qb = q + t * R * D;
@@ -51,26 +88,51 @@ static void part(const float *q, const float *k, const float *v, int64_t sb, int
             if (a >= e) continue;
             const float *qr = qb + r * D;
             const int64_t n = e - a;
-            for (int64_t i = 0; i < n; i++) {
+            int64_t i = 0;
+            if (NV) {
+                vf qv[NV > 0 ? NV : 1];
+                for (int c = 0; c < NV; c++) qv[c] = load(qr + 16 * c);
+                for (; i + 16 <= n; i += 16) {
+                    vf dots[16];
+                    for (int j = 0; j < 16; j++) {
+                        const float *kj = kb + (a + i + j) * sn;
+                        dots[j] = qv[0] * load(kj);
+                        for (int c = 1; c < NV; c++) dots[j] += qv[c] * load(kj + 16 * c);
+                    }
+                    store(s + i, hsum16(dots) * scale);
+                }
+            }
+            for (; i < n; i++) {
                 const float *kj = kb + (a + i) * sn;
                 float dot = 0.0f;
                 for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
                 s[i] = dot * scale;
             }
             float mx = m[r];
-            for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+            for (i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             const float corr = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - mx);
             float sum = 0.0f;
-            for (int64_t i = 0; i < n; i++) {
+            for (i = 0; i < n; i++) {
                 s[i] = expf(s[i] - mx);
                 sum += s[i];
             }
             float *ar = acc + r * D;
-            for (int64_t d = 0; d < D; d++) ar[d] *= corr;
-            for (int64_t i = 0; i < n; i++) {
-                const float *vj = vb + (a + i) * sn;
-                const float p = s[i];
-                for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+            if (NV) {
+                vf o[NV > 0 ? NV : 1];
+                for (int c = 0; c < NV; c++) o[c] = load(ar + 16 * c) * corr;
+                for (i = 0; i < n; i++) {
+                    const float *vj = vb + (a + i) * sn;
+                    const float p = s[i];
+                    for (int c = 0; c < NV; c++) o[c] += p * load(vj + 16 * c);
+                }
+                for (int c = 0; c < NV; c++) store(ar + 16 * c, o[c]);
+            } else {
+                for (int64_t d = 0; d < D; d++) ar[d] *= corr;
+                for (i = 0; i < n; i++) {
+                    const float *vj = vb + (a + i) * sn;
+                    const float p = s[i];
+                    for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+                }
             }
             l[r] = l[r] * corr + sum;
             m[r] = mx;
@@ -114,8 +176,14 @@ int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, in
             int64_t j_hi = first + blocks * (p + 1) / parts * BLOCK;
             if (j_hi > last) j_hi = last;
             float *acc = scratch + u * stride;
-            part(q, k, v, sb, sh, sn, lo, hi, H, R, D, scale, t, j_lo, j_hi, acc, acc + R * D,
-                 acc + R * D + R, s);
+            float *m = acc + R * D, *l = m + R;
+            /* the common models' head sizes in vectors */
+            if (D == 64)
+                part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, scale, t, j_lo, j_hi, acc, m, l, s);
+            else if (D == 128)
+                part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, scale, t, j_lo, j_hi, acc, m, l, s);
+            else
+                part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, scale, t, j_lo, j_hi, acc, m, l, s);
         }
         free(s);
 #pragma omp for schedule(static)
