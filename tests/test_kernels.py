@@ -55,6 +55,31 @@ def test_kernel_equals_sdpa(attend, batch, rows, window, threads, D):
         assert bool((out[1] == 0).all())
 
 
+def test_kernel_rows_are_invariant(attend):
+    """A row whose keys start at 0 gets the same bits on 1 to 3 threads, alone or beside
+    other sequences, and as one row of a verify pass or as its own decode step: its key parts,
+    blocks and vectors are placed by its own range."""
+    g = torch.Generator().manual_seed(3)
+    B, H, G, D, cap = 4, 3, 3, 64, 3000
+    k, v = torch.randn(B, H, cap, D, generator=g), torch.randn(B, H, cap, D, generator=g)
+    L = 5  # verify rows a sequence, GQA's query heads folded in: rows (g, l)
+    q = torch.randn(B, H, G * L, D, generator=g)
+    past = torch.tensor([2900, 17, 1030, 511])
+    hi = (past[:, None] + torch.arange(L)[None, :] + 1).repeat(1, G)  # [B, G L]
+    lo = torch.zeros_like(hi)
+    full = attend(q, k, v, lo, hi, 0.125, 2)
+    for threads in (1, 3):
+        assert torch.equal(attend(q, k, v, lo, hi, 0.125, threads), full)
+    for b in range(B):
+        alone = attend(q[b: b + 1], k[b: b + 1], v[b: b + 1], lo[b: b + 1], hi[b: b + 1], 0.125, 2)
+        assert torch.equal(alone, full[b: b + 1])
+        for j in range(L):  # row j of the pass = the decode step with its keys
+            rows = torch.arange(G) * L + j
+            step = attend(q[b: b + 1, :, rows], k[b: b + 1], v[b: b + 1], lo[b: b + 1, rows],
+                          hi[b: b + 1, rows], 0.125, 1)
+            assert torch.equal(step, full[b: b + 1, :, rows])
+
+
 def test_kernel_refuses_what_it_cannot_read(attend):
     q = torch.randn(1, 1, 1, 8)
     k = torch.randn(1, 1, 4, 8)

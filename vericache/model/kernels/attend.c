@@ -9,9 +9,12 @@
  *
  * q, out: [B, H, R, D] contiguous float32; k, v: float32 with element strides sb, sh, sn for
  * b, h and the key, and 1 within a key (a pool's slots as they lie); lo, hi: [B, R] int64.
- * The work goes to `threads` OpenMP threads (the runtime torch has loaded): whole tasks when
- * there are enough of them, else each task's keys in parts (batch 1: a few KV heads), each
- * part with its own running max and sum, combined by them at the end.
+ * Each task's keys go in parts of PART_KEYS at fixed places (part p: keys [p PART_KEYS,
+ * (p + 1) PART_KEYS)), each part with its own running max and sum, combined by them at the
+ * end; the (task, part) units go to `threads` OpenMP threads (the runtime torch has loaded).
+ * So a batch of one sequence (a few KV heads) still keeps every thread busy, and a row whose
+ * keys start at 0 (no sliding window) gets the same bits whatever the threads and whatever
+ * rows share its call: its parts, blocks and vectors are placed by its own range alone.
  */
 #include <float.h>
 #include <math.h>
@@ -22,6 +25,8 @@
 #include <omp.h>
 
 #define BLOCK 64
+#define PART_KEYS 512 /* a multiple of BLOCK */
+#define SCRATCH_FLOATS (16 << 20) /* 64 MB */
 
 typedef float vf __attribute__((vector_size(16 * sizeof(float))));
 
@@ -144,69 +149,70 @@ int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, in
                   int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                   int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
     const int64_t tasks = B * H;
-    /* parts a task's keys split into: 1 where the tasks keep every thread busy */
-    const int64_t parts =
-        threads == 1 || tasks >= 2 * threads ? 1 : (2 * threads + tasks - 1) / tasks;
-    int64_t first = INT64_MAX, last = 0;
+    int64_t last = 0;
     for (int64_t i = 0; i < B * R; i++)
-        if (lo[i] < hi[i]) {
-            if (lo[i] < first) first = lo[i];
-            if (hi[i] > last) last = hi[i];
-        }
-    if (first > last) first = last = 0;
-    /* each unit (task, part): acc [R, D], m [R], l [R] */
-    const int64_t stride = R * (D + 2), units = tasks * parts;
-    float *scratch = malloc(sizeof(float) * (size_t)(units * stride));
-    int failed = scratch == NULL;
-    if (failed) return -1;
+        if (lo[i] < hi[i] && hi[i] > last) last = hi[i];
+    const int64_t parts = last > 0 ? (last + PART_KEYS - 1) / PART_KEYS : 1;
+    /* each unit (task, part): acc [R, D], m [R], l [R]; tasks in waves of at most
+       SCRATCH_FLOATS of them (the same sums: a task's units are all in its wave) */
+    const int64_t stride = R * (D + 2);
+    int64_t wave = SCRATCH_FLOATS / (parts * stride);
+    if (wave < 1) wave = 1;
+    if (wave > tasks) wave = tasks;
+    float *scratch = malloc(sizeof(float) * (size_t)(wave * parts * stride));
+    if (!scratch) return -1;
+    int failed = 0;
+    for (int64_t t0 = 0; t0 < tasks && !failed; t0 += wave) {
+        const int64_t nt = tasks - t0 < wave ? tasks - t0 : wave, units = nt * parts;
 #pragma omp parallel num_threads(threads)
-    {
-        float *s = malloc(sizeof(float) * BLOCK);
-        if (!s) {
+        {
+            float *s = malloc(sizeof(float) * BLOCK);
+            if (!s) {
 #pragma omp atomic write
-            failed = 1;
-        }
+                failed = 1;
+            }
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            if (!s) continue;
-            const int64_t t = u / parts, p = u % parts;
-            /* the parts' bounds on BLOCK multiples from `first` */
-            const int64_t blocks = (last - first + BLOCK - 1) / BLOCK;
-            const int64_t j_lo = first + blocks * p / parts * BLOCK;
-            int64_t j_hi = first + blocks * (p + 1) / parts * BLOCK;
-            if (j_hi > last) j_hi = last;
-            float *acc = scratch + u * stride;
-            float *m = acc + R * D, *l = m + R;
-            /* the common models' head sizes in vectors */
-            if (D == 64)
-                part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, scale, t, j_lo, j_hi, acc, m, l, s);
-            else if (D == 128)
-                part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, scale, t, j_lo, j_hi, acc, m, l, s);
-            else
-                part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, scale, t, j_lo, j_hi, acc, m, l, s);
-        }
-        free(s);
+            for (int64_t u = 0; u < units; u++) {
+                if (!s) continue;
+                const int64_t t = t0 + u / parts, p = u % parts;
+                const int64_t j_lo = p * PART_KEYS, j_hi = j_lo + PART_KEYS;
+                float *acc = scratch + u * stride;
+                float *m = acc + R * D, *l = m + R;
+                /* the common models' head sizes in vectors */
+                if (D == 64)
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, scale, t, j_lo, j_hi, acc, m,
+                         l, s);
+                else if (D == 128)
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, scale, t, j_lo, j_hi, acc, m,
+                         l, s);
+                else
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, scale, t, j_lo, j_hi, acc, m,
+                         l, s);
+            }
+            free(s);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            float *ob = out + t * R * D;
-            for (int64_t r = 0; r < R; r++) {
-                float mx = -FLT_MAX, total = 0.0f;
-                for (int64_t p = 0; p < parts; p++) {
-                    const float mp = scratch[(t * parts + p) * stride + R * D + r];
-                    mx = mp > mx ? mp : mx;
+            for (int64_t i = 0; i < nt; i++) {
+                float *ob = out + (t0 + i) * R * D;
+                const float *ut = scratch + i * parts * stride;
+                for (int64_t r = 0; r < R; r++) {
+                    float mx = -FLT_MAX, total = 0.0f;
+                    for (int64_t p = 0; p < parts; p++) {
+                        const float mp = ut[p * stride + R * D + r];
+                        mx = mp > mx ? mp : mx;
+                    }
+                    float *o = ob + r * D;
+                    memset(o, 0, sizeof(float) * (size_t)D);
+                    for (int64_t p = 0; p < parts; p++) {
+                        const float *u = ut + p * stride;
+                        const float lp = u[R * D + R + r];
+                        if (lp <= 0.0f) continue; /* a part with no keys for this row */
+                        const float w = expf(u[R * D + r] - mx);
+                        total += w * lp;
+                        for (int64_t d = 0; d < D; d++) o[d] += w * u[r * D + d];
+                    }
+                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                    for (int64_t d = 0; d < D; d++) o[d] *= inv;
                 }
-                float *o = ob + r * D;
-                memset(o, 0, sizeof(float) * (size_t)D);
-                for (int64_t p = 0; p < parts; p++) {
-                    const float *u = scratch + (t * parts + p) * stride;
-                    const float lp = u[R * D + R + r];
-                    if (lp <= 0.0f) continue; /* a part with no keys for this row */
-                    const float w = expf(u[R * D + r] - mx);
-                    total += w * lp;
-                    for (int64_t d = 0; d < D; d++) o[d] += w * u[r * D + d];
-                }
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
             }
         }
     }
