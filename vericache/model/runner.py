@@ -273,7 +273,10 @@ class Runner:
         rows gets the bits it gets in a pass of its own, so a verify pass's logits and the K/V
         it writes are those of the decode steps over the same tokens, and a batch's rows those
         of batch 1. Other items run in the fast pass, where a matrix product's reduction order
-        depends on how many rows share it, and a row's low bits with it."""
+        depends on how many rows share it, and a row's low bits with it; except where the
+        native kernels serve it (float32 on CPU, up to LINEAR_ROWS rows and KERNEL_ROWS rows a
+        sequence, layers without a sliding window): their sums are placed by the row alone, so
+        those passes are batch-invariant too (tests/test_exact.py)."""
         fast = [it for it in items if not it.bitwise]
         if len(fast) == len(items):
             return self._pass(items)
