@@ -170,12 +170,19 @@ def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
                  for p, n, c in zip(ids, news, caches)]
         return r.forward(items)
 
+    _same_with_and_without(r, "attend_kernel", run)
+
+
+def _same_with_and_without(r, kernel: str, run) -> None:
+    """run() with the runner's `kernel` and with torch's in its place: each logits tensor
+    equal to float32 rounding, with the same greedy tokens."""
     with_kernel = run()
-    kernel, r.attend_kernel = r.attend_kernel, None
+    fn = getattr(r, kernel)
+    setattr(r, kernel, None)
     try:
         without = run()
     finally:
-        r.attend_kernel = kernel
+        setattr(r, kernel, fn)
     for a, b in zip(with_kernel, without):
         assert float((a - b).abs().max()) < 1e-3 * float(b.abs().max())
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -200,12 +207,4 @@ def test_runner_products_with_and_without_the_kernel(lm, prompts):
         decode = r.step(ids[-1:], len(ids) - 1, c)[0]
         return pre, verify, decode
 
-    with_kernel = run()
-    kernel, r.linear_kernel = r.linear_kernel, None
-    try:
-        without = run()
-    finally:
-        r.linear_kernel = kernel
-    for a, b in zip(with_kernel, without):
-        assert float((a - b).abs().max()) < 1e-3 * float(b.abs().max())
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    _same_with_and_without(r, "linear_kernel", run)
