@@ -140,6 +140,34 @@ def test_linear_rows_are_invariant(linear):
     assert torch.equal(linear(x[20:31], w, b, 2), alone[20:31])
 
 
+@pytest.mark.parametrize("n", [576, 64, 77])
+def test_rms_equals_torch(linear, n):
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(9, 4, n, generator=g), torch.randn(n, generator=g)
+    out = linear.rms(x, w, 1e-5)
+    assert float((out - F.rms_norm(x, (n,), w, 1e-5)).abs().max()) < 1e-5
+    assert torch.equal(linear.rms(x[3:4], w, 1e-5), out[3:4])  # a row alone: the same bits
+
+
+@pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary
+def test_rope_equals_the_runners_torch_form(linear, rot):
+    """In place on a pass's q/k rows, a view of its fused qkv product (tokens strided)."""
+    from vericache.model.runner import Runner
+
+    g = torch.Generator().manual_seed(rot)
+    qkv = torch.randn(6, 15 * 64 + 3 * 64, generator=g)
+    qk = qkv[:, : 15 * 64].view(6, 15, 64)
+    cos, sin = torch.randn(6, rot, generator=g), torch.randn(6, rot, generator=g)
+    ref = Runner._rope(qk.clone(), cos[:, None], sin[:, None])
+    v = qkv[:, 15 * 64:].clone()
+    out = linear.rope(qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    assert float((out - ref).abs().max()) < 1e-5
+    assert torch.equal(qkv[:, 15 * 64:], v)  # v untouched
+    with pytest.raises(ValueError, match="rope"):
+        linear.rope(qk.transpose(0, 1), cos, sin)
+
+
 def test_linear_refuses_what_it_cannot_read(linear):
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(TypeError, match="float32"):

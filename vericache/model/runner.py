@@ -192,14 +192,25 @@ class Runner:
 
     # ---- the forward ----------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dim; w: [x.shape[-1]] or broadcastable (per-head q/k norms)."""
+        """RMSNorm over the last dim; w: [x.shape[-1]] or broadcastable (per-head q/k norms).
+        In float32 the native kernel's where it serves (a contiguous x), else torch's."""
         if x.dtype == torch.float32 and w.dim() == 1:
+            if self.linear_kernel is not None and x.is_contiguous():
+                return self.linear_kernel.rms(x, w, self.eps)
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.norm_upcast:  # Gemma: scale in fp32 (w holds 1 + weight), then cast
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
+
+    def _rope_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A pass's RoPE on its fresh q/k rows x [T, heads, D] (cos, sin [T, R]): in place by
+        the native kernel where it serves (float32 on CPU), else `_rope`."""
+        if self.linear_kernel is not None and x.dtype == torch.float32 and x.stride(2) == 1 \
+                and x.stride(1) == x.shape[2]:
+            return self.linear_kernel.rope(x, cos, sin)
+        return self._rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -494,8 +505,7 @@ class Runner:
         if int(positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(positions.max())} past the model's "
                              f"{self.max_positions}-token context")
-        ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))  # [T, 1, R]
-                 for cos, sin in self.ropes]
+        ropes = [(cos[positions], sin[positions]) for cos, sin in self.ropes]  # [T, R]
         pasts, starts, explicit, start = [], [], [], 0
         for i, (it, L) in enumerate(zip(items, lens)):
             it.cache.reserve(L)
@@ -533,7 +543,7 @@ class Runner:
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm is not None:
                 qk = self._rms(qk, lyr.qk_norm)
-            qk = self._rope(qk, *ropes[lyr.rope])
+            qk = self._rope_pass(qk, *ropes[lyr.rope])
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             for it, s0, L in captures:

@@ -49,7 +49,8 @@ HERE = Path(__file__).parent
 LIBRARIES = {
     "attend": (HERE / "attend.c", ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"],
                ["-fopenmp", "-lmvec", "-lm"]),
-    "linear": (HERE / "linear.c", ["-O3", "-march=native", "-fopenmp", "-fPIC"], ["-fopenmp"]),
+    "linear": (HERE / "linear.c", ["-O3", "-march=native", "-fopenmp", "-fPIC"],
+               ["-fopenmp", "-lm"]),
 }
 
 _lock = threading.Lock()
@@ -120,13 +121,45 @@ class Linear:
     """`linear(x, w, b, threads)` -> x w^T + b, for skinny x (`linear.c`): x [m, k], w [n, k],
     b [n] or None, float32 and contiguous on CPU; the output features split between `threads`
     OpenMP threads. Each output's sum runs in an order fixed by k alone: a row's result is
-    the same bits whatever other rows share the call and however many threads run it."""
+    the same bits whatever other rows share the call and however many threads run it.
+    `rms` and `rope`: the same passes' RMSNorm and rotary embedding, row by row (each a
+    handful of torch ops, about 15 and 10 us a call, against 2-3 here)."""
 
     def __init__(self, lib: ctypes.CDLL):
+        p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self._fn = lib.vc_linear_f32
-        p, i = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, p, p, p, i, i, i, i]
         self._fn.restype = None
+        self._rms = lib.vc_rms_f32
+        self._rms.argtypes = [p, p, p, i, i, f]
+        self._rms.restype = None
+        self._rope = lib.vc_rope_f32
+        self._rope.argtypes = [p, i, i, i, i, p, p, i]
+        self._rope.restype = None
+
+    def rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of a contiguous float32 x, scaled by w [x.shape[-1]]."""
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("rms: contiguous float32 only")
+        n = x.shape[-1]
+        if w.shape != (n,) or not w.is_contiguous():
+            raise ValueError(f"rms: w must be [{n}] and contiguous")
+        y = torch.empty_like(x)
+        self._rms(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE in place on x [T, heads, D] (float32, unit stride within a head,
+        heads D apart; tokens at any stride); cos, sin [T, R] contiguous, R <= D even."""
+        T, heads, D = x.shape
+        R = cos.shape[-1]
+        if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != D
+                or cos.dtype != torch.float32 or cos.shape != (T, R) or sin.shape != (T, R)
+                or not (cos.is_contiguous() and sin.is_contiguous()) or R > D or R % 2):
+            raise ValueError("rope: x [T, heads, D] float32 with unit and D strides; "
+                             "cos, sin [T, R] contiguous float32, R <= D even")
+        self._rope(x.data_ptr(), T, heads, D, x.stride(0), cos.data_ptr(), sin.data_ptr(), R)
+        return x
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                  threads: int = 1) -> torch.Tensor:

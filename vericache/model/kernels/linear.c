@@ -10,6 +10,7 @@
  * depends on k alone, not on m, the threads or the other rows.
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define VL 16 /* floats in a vector (the compiler splits it where registers are narrower) */
@@ -88,4 +89,42 @@ void vc_linear_f32(const float *x, const float *w, const float *b, float *y, int
         }
     }
     if (n % JB) tail(x, w, b, y, m, n, k, blocks * JB, n % JB);
+}
+
+/* y[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for each of m rows of n (RMSNorm; x, y
+ * contiguous): each row's sum in an order fixed by n. */
+void vc_rms_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, float eps) {
+    const int64_t nv = n - n % VL;
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * n;
+        float *yr = y + i * n;
+        vf acc;
+        memset(&acc, 0, sizeof acc);
+        for (int64_t c = 0; c < nv; c += VL) {
+            const vf v = load(xr + c);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (int64_t c = nv; c < n; c++) ss += xr[c] * xr[c];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t c = 0; c < n; c++) yr[c] = xr[c] * inv * w[c];
+    }
+}
+
+/* Rotary embedding in place (the rotate-half form): x [T, heads, D] with token stride st and
+ * head stride D; cos, sin [T, R] (R <= D, even; dims past R pass). */
+void vc_rope_f32(float *x, int64_t T, int64_t heads, int64_t D, int64_t st, const float *cos,
+                 const float *sin, int64_t R) {
+    const int64_t half = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * R, *s = sin + t * R;
+        for (int64_t h = 0; h < heads; h++) {
+            float *xr = x + t * st + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xr[i], b = xr[i + half];
+                xr[i] = a * c[i] - b * s[i];
+                xr[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
 }
