@@ -105,7 +105,7 @@ class _Plan:
     ranges: dict | None
     positions: torch.Tensor | None  # [B, Lq] rows' positions (caches with positions)
     write_slot: torch.Tensor | None  # [Tp] the batch row each new K/V goes to (a pool)
-    write_pos: torch.Tensor  # [Tp] the cache slot it goes to
+    write_pos: torch.Tensor | slice  # [Tp] the cache slot it goes to (one cache: a slice)
 
 
 def _activation(name: str):
@@ -437,7 +437,8 @@ class Runner:
         return _Plan(group, pool, caches[0] if pool is None else None, first, B, lq, slot_t, src, pad,
                      in_order, hi, masks, ranges, positions,
                      slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
-                     torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev))
+                     torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev)
+                     if pool is not None else slice(pasts[group[0]], pasts[group[0]] + lens[group[0]]))
 
     def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
