@@ -5,6 +5,10 @@ compression measured in that run.
     python benchmarks/project_json.py run.json --machines h200-pcie5,gh200
     python benchmarks/project_json.py run.json --roofline   # also this machine's cap, measured now
 
+`--gpu-times FILE` (long-context runs): pass times measured on a device by
+`benchmarks/gpu_timing.py` replace the bandwidth model's (peak x 0.8), one projection per
+measured point (`vericache.bench.project.project_measured`).
+
 `--roofline` (long-context runs) measures this machine's read bandwidth and matmul rates now
 and adds the cap on VeriCache's ratios that they allow (vericache.bench.roofline); run it on
 the machine, and with the threads, of the run.
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roofline", action="store_true",
                    help="also measure this machine's roofline and the cap it puts on the run's ratios")
     p.add_argument("--threads", type=int, default=None, help="torch threads for --roofline")
+    p.add_argument("--gpu-times", type=Path,
+                   help="a benchmarks/gpu_timing.py --json file: project with its measured times")
     p.add_argument("--out", type=Path, help="write the projections as JSON")
     a = p.parse_args(argv)
     doc = json.loads(a.json.read_text())
@@ -42,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         out[name] = project_run(doc, name, a.weight_bytes)
         print(describe_projection(out[name]))
+    if a.gpu_times is not None:
+        from vericache.bench.project import project_measured
+
+        out["measured"] = project_measured(doc, json.loads(a.gpu_times.read_text()))
+        for q in out["measured"]:
+            print(f"measured on {q['device']} ({q['shape']}), batch {q['batch']} x "
+                  f"{q['context']}: vericache {q['vericache_staggered_tps']:.4g} tok/s, "
+                  f"x{q['throughput_ratio_vs_full_resident']:.3g} vs full resident, "
+                  f"x{q['throughput_ratio_vs_full_offloaded']:.3g} vs full offloaded; "
+                  f"break-even tau {q['break_even_tau']:.3g}")
     if a.roofline:
         from vericache.cli.bench_scenario import add_roofline
         from vericache.model import load_model

@@ -170,3 +170,41 @@ def project_run(doc: dict, machine_name: str, weight_bytes: float) -> dict:
                                      st["max_tokens"])
     return project(machine(machine_name), tau, k, r, weight_bytes, vc["full_kv_bytes_per_request"],
                    vc["requests"])
+
+
+def project_measured(doc: dict, gpu: dict, hbm_bytes: float | None = None) -> list[dict]:
+    """A long-context run's τ, drafts per round and compression with pass times measured on a
+    device (`benchmarks/gpu_timing.py`): per measured point (batch B, context N), the same
+    round formulas as `project` with t_full, t_verify and t_draft as measured and
+    t_load = B·F / the measured host-to-device rate. The resident baseline holds
+    min(B, (hbm_bytes − W) / F) requests; at fewer than B its step is the measured one scaled
+    by its bytes, (W + fit·F) / (W + B·F). `hbm_bytes`: default the device's from the file.
+    The draft steps were measured at the file's compression, not the run's (both reported)."""
+    _, tau, k, r = measured_round(doc)
+    h2d = gpu["h2d_gb_s"] * GB
+    W = gpu["weight_bytes"]
+    hbm = hbm_bytes if hbm_bytes is not None else gpu.get("memory_bytes")
+    out = []
+    for p in gpu["points"]:
+        B, F = p["batch"], p["full_kv_bytes_per_request"]
+        fit = B if hbm is None else max(1, min(B, int((hbm - W) // F)))
+        t_full_res = p["full_step_s"] * (W + fit * F) / (W + B * F)
+        t_load = B * F / h2d
+        lock = k * p["draft_step_s"] + max(p["verify_pass_s"], t_load)
+        stag = max(k * p["draft_step_s"] + p["verify_pass_s"], t_load)
+        full_resident, full_offloaded = fit / t_full_res, B / max(p["full_step_s"], t_load)
+        out.append({
+            "device": gpu["device"], "shape": gpu["shape"], "batch": B, "context": p["context"],
+            "full_resident_batch": fit, "full_resident_tps": full_resident,
+            "full_offloaded_tps": full_offloaded,
+            "vericache_lockstep_tps": B * tau / lock, "vericache_staggered_tps": B * tau / stag,
+            "throughput_ratio_vs_full_resident": B * tau / stag / full_resident,
+            "throughput_ratio_vs_full_offloaded": B * tau / stag / full_offloaded,
+            # the τ at which the link's ceiling, B·τ / t_load, reaches the resident rate
+            "break_even_tau": t_load * fit / (B * t_full_res),
+            "inputs": {"tau": tau, "k": k, "compression_run": r,
+                       "compression_measured": p["ratio"], "t_full_s": p["full_step_s"],
+                       "t_verify_s": p["verify_pass_s"], "t_draft_s": p["draft_step_s"],
+                       "t_load_s": t_load, "h2d_bytes_s": h2d},
+        })
+    return out
