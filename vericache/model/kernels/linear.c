@@ -3,11 +3,11 @@
  *
  * x: [m, k], w: [n, k], y: [m, n], b: [n] or NULL; float32, contiguous.
  * Output features go in blocks of JB and rows in blocks of at most IB: each block of JB
- * weight rows is read from memory once for all m rows (it stays in L1 across the row
- * blocks), each (row, feature) pair accumulating in a vector register over k. The feature
- * blocks are split between `threads` OpenMP threads (the runtime torch itself uses: the
- * library links the libgomp.so.1 torch has loaded). A row's sum is in a fixed order that
- * depends on k alone, not on m, the threads or the other rows.
+ * weight rows is read from memory once for every PANEL rows (it stays in L1 across their
+ * row blocks, and the panel's x in L2), each (row, feature) pair accumulating in a vector
+ * register over k. The feature blocks are split between `threads` OpenMP threads (the
+ * runtime torch itself uses: the library links the libgomp.so.1 torch has loaded). A row's
+ * sum is in a fixed order that depends on k alone, not on m, the threads or the other rows.
  */
 #include <stdint.h>
 #include <math.h>
@@ -16,6 +16,7 @@
 #define VL 16 /* floats in a vector (the compiler splits it where registers are narrower) */
 #define JB 4
 #define IB 4
+#define PANEL 128
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
@@ -76,16 +77,20 @@ static void tail(const float *x, const float *w, const float *b, float *y, int64
 void vc_linear_f32(const float *x, const float *w, const float *b, float *y, int64_t m,
                    int64_t n, int64_t k, int64_t threads) {
     const int64_t blocks = n / JB;
+    /* rows in panels of PANEL: a panel of x stays in L2 while every weight block passes */
+    for (int64_t p0 = 0; p0 < m; p0 += PANEL) {
+        const int64_t p1 = p0 + PANEL < m ? p0 + PANEL : m;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t jb = 0; jb < blocks; jb++) {
-        const int64_t j0 = jb * JB;
-        int64_t i0 = 0;
-        for (; i0 + IB <= m; i0 += IB) block4(x, w, b, y, n, k, i0, j0);
-        switch (m - i0) {
-        case 3: block3(x, w, b, y, n, k, i0, j0); break;
-        case 2: block2(x, w, b, y, n, k, i0, j0); break;
-        case 1: block1(x, w, b, y, n, k, i0, j0); break;
-        default: break;
+        for (int64_t jb = 0; jb < blocks; jb++) {
+            const int64_t j0 = jb * JB;
+            int64_t i0 = p0;
+            for (; i0 + IB <= p1; i0 += IB) block4(x, w, b, y, n, k, i0, j0);
+            switch (p1 - i0) {
+            case 3: block3(x, w, b, y, n, k, i0, j0); break;
+            case 2: block2(x, w, b, y, n, k, i0, j0); break;
+            case 1: block1(x, w, b, y, n, k, i0, j0); break;
+            default: break;
+            }
         }
     }
     if (n % JB) tail(x, w, b, y, m, n, k, blocks * JB, n % JB);
