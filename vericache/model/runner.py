@@ -59,11 +59,12 @@ ROW_BLOCK = 16
 # product's work, which SDPA does better
 KERNEL_ROWS = 64
 # The native product (`vericache.model.kernels.linear`) serves a fast pass's projections,
-# MLP and LM head up to this many rows, on the caller's threads; F.linear (MKL) the rest.
-# Measured on the 2-vCPU EPYC over one SmolLM2 layer's matrices and its LM head (ms, kernel
-# on 2 threads / MKL on 1 / MKL on 2): 1 row 3.0 / 7.7 / 8.4, 4 rows 3.4 / 13.0 / 12.5,
-# 33 rows 12.5 / 35.4 / 22.6, 256 rows 89 / 193 / 111, 512 rows 332 / 401 / 216
-# (/tmp probe). The weights are read once for all rows; MKL's GEMM blocks better from ~512.
+# MLP and LM head up to this many rows (a prefill chunk's 256 included), on the caller's
+# threads; F.linear (MKL) the rest. Measured on the 2-vCPU EPYC over one SmolLM2 layer's
+# matrices and its LM head (ms, kernel on 2 threads / MKL on 1 / MKL on 2): 1 row
+# 3.0 / 7.7 / 8.4, 33 rows 12.5 / 35.4 / 22.6, 256 rows 87 / 203 / 122, 512 rows
+# 173 / 399 / 238 (/tmp probes; the kernel goes in panels of 128 rows). Only this CPU was
+# measured: past 256 rows F.linear stays, where MKL's blocking may win on others.
 LINEAR_ROWS = 256
 _outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
@@ -205,10 +206,10 @@ class Runner:
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
 
     def _rope_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """A pass's RoPE on its fresh q/k rows x [T, heads, D] (cos, sin [T, R]): in place by
-        the native kernel where it serves (float32 on CPU), else `_rope`."""
-        if self.linear_kernel is not None and x.dtype == torch.float32 and x.stride(2) == 1 \
-                and x.stride(1) == x.shape[2]:
+        """A pass's RoPE on its fresh q/k rows x [T, heads, D] (a view of its qkv product, or
+        its q/k norm's output; cos, sin [T, R]): in place by the native kernel where it
+        serves (float32 on CPU), else `_rope`."""
+        if self.linear_kernel is not None and x.dtype == torch.float32:
             return self.linear_kernel.rope(x, cos, sin)
         return self._rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
