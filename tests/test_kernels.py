@@ -236,3 +236,91 @@ def test_runner_products_with_and_without_the_kernel(lm, prompts):
         return pre, verify, decode
 
     _same_with_and_without(r, "linear_kernel", run)
+
+
+def test_silu_mul_equals_torch(linear):
+    """The gated MLP's silu(g) * u, with its branch-free exp: within a few float32 ulp of the
+    float64 value over the whole range, where g < -88.7 (exp(-g) past float32) within 1e-35,
+    and each element by itself (a row alone gives the same bits)."""
+    g = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.randn(7, 300, generator=g) * s for s in (0.01, 1.0, 8.0, 40.0)])
+    gate[0, :8] = torch.tensor([0.0, -0.0, 88.0, -88.0, 200.0, -200.0, -88.7, -88.71])
+    up = torch.randn_like(gate)
+    out = linear.silu_mul(torch.cat([gate, up], 1))
+    ref = F.silu(gate.double()) * up.double()
+    ulp = torch.finfo(torch.float32).eps * ref.abs()
+    assert bool(((out.double() - ref).abs() <= 4 * ulp + 1e-35).all())
+    assert bool(((out.double() - ref).abs() <= 4 * ulp)[gate > -86].all())
+    assert torch.equal(linear.silu_mul(torch.cat([gate, up], 1)[5:6]), out[5:6])
+    with pytest.raises(ValueError, match="silu_mul"):
+        linear.silu_mul(torch.randn(2, 7))
+
+
+def _loop_too(r, run):
+    """run() with the runner's fused layer stack and with its layer loop: (fused, loop)."""
+    fused_w, r._fused_w = r._fused_w, None
+    try:
+        loop = run()
+    finally:
+        r._fused_w = fused_w
+    return run(), loop
+
+
+def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
+    """The real model's decode step, a 17-row verify pass and a batch of three decode rows
+    over pooled caches: one native call for all layers (`Runner._fused`) gives the layer
+    loop's logits and K/V, bit for bit."""
+    from vericache.model.runner import SeqBatchItem
+
+    r = lm.runner
+    assert r._fused_w is not None
+    calls = []
+    fused = r._fused
+    monkeypatch.setattr(r, "_fused", lambda *a: (calls.append(a[1].shape[0]), fused(*a)))
+    ids = [prompts["code"][:700], prompts["long"][:1100], prompts["json"][:300]]
+
+    def run():
+        caches = []
+        for p in ids:
+            c = r.new_cache(len(p) + 20)
+            r.step(p[:-18], 0, c, logits="none")
+            caches.append(c)
+        verify = r.step(ids[0][-18:-1], len(ids[0]) - 18, caches[0], logits="all")[0]
+        decode = r.step(ids[0][-1:], len(ids[0]) - 1, caches[0])[0]
+        batch = r.forward([SeqBatchItem(torch.tensor([p[-18]]), torch.tensor([len(p) - 18]), c,
+                                        "last") for p, c in zip(ids[1:], caches[1:])])
+        kv = [c.view() for c in caches]
+        return [verify, decode, *batch], kv
+
+    (out_f, kv_f), (out_l, kv_l) = _loop_too(r, run)
+    assert calls[-3:] == [17, 1, 2]  # each fast pass fused (prefill tails too); none in the loop
+    for a, b in zip(out_f, out_l):
+        assert torch.equal(a, b)
+    for (kf, vf), (kl, vl) in zip(kv_f, kv_l):
+        assert torch.equal(kf, kl) and torch.equal(vf, vl)
+
+
+def test_fused_layers_with_qkv_bias(tmp_path):
+    """A tiny Qwen2 (a qkv bias) and a sliding-window Mistral (a window per layer's range):
+    fused passes are the loop's bit for bit, and the families with extra norms (Qwen3's q/k
+    norm) keep the loop."""
+    from test_architectures import build
+    from vericache.model.loader import load_model
+
+    for name, fusable in (("qwen2", True), ("mistral-sliding", True), ("qwen3", False)):
+        folder = tmp_path / name
+        build(name, folder)
+        r = load_model(str(folder), dtype="float32").runner
+        assert (r._fused_w is not None) == fusable, name
+        ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+
+        def run():
+            c = r.new_cache(64)
+            r.step(ids[:40], 0, c, logits="none")
+            out = [r.step(ids[40:49], 40, c, logits="all")[0]]
+            out += [r.step(ids[i: i + 1], i, c)[0] for i in range(49, 60)]
+            return out, c.view()
+
+        (out_f, kv_f), (out_l, kv_l) = _loop_too(r, run)
+        assert all(torch.equal(a, b) for a, b in zip(out_f, out_l)), name
+        assert all(torch.equal(a, b) for a, b in zip(kv_f, kv_l)), name

@@ -16,6 +16,11 @@ over them, so that
   that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
+- a fast pass of one batch group whose rows are in order (decode, draft and verify steps of
+  up to LINEAR_ROWS rows, over a family of plain pre-norm blocks with SiLU) runs all its
+  layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
+  functions as the layer loop, in the same order, so the same bits, without the loop's
+  Python and torch work between them;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
   before keys are stored, so dropped tokens leave no gap to fix;
 - a sliding-window layer masks keys older than pos - window + 1: by slot in a dense cache
@@ -28,6 +33,7 @@ D = head dim, G = Hq // Hkv, n = tokens in a sequence's cache after the pass.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass, field
 
@@ -151,6 +157,21 @@ class Runner:
         native = self.device.type == "cpu" and self.dtype == torch.float32
         self.attend_kernel = kernels.attend() if native else None
         self.linear_kernel = kernels.linear() if native else None
+        self.silu = w.activation == "silu"
+        # the weights' pointers for `_fused` (None: the family's layers are not the plain
+        # pre-norm block it runs, or a kernel is missing)
+        plain = all(lyr.qk_norm is None and lyr.ln_attn_out is None and lyr.ln_mlp_out is None
+                    for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
+        plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
+                              for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.w_o,
+                                        lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
+        self._fused_w = None
+        if self.attend_kernel is not None and self.linear_kernel is not None and self.silu and plain:
+            self._fused_w = {name: kernels.pointers([getattr(lyr, attr) for lyr in w.layers])
+                             for name, attr in (("ln_in", "ln_attn_in"), ("w_qkv", "w_qkv"),
+                                                ("b_qkv", "b_qkv"), ("w_o", "w_o"),
+                                                ("ln_mlp", "ln_mlp_in"), ("w_gu", "w_gate_up"),
+                                                ("w_down", "w_down"))}
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -539,7 +560,12 @@ class Runner:
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        for li, lyr in enumerate(self.layers):
+        fused = (one and not invariant and not captures and self._fused_w is not None
+                 and self.attend_kernel is not None and self.linear_kernel is not None
+                 and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS)
+        if fused:
+            self._fused(plans[0], h, ropes)
+        for li, lyr in enumerate([] if fused else self.layers):
             x = self._rms(h, lyr.ln_attn_in)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
@@ -573,13 +599,53 @@ class Runner:
             h = h + attn
             x = self._rms(h, lyr.ln_mlp_in)
             gu = lin(x, lyr.w_gate_up)
-            y = lin(self.act(gu[:, : self.intermediate]) * gu[:, self.intermediate:], lyr.w_down)
+            if (not invariant and self.silu and self.linear_kernel is not None
+                    and gu.shape[0] <= LINEAR_ROWS):
+                a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
+            else:
+                a = self.act(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
+            y = lin(a, lyr.w_down)
             if lyr.ln_mlp_out is not None:
                 y = self._rms(y, lyr.ln_mlp_out)
             h = h + y
         for it, L in zip(items, lens):
             it.cache.length += L
         return self._logits(items, lens, h, lin)
+
+    def _fused(self, p: "_Plan", h: torch.Tensor, ropes: list) -> None:
+        """Every layer of a fast pass in one native call (`kernels.Linear.layers`), on h
+        [T, H] in place: the pass's products, norms, RoPE, K/V writes and attention, each the
+        kernel function the layer loop calls, in the same order, so a row gets the same bits
+        either way; what is left out is the loop's Python and torch work between them (about
+        0.1 ms a layer). For a plan whose rows are in order and served by the native kernels
+        (decode, draft and verify steps of up to LINEAR_ROWS rows) over a family whose layers
+        are the plain pre-norm block (`self._fused_w`)."""
+        T, n = h.shape[0], self.num_layers
+        if p.pool is None:
+            K, V, base = p.cache.k, p.cache.v, 0
+            sb, sh, sn = 0, K.stride(1), K.stride(2)
+            wslot = torch.zeros(T, dtype=torch.long)
+            wpos = torch.arange(p.write_pos.start, p.write_pos.stop)
+        else:
+            K, V, base = p.pool.k, p.pool.v, p.lo * p.pool.k.stride(1)
+            sb, sh, sn = K.stride(1), K.stride(2), K.stride(3)
+            wslot, wpos = p.write_slot, p.write_pos
+        es = K.element_size()
+        ck, cv = ((ctypes.c_void_p * n)(*[t.data_ptr() + (li * t.stride(0) + base) * es
+                                          for li in range(n)]) for t in (K, V))
+        cos = kernels.pointers([ropes[lyr.rope][0] for lyr in self.layers])
+        sin = kernels.pointers([ropes[lyr.rope][1] for lyr in self.layers])
+        lo = kernels.pointers([p.ranges[lyr.window][0] for lyr in self.layers])
+        hi = kernels.pointers([p.ranges[lyr.window][1] for lyr in self.layers])
+        arrays = {**self._fused_w, "cos": cos, "sin": sin, "ck": ck, "cv": cv, "lo": lo, "hi": hi}
+        args = kernels.Pass(
+            T=T, H=self.hidden, hq=self.num_heads, hkv=self.num_kv_heads, D=self.head_dim,
+            I=self.intermediate, R=ropes[0][0].shape[1], layers=n, B=p.B, lq=p.lq,
+            threads=self._threads(), eps=self.eps, scale=self.scale, h=h.data_ptr(),
+            sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
+            attend=self.attend_kernel.address,
+            **{name: ctypes.addressof(a) for name, a in arrays.items()})
+        self.linear_kernel.layers(args)
 
     def _attend_rows(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
                      past: int) -> torch.Tensor:

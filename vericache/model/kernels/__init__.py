@@ -14,6 +14,13 @@ each block of weight rows read once for every row, the output features split bet
 caller's OpenMP threads. At batch 1 the pass reads the weights; MKL's GEMV read them at
 16 GB/s on one thread of this EPYC and no faster on two, the kernel at 42 GB/s on two.
 
+The same library runs a fast pass's decoder layers in one call (`Linear.layers`, filled in
+by `Runner._fused`): norms, products, RoPE, the K/V writes, the attention (`attend.c`'s
+function, by its address) and the gated MLP (`silu_mul`, a branch-free exp that
+vectorises), one function after another as the runner's layer loop calls them, so either
+gives the same bits; at batch 1 the loop's Python and torch work between the calls was
+about a tenth of a 1k-token decode step.
+
 Each library is built once per source, flags and CPU (`-march=native`) into the models'
 cache folder (`$VERICACHE_CACHE_DIR`, default `~/.cache/vericache`), under kernels/,
 atomically, so that concurrent processes agree. Without a compiler, or with
@@ -50,7 +57,8 @@ HERE = Path(__file__).parent
 LIBRARIES = {
     "attend": (HERE / "attend.c", ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"],
                ["-fopenmp", "-lmvec", "-lm"]),
-    "linear": (HERE / "linear.c", ["-O3", "-march=native", "-fopenmp", "-fPIC"],
+    "linear": (HERE / "linear.c", ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp",
+                                    "-fPIC"],
                ["-fopenmp", "-lm"]),
 }
 
@@ -100,6 +108,7 @@ class Attend:
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, i, ctypes.c_float, i]
         self._fn.restype = ctypes.c_int
+        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value  # for `Linear.layers`
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                  hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
@@ -116,6 +125,28 @@ class Attend:
                     float(scale), threads):
             raise MemoryError("attend: out of memory for its buffers")
         return out
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Pass(ctypes.Structure):
+    """`linear.c`'s `struct vc_pass`: a fast pass's decoder layers for `Linear.layers`
+    (`Runner._fused` fills it; pointer fields hold ctypes arrays, one entry per layer)."""
+
+    _fields_ = ([(n, _I) for n in ("T", "H", "hq", "hkv", "D", "I", "R", "layers", "B", "lq",
+                                   "threads")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("h", _P)]
+                + [(n, _P) for n in ("ln_in", "w_qkv", "b_qkv", "w_o", "ln_mlp", "w_gu", "w_down",
+                                     "cos", "sin", "ck", "cv")]
+                + [(n, _I) for n in ("sb", "sh", "sn")]
+                + [(n, _P) for n in ("wslot", "wpos", "lo", "hi", "attend")])
+
+
+def pointers(tensors) -> ctypes.Array:
+    """A C array of the tensors' data pointers (None: NULL), for `Pass`'s per-layer fields."""
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr()
+                                                for t in tensors])
 
 
 class Linear:
@@ -137,6 +168,27 @@ class Linear:
         self._rope = lib.vc_rope_f32
         self._rope.argtypes = [p, i, i, i, i, p, p, i]
         self._rope.restype = None
+        self._silu_mul = lib.vc_silu_mul_f32
+        self._silu_mul.argtypes = [p, p, i, i]
+        self._silu_mul.restype = None
+        self._layers = lib.vc_layers_f32
+        self._layers.argtypes = [ctypes.POINTER(Pass)]
+        self._layers.restype = ctypes.c_int
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gu[:, :I]) * gu[:, I:] for a contiguous float32 gu [T, 2I] (the gated MLP),
+        each element by itself: the function `layers` applies, so both give the same bits."""
+        if gu.dtype != torch.float32 or not gu.is_contiguous() or gu.shape[-1] % 2:
+            raise ValueError("silu_mul: contiguous float32 [T, 2I] only")
+        t, i2 = gu.shape
+        a = gu.new_empty(t, i2 // 2)
+        self._silu_mul(gu.data_ptr(), a.data_ptr(), t, i2 // 2)
+        return a
+
+    def layers(self, p: "Pass") -> None:
+        """Run a pass's decoder layers (`vc_layers_f32`) on p.h in place."""
+        if self._layers(ctypes.byref(p)):
+            raise MemoryError("layers: out of memory for its buffers")
 
     def rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of a contiguous float32 x, scaled by w [x.shape[-1]]."""

@@ -11,6 +11,7 @@
  */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define VL 16 /* floats in a vector (the compiler splits it where registers are narrower) */
@@ -132,4 +133,116 @@ void vc_rope_f32(float *x, int64_t T, int64_t heads, int64_t D, int64_t st, cons
             }
         }
     }
+}
+
+/* exp(x), elementwise and branch-free, so that loops of it vectorise without -ffast-math
+ * (glibc's expf does not): x clamped to [-86, 88.7], x = n ln2 + r with n = rint(x / ln2)
+ * (the 1.5 * 2^23 trick) and |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 / 7! (the
+ * next term is below 1e-8 relative), times 2^(n - 1) built in the exponent bits, times 2 (so
+ * n = 128 stays finite). Within 2 ulp of the exact value on [-86, 88.7]; below, exp(-86)
+ * (under float32's epsilon, where `silu` adds it to 1); above, exp(88.7) (the largest below
+ * float32's overflow). */
+static inline float vexp(float x) {
+    x = x < -86.0f ? -86.0f : x;
+    x = x > 88.7f ? 88.7f : x;
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 in two parts */
+    float e = 1.0f / 5040.0f;
+    e = e * r + 1.0f / 720.0f;
+    e = e * r + 1.0f / 120.0f;
+    e = e * r + 1.0f / 24.0f;
+    e = e * r + 1.0f / 6.0f;
+    e = e * r + 0.5f;
+    e = e * r + 1.0f;
+    e = e * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 126) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return e * scale * 2.0f;
+}
+
+/* a[t, i] = silu(gu[t, i]) * gu[t, I + i] for T rows of gu [T, 2I] (the gated MLP's product;
+ * silu(g) = g / (1 + exp(-g)), each element by itself). */
+void vc_silu_mul_f32(const float *gu, float *a, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *ar = a + t * I;
+        for (int64_t i = 0; i < I; i++) ar[i] = g[i] / (1.0f + vexp(-g[i])) * u[i];
+    }
+}
+
+typedef int (*attend_fn)(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
+                         int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
+                         int64_t H, int64_t R, int64_t D, float scale, int64_t threads);
+
+/* One fast pass's decoder layers in one call (`Runner._fused`): the layers of a plain
+ * pre-norm block (RMSNorm, qkv product with optional bias, RoPE, attention over the caches,
+ * output product, residual; RMSNorm, gate/up product, silu * up, down product, residual),
+ * each step the same function, in the same order, as the runner's layer loop calls one at a
+ * time, so a row gets the same bits either way. The pass's rows are its sequences' padded
+ * rows in order (row t = sequence t / lq, query l = t % lq). Every pointer array has one
+ * entry per layer. */
+struct vc_pass {
+    int64_t T, H, hq, hkv, D, I, R, layers, B, lq, threads;
+    float eps, scale;
+    float *h;                                              /* [T, H] in and out */
+    const float *const *ln_in, *const *w_qkv, *const *b_qkv, *const *w_o, *const *ln_mlp,
+        *const *w_gu, *const *w_down;                      /* b_qkv entries may be NULL */
+    const float *const *cos, *const *sin;                  /* [T, R] per layer */
+    float *const *ck, *const *cv;                          /* a layer's caches, slot lo */
+    int64_t sb, sh, sn;                                    /* their strides (slot, head, key) */
+    const int64_t *wslot, *wpos;                           /* [T] where a row's K/V go */
+    const int64_t *const *lo, *const *hi;                  /* [B, G lq] per layer */
+    attend_fn attend;
+};
+
+int vc_layers_f32(const struct vc_pass *p) {
+    const int64_t T = p->T, H = p->H, hq = p->hq, hkv = p->hkv, D = p->D, I = p->I;
+    const int64_t g = hq / hkv, nqkv = (hq + 2 * hkv) * D, rows = g * p->lq;
+    float *x = malloc(sizeof(float) * (size_t)(T * H));
+    float *qkv = malloc(sizeof(float) * (size_t)(T * nqkv));
+    float *qp = malloc(sizeof(float) * (size_t)(T * hq * D));
+    float *op = malloc(sizeof(float) * (size_t)(T * hq * D));
+    float *attn = malloc(sizeof(float) * (size_t)(T * hq * D));
+    float *o = malloc(sizeof(float) * (size_t)(T * H));
+    float *gu = malloc(sizeof(float) * (size_t)(T * 2 * I));
+    float *a = malloc(sizeof(float) * (size_t)(T * I));
+    int err = !(x && qkv && qp && op && attn && o && gu && a);
+    for (int64_t li = 0; li < p->layers && !err; li++) {
+        vc_rms_f32(p->h, p->ln_in[li], x, T, H, p->eps);
+        vc_linear_f32(x, p->w_qkv[li], p->b_qkv[li], qkv, T, nqkv, H, p->threads);
+        vc_rope_f32(qkv, T, hq + hkv, D, nqkv, p->cos[li], p->sin[li], p->R);
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t b = t / p->lq, l = t % p->lq;
+            const float *row = qkv + t * nqkv;
+            for (int64_t kh = 0; kh < hkv; kh++) {
+                const int64_t at = p->wslot[t] * p->sb + kh * p->sh + p->wpos[t] * p->sn;
+                memcpy(p->ck[li] + at, row + (hq + kh) * D, sizeof(float) * (size_t)D);
+                memcpy(p->cv[li] + at, row + (hq + hkv + kh) * D, sizeof(float) * (size_t)D);
+                for (int64_t gi = 0; gi < g; gi++)
+                    memcpy(qp + ((b * hkv + kh) * rows + gi * p->lq + l) * D,
+                           row + (kh * g + gi) * D, sizeof(float) * (size_t)D);
+            }
+        }
+        err = p->attend(qp, p->ck[li], p->cv[li], p->sb, p->sh, p->sn, p->lo[li], p->hi[li], op,
+                        p->B, hkv, rows, D, p->scale, p->threads);
+        if (err) break;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t b = t / p->lq, l = t % p->lq;
+            for (int64_t kh = 0; kh < hkv; kh++)
+                for (int64_t gi = 0; gi < g; gi++)
+                    memcpy(attn + t * hq * D + (kh * g + gi) * D,
+                           op + ((b * hkv + kh) * rows + gi * p->lq + l) * D,
+                           sizeof(float) * (size_t)D);
+        }
+        vc_linear_f32(attn, p->w_o[li], NULL, o, T, H, hq * D, p->threads);
+        for (int64_t i = 0; i < T * H; i++) p->h[i] = p->h[i] + o[i];
+        vc_rms_f32(p->h, p->ln_mlp[li], x, T, H, p->eps);
+        vc_linear_f32(x, p->w_gu[li], NULL, gu, T, 2 * I, H, p->threads);
+        vc_silu_mul_f32(gu, a, T, I);
+        vc_linear_f32(a, p->w_down[li], NULL, o, T, H, I, p->threads);
+        for (int64_t i = 0; i < T * H; i++) p->h[i] = p->h[i] + o[i];
+    }
+    free(x); free(qkv); free(qp); free(op); free(attn); free(o); free(gu); free(a);
+    return err;
 }
