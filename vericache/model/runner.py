@@ -562,7 +562,10 @@ class Runner:
             h = h * self.embed_scale
         fused = (one and not invariant and not captures and self._fused_w is not None
                  and self.attend_kernel is not None and self.linear_kernel is not None
-                 and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS)
+                 and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
+                 # a cache whose layers arrive during the pass (the offloaded tier's
+                 # `StreamedKV`) is read layer by layer, by the loop
+                 and (plans[0].pool is not None or isinstance(plans[0].cache.k, torch.Tensor)))
         if fused:
             self._fused(plans[0], h, ropes)
         for li, lyr in enumerate([] if fused else self.layers):
@@ -619,7 +622,8 @@ class Runner:
         either way; what is left out is the loop's Python and torch work between them (about
         0.1 ms a layer). For a plan whose rows are in order and served by the native kernels
         (decode, draft and verify steps of up to LINEAR_ROWS rows) over a family whose layers
-        are the plain pre-norm block (`self._fused_w`)."""
+        are the plain pre-norm block (`self._fused_w`), and caches held whole (not the
+        offloaded tier's, whose layers land while the pass runs)."""
         T, n = h.shape[0], self.num_layers
         if p.pool is None:
             K, V, base = p.cache.k, p.cache.v, 0
