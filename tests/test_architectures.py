@@ -303,6 +303,21 @@ def test_unsupported_architecture_is_refused(tmp_path):
     assert set(SUPPORTED) >= {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"}
 
 
+def test_output_and_mlp_biases_are_refused():
+    """Llama's attention_bias puts a bias on o_proj too, and mlp_bias on the MLP: the runner
+    has no place for them, so it refuses the checkpoint rather than drop them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    for extra, named in ((dict(attention_bias=True), "o_proj"),
+                         (dict(mlp_bias=True), "gate_proj, up_proj, down_proj")):
+        cfg = LlamaConfig(**{**COMMON, "num_hidden_layers": 1}, **extra)
+        with pytest.raises(ModelLoadError, match=f"biases on {named} are not supported"):
+            Runner.from_hf(LlamaForCausalLM(cfg))
+
+
 def test_dynamic_rope_is_refused(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -103,6 +103,18 @@ def _window(cfg, layer_idx: int) -> int | None:
     return w
 
 
+def _no_output_biases(a, mlp) -> None:
+    """The runner's layers have a q/k/v bias only: a checkpoint with an output-projection or
+    MLP bias (Llama's `attention_bias` / `mlp_bias`) is refused, not run without them."""
+    named = {"o_proj": getattr(a, "o_proj", None)}
+    named.update({n: getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "gate_up_proj",
+                                                    "down_proj")})
+    found = [n for n, mod in named.items() if getattr(mod, "bias", None) is not None]
+    if found:
+        raise ModelLoadError(f"biases on {', '.join(found)} are not supported by the runner "
+                             "(only q/k/v projections may carry one)")
+
+
 def _attention(a, device):
     w_qkv = _t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), device)
     bias = None
@@ -141,6 +153,7 @@ def _llama(hf, device) -> Weights:
     layers = []
     for i, lyr in enumerate(hf.model.layers):
         a, mlp = lyr.self_attn, lyr.mlp
+        _no_output_biases(a, mlp)
         w_qkv, bias = _attention(a, device)
         layers.append(Layer(
             ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=bias,
@@ -159,6 +172,7 @@ def _phi3(hf, device) -> Weights:
     layers = []
     for i, lyr in enumerate(hf.model.layers):
         a, mlp = lyr.self_attn, lyr.mlp
+        _no_output_biases(a, mlp)
         layers.append(Layer(
             ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=_t(a.qkv_proj.weight, device),
             b_qkv=None if a.qkv_proj.bias is None else _t(a.qkv_proj.bias, device),
@@ -187,6 +201,7 @@ def _gemma3(hf, device) -> Weights:
     layers = []
     for i, lyr in enumerate(m.layers):
         a, mlp = lyr.self_attn, lyr.mlp
+        _no_output_biases(a, mlp)
         w_qkv, bias = _attention(a, device)
         layers.append(Layer(
             ln_attn_in=g(lyr.input_layernorm.weight), w_qkv=w_qkv, b_qkv=bias,
