@@ -18,8 +18,11 @@ after the other:
 - decode attention's KV read rate = B * (ctx - short) * KV bytes per token / (step at ctx -
   step at short): the time the step spends on the context it reads;
 - full decode tokens/s = B / step at ctx;
-- the read bandwidth, in the same process right before: sum of a 256 MiB fp32 tensor, best
-  of 5, at 1 and 2 threads; the peak is the larger.
+- the read bandwidth, in the same process right before and after: sum of a 256 MiB fp32
+  tensor, best of 5, at 1 and 2 threads; the peak is the largest (`kv_read_share_of_peak`);
+- and the bandwidth while the steps ran (this VM's moves by 2x within minutes): one such sum
+  right before each step (at ctx and at short alike), at the step's threads; `kv_read_share_of_during` is the KV
+  read rate over their median (`read_gb_s_during` lists them, the first dropped).
 
 With --profile, the after side prints a torch.profiler table of one batch-16 step at ctx and
 the number of SDPA calls in it (one per layer).
@@ -81,12 +84,23 @@ def _caches(base, n: int, batch: int, room: int) -> list:
     return [KVCache.from_tensors(k, v, room) for _ in range(batch)]
 
 
-def _steps(lm, caches: list, first: list[int], steps: int) -> list[float]:
-    """Greedy decode steps of every cache in one pass each; seconds per step."""
+def _sum_rate(big: torch.Tensor) -> float:
+    """GB/s of one streaming read of `big` (its sum), at the current threads."""
+    t = time.perf_counter()
+    big.sum()
+    return big.numel() * 4 / (time.perf_counter() - t) / 1e9
+
+
+def _steps(lm, caches: list, first: list[int], steps: int, rates: list | None = None,
+           big: torch.Tensor | None = None) -> list[float]:
+    """Greedy decode steps of every cache in one pass each; seconds per step. With `rates`,
+    a read of `big` before each step appends its GB/s there (the bandwidth at that moment)."""
     from vericache.model.runner import SeqBatchItem
 
     toks, times = list(first), []
     for _ in range(steps):
+        if rates is not None:
+            rates.append(_sum_rate(big))
         items = [SeqBatchItem(torch.tensor([t]), torch.tensor([c.length]), c) for t, c in zip(toks, caches)]
         t0 = time.perf_counter()
         out = lm.runner.forward(items)
@@ -99,19 +113,25 @@ def measure(lm, base, ids: list[int], batch: int, ctx: int, short: int, steps: i
     """One point: `batch` sequences at `ctx` and at `short` tokens (copies of `base`)."""
     kvt = lm.runner.kv_bytes_per_token()
     bw = {t: read_bandwidth(t) for t in (1, 2)}
-    per = {}
+    per, rates = {}, {}
+    big = torch.ones(256 << 20 >> 2)
     for n in (short, ctx):
         caches = _caches(base, n, batch, steps + 1)
-        per[n] = statistics.median(_steps(lm, caches, [ids[n - 1]] * batch, steps)[1:])
+        rates[n] = []
+        per[n] = statistics.median(_steps(lm, caches, [ids[n - 1]] * batch, steps, rates[n],
+                                          big)[1:])
         del caches
+    del big
     bw_after = {t: read_bandwidth(t) for t in (1, 2)}
     kv = batch * (ctx - short) * kvt
     attn_s = per[ctx] - per[short]
     peak = max(max(bw.values()), max(bw_after.values()))
+    during = statistics.median(rates[ctx][1:])
     return {"batch": batch, "ctx": ctx, "short": short, "steps": steps,
             "step_s": per[ctx], "step_s_short": per[short], "kv_bytes_read": kv,
             "kv_read_gb_s": kv / attn_s / 1e9, "read_gb_s": {"before": bw, "after": bw_after},
             "peak_read_gb_s": peak, "kv_read_share_of_peak": kv / attn_s / 1e9 / peak,
+            "read_gb_s_during": rates[ctx][1:], "kv_read_share_of_during": kv / attn_s / 1e9 / during,
             "decode_tok_s": batch / per[ctx], "torch_threads": torch.get_num_threads()}
 
 
@@ -197,11 +217,14 @@ def main() -> None:
         out["after_sdpa"] = {"ref": head, "points": subprocess_worker(str(ROOT),
                                                                       {"VERICACHE_KERNELS": "0"})}
     out["after"] = {"ref": head, "points": _worker(args, variants=True)}
-    print(f"{'':11}{'batch':>6}{'ctx':>6}{'step s':>9}{'KV GB/s':>9}{'peak GB/s':>10}{'share':>7}{'tok/s':>8}")
+    print(f"{'':11}{'batch':>6}{'ctx':>6}{'step s':>9}{'KV GB/s':>9}{'peak GB/s':>10}{'share':>7}"
+          f"{'during':>8}{'share':>7}{'tok/s':>8}")
     for side in ("before", "after_sdpa", "after"):
         for p in out.get(side, {}).get("points", []):
             print(f"{side:11}{p['batch']:>6}{p['ctx']:>6}{p['step_s']:>9.4f}{p['kv_read_gb_s']:>9.2f}"
-                  f"{p['peak_read_gb_s']:>10.2f}{p['kv_read_share_of_peak']:>7.0%}{p['decode_tok_s']:>8.2f}")
+                  f"{p['peak_read_gb_s']:>10.2f}{p['kv_read_share_of_peak']:>7.0%}"
+                  f"{statistics.median(p['read_gb_s_during']):>8.2f}"
+                  f"{p['kv_read_share_of_during']:>7.0%}{p['decode_tok_s']:>8.2f}")
     if "before" in out:
         out["speedup"] = {str(a["batch"]): a["decode_tok_s"] / b["decode_tok_s"]
                           for a, b in zip(out["after"]["points"], out["before"]["points"])}
