@@ -2,7 +2,8 @@
 bit (logits and the K/V written), at batch 1 (fp32, bf16, fp16) and 16 (fp32, bf16); and
 VeriCache's output in that mode is full decoding's in that mode. In float32 on CPU the fast
 mode is batch-invariant too, through the native kernels (their rows' sums are placed by the
-row alone); with torch's products and SDPA it is not. Elsewhere the fast mode's distance is
+row alone), and bitwise passes the kernels serve run in it; with torch's products and SDPA
+it is not. Elsewhere the fast mode's distance is
 measured, not asserted (benchmarks/exactness.py reports it)."""
 
 from __future__ import annotations
@@ -99,22 +100,67 @@ def test_exact_takes_fast_or_bitwise():
         GenParams(exact="exactly")
 
 
-def test_bitwise_through_the_offloaded_tier(lm):
-    """The invariant pass reads the offloaded tier's working copies (layers that land while it
-    computes) as it reads a resident cache: VeriCache over the tier, bitwise, is resident full
-    decoding, bitwise, token for token, and every verify pass loaded the KV."""
+def test_bitwise_runs_in_the_fast_pass_where_the_kernels_make_it_invariant(lm, monkeypatch):
+    """float32 on CPU: a bitwise verify pass and the decode steps over the same tokens run in
+    the fast pass (the native kernels place every row's sums by the row alone), and agree bit
+    for bit, logits and K/V; a bitwise pass the kernels do not serve whole (a chunk of more
+    than KERNEL_ROWS rows) still takes the invariant pass."""
+    import torch
+
+    from vericache.model.runner import KERNEL_ROWS, SeqBatchItem
+
+    r = lm.runner
+    calls, invariant = [], r._invariant_pass
+    monkeypatch.setattr(r, "_invariant_pass",
+                        lambda items: (calls.append(len(items)), invariant(items))[1])
+    prompt = long_code_prompt(lm, 400)
+    n = len(prompt)
+
+    def cache():
+        c = r.new_cache(n + 8)
+        r.step(prompt[:-8], 0, c, logits="none")
+        return c
+
+    def item(lo, hi, c):
+        return SeqBatchItem(torch.tensor(prompt[lo:hi]), torch.arange(lo, hi), c, "all",
+                            bitwise=True)
+
+    one, each = cache(), cache()
+    verify = r.forward([item(n - 8, n, one)])[0]
+    steps = torch.cat([r.forward([item(i, i + 1, each)])[0] for i in range(n - 8, n)])
+    assert calls == []
+    assert torch.equal(verify, steps)
+    assert all(torch.equal(a, b) for a, b in zip(one.view(), each.view()))
+    r.forward([item(0, KERNEL_ROWS + 1, r.new_cache(KERNEL_ROWS + 8))])
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_bitwise_through_the_offloaded_tier(lm, kernels):
+    """Bitwise passes read the offloaded tier's working copies (layers that land while they
+    compute) as they read a resident cache: VeriCache over the tier, bitwise, is resident
+    full decoding, bitwise, token for token, and every verify pass loaded the KV; in the fast
+    pass (native kernels) and in the invariant pass (torch's products and SDPA)."""
     from vericache.engine.kvtier import make_tier
     from vericache.engine.rounds import LocalBackends
 
-    prompt = long_code_prompt(lm, 600)
-    ref = generate(lm, prompt, GenParams(mode="full", max_tokens=16, ignore_eos=True,
-                                         exact="bitwise"))
-    tier = make_tier("offloaded", link_gbps=200.0)
+    r = lm.runner
+    saved = r.linear_kernel, r.attend_kernel
+    if kernels == "torch":
+        r.linear_kernel = r.attend_kernel = None
     try:
-        out = generate(lm, prompt, GenParams(mode="vericache", max_tokens=16, ignore_eos=True,
-                                             exact="bitwise", draft_len=6, adaptive=False),
-                       LocalBackends(lm, tier=tier))
+        prompt = long_code_prompt(lm, 600)
+        ref = generate(lm, prompt, GenParams(mode="full", max_tokens=16, ignore_eos=True,
+                                             exact="bitwise"))
+        tier = make_tier("offloaded", link_gbps=200.0)
+        try:
+            out = generate(lm, prompt, GenParams(mode="vericache", max_tokens=16,
+                                                 ignore_eos=True, exact="bitwise", draft_len=6,
+                                                 adaptive=False),
+                           LocalBackends(lm, tier=tier))
+        finally:
+            tier.close()
     finally:
-        tier.close()
+        r.linear_kernel, r.attend_kernel = saved
     assert out.token_ids == ref.token_ids
     assert tier.stats.loads == out.stats.rounds > 0

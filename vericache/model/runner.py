@@ -309,14 +309,29 @@ class Runner:
         depends on how many rows share it, and a row's low bits with it; except where the
         native kernels serve it (float32 on CPU, up to LINEAR_ROWS rows and KERNEL_ROWS rows a
         sequence, layers without a sliding window): their sums are placed by the row alone, so
-        those passes are batch-invariant too (tests/test_exact.py)."""
+        those passes are batch-invariant too (tests/test_exact.py), and `bitwise` items run
+        in them (`_fast_is_invariant`)."""
         fast = [it for it in items if not it.bitwise]
-        if len(fast) == len(items):
+        if len(fast) == len(items) or self._fast_is_invariant(items):
             return self._pass(items)
         bit = [it for it in items if it.bitwise]
         done = dict(zip(map(id, fast), self._pass(fast))) if fast else {}
         done.update(zip(map(id, bit), self._invariant_pass(bit)))
         return [done[id(it)] for it in items]
+
+    def _fast_is_invariant(self, items: list[SeqBatchItem]) -> bool:
+        """Whether the fast pass over `items` gives each row the bits of a pass of its own, by
+        construction: the native kernels serve every product (at most LINEAR_ROWS rows) and
+        every attention call (at most KERNEL_ROWS rows a sequence, no sliding window: a
+        window's keys start inside a part), over the plain pre-norm block whose norms, RoPE
+        and silu * up are the library's row-wise functions (`_fused_w`), and no `bitwise`
+        item needs what only the invariant pass gives it (votes, captured queries)."""
+        if self._fused_w is None or self.attend_kernel is None or self.linear_kernel is None:
+            return False
+        lens = [int(it.tokens.shape[0]) for it in items]
+        return (not self.windowed and sum(lens) <= LINEAR_ROWS and max(lens) <= KERNEL_ROWS
+                and not any(it.bitwise and (it.votes or it.capture_q is not None)
+                            for it in items))
 
     def _invariant_pass(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
         """The pass with every row's reduction order fixed by that row's operands alone:

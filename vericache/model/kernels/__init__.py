@@ -28,8 +28,10 @@ atomically, so that concurrent processes agree. Without a compiler, or with
 F.linear; the reason is logged once. The attention is compiled with -ffast-math (vector
 expf; linked without it, see LIBRARIES): results differ from SDPA's in the last bits, as
 any two attention kernels do. The products differ from MKL's in the last bits too (another
-summation order). The invariant pass (`exact=bitwise`) uses neither; its RMSNorm and RoPE,
-row by row either way, are `linear.c`'s too.
+summation order). Both place a row's sums by the row alone, so the fast pass they serve is
+batch-invariant, and `exact=bitwise` items run in it (`Runner._fast_is_invariant`); the
+invariant pass, for the passes they do not serve whole, uses neither (its RMSNorm and RoPE,
+row by row either way, are `linear.c`'s too).
 """
 
 from __future__ import annotations
