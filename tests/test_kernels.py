@@ -256,6 +256,25 @@ def test_silu_mul_equals_torch(linear):
         linear.silu_mul(torch.randn(2, 7))
 
 
+def test_rms_heads_is_rms_per_head(linear):
+    """Per-head RMSNorm in place on a view of a qkv product (tokens strided, v untouched):
+    each head the row RMSNorm (`rms`) of that head with its own weights, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(5, 7 * 64 + 2 * 64, generator=g)
+    w = torch.randn(7, 64, generator=g)
+    qk = qkv[:, : 7 * 64].view(5, 7, 64)
+    want = torch.stack([linear.rms(qk[:, h].contiguous(), w[h].contiguous(), 1e-6)
+                        for h in range(7)], 1)
+    v, orig = qkv[:, 7 * 64:].clone(), qk.clone()
+    out = linear.rms_heads(qk, w, 1e-6)
+    assert out.data_ptr() == qkv.data_ptr() and torch.equal(out, want)
+    assert torch.equal(qkv[:, 7 * 64:], v)
+    ref = F.rms_norm(orig.double(), (64,), None, 1e-6) * w.double()
+    assert float((out.double() - ref).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="rms_heads"):
+        linear.rms_heads(qk, w[:6], 1e-6)
+
+
 def _loop_too(r, run):
     """run() with the runner's fused layer stack and with its layer loop: (fused, loop)."""
     fused_w, r._fused_w = r._fused_w, None
@@ -301,13 +320,14 @@ def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
 
 
 def test_fused_layers_with_qkv_bias(tmp_path):
-    """A tiny Qwen2 (a qkv bias) and a sliding-window Mistral (a window per layer's range):
-    fused passes are the loop's bit for bit, and the families with extra norms (Qwen3's q/k
-    norm) keep the loop."""
+    """A tiny Qwen2 (a qkv bias), a sliding-window Mistral (a window per layer's range) and
+    Qwen3 (per-head q/k norms): fused passes are the loop's bit for bit; Gemma 3 (norms
+    after attention and MLP, GeGLU) keeps the loop."""
     from test_architectures import build
     from vericache.model.loader import load_model
 
-    for name, fusable in (("qwen2", True), ("mistral-sliding", True), ("qwen3", False)):
+    for name, fusable in (("qwen2", True), ("mistral-sliding", True), ("qwen3", True),
+                          ("gemma3_text", False)):
         folder = tmp_path / name
         build(name, folder)
         r = load_model(str(folder), dtype="float32").runner

@@ -17,7 +17,7 @@ over them, so that
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
 - a fast pass of one batch group whose rows are in order (decode, draft and verify steps of
-  up to LINEAR_ROWS rows, over a family of plain pre-norm blocks with SiLU) runs all its
+  up to LINEAR_ROWS rows, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all its
   layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
   functions as the layer loop, in the same order, so the same bits, without the loop's
   Python and torch work between them;
@@ -158,18 +158,19 @@ class Runner:
         self.attend_kernel = kernels.attend() if native else None
         self.linear_kernel = kernels.linear() if native else None
         self.silu = w.activation == "silu"
-        # the weights' pointers for `_fused` (None: the family's layers are not the plain
-        # pre-norm block it runs, or a kernel is missing)
-        plain = all(lyr.qk_norm is None and lyr.ln_attn_out is None and lyr.ln_mlp_out is None
+        # the weights' pointers for `_fused` (None: the family's layers are not the pre-norm
+        # block it runs, Gemma's extra norms and GeGLU, or a kernel is missing)
+        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None
                     for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
-                              for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.w_o,
-                                        lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
+                              for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
+                                        lyr.w_o, lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
         self._fused_w = None
         if self.attend_kernel is not None and self.linear_kernel is not None and self.silu and plain:
             self._fused_w = {name: kernels.pointers([getattr(lyr, attr) for lyr in w.layers])
                              for name, attr in (("ln_in", "ln_attn_in"), ("w_qkv", "w_qkv"),
-                                                ("b_qkv", "b_qkv"), ("w_o", "w_o"),
+                                                ("b_qkv", "b_qkv"), ("qk_norm", "qk_norm"),
+                                                ("w_o", "w_o"),
                                                 ("ln_mlp", "ln_mlp_in"), ("w_gu", "w_gate_up"),
                                                 ("w_down", "w_down"))}
 
@@ -225,6 +226,15 @@ class Runner:
         if self.norm_upcast:  # Gemma: scale in fp32 (w holds 1 + weight), then cast
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
+
+    def _qk_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A pass's per-head q/k RMSNorm on x [T, heads, D] (a view of its qkv product), w
+        [heads, D]: in place by the native kernel where it serves (float32 on CPU; the
+        function `_fused` applies), else `_rms`."""
+        if (self.linear_kernel is not None and x.dtype == torch.float32
+                and w.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]):
+            return self.linear_kernel.rms_heads(x, w, self.eps)
+        return self._rms(x, w)
 
     def _rope_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A pass's RoPE on its fresh q/k rows x [T, heads, D] (a view of its qkv product, or
@@ -323,8 +333,8 @@ class Runner:
         """Whether the fast pass over `items` gives each row the bits of a pass of its own, by
         construction: the native kernels serve every product (at most LINEAR_ROWS rows) and
         every attention call (at most KERNEL_ROWS rows a sequence, no sliding window: a
-        window's keys start inside a part), over the plain pre-norm block whose norms, RoPE
-        and silu * up are the library's row-wise functions (`_fused_w`), and no `bitwise`
+        window's keys start inside a part), over the pre-norm block whose norms (q/k norms
+        too), RoPE and silu * up are the library's row-wise functions (`_fused_w`), and no `bitwise`
         item needs what only the invariant pass gives it (votes, captured queries)."""
         if self._fused_w is None or self.attend_kernel is None or self.linear_kernel is None:
             return False
@@ -588,7 +598,7 @@ class Runner:
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm is not None:
-                qk = self._rms(qk, lyr.qk_norm)
+                qk = self._qk_norm(qk, lyr.qk_norm)
             qk = self._rope_pass(qk, *ropes[lyr.rope])
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
@@ -637,7 +647,7 @@ class Runner:
         either way; what is left out is the loop's Python and torch work between them (about
         0.1 ms a layer). For a plan whose rows are in order and served by the native kernels
         (decode, draft and verify steps of up to LINEAR_ROWS rows) over a family whose layers
-        are the plain pre-norm block (`self._fused_w`), and caches held whole (not the
+        are the pre-norm SiLU block, q/k norms allowed (`self._fused_w`), and caches held whole (not the
         offloaded tier's, whose layers land while the pass runs)."""
         T, n = h.shape[0], self.num_layers
         if p.pool is None:

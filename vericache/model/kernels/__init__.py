@@ -140,7 +140,7 @@ class Pass(ctypes.Structure):
                                    "threads")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("h", _P)]
                 + [(n, _P) for n in ("ln_in", "w_qkv", "b_qkv", "w_o", "ln_mlp", "w_gu", "w_down",
-                                     "cos", "sin", "ck", "cv")]
+                                     "qk_norm", "cos", "sin", "ck", "cv")]
                 + [(n, _I) for n in ("sb", "sh", "sn")]
                 + [(n, _P) for n in ("wslot", "wpos", "lo", "hi", "attend")])
 
@@ -170,6 +170,9 @@ class Linear:
         self._rope = lib.vc_rope_f32
         self._rope.argtypes = [p, i, i, i, i, p, p, i]
         self._rope.restype = None
+        self._rms_heads = lib.vc_rms_heads_f32
+        self._rms_heads.argtypes = [p, p, i, i, i, i, ctypes.c_float]
+        self._rms_heads.restype = None
         self._silu_mul = lib.vc_silu_mul_f32
         self._silu_mul.argtypes = [p, p, i, i]
         self._silu_mul.restype = None
@@ -202,6 +205,17 @@ class Linear:
         y = torch.empty_like(x)
         self._rms(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
         return y
+
+    def rms_heads(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head of x [T, heads, D] in place (float32, unit stride within a
+        head, heads D apart, tokens at any stride), head h scaled by w[h] (w [heads, D])."""
+        T, heads, D = x.shape
+        if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != D
+                or w.dtype != torch.float32 or w.shape != (heads, D) or not w.is_contiguous()):
+            raise ValueError("rms_heads: x [T, heads, D] float32 with unit and D strides; "
+                             "w [heads, D] contiguous float32")
+        self._rms_heads(x.data_ptr(), w.data_ptr(), T, heads, D, x.stride(0), eps)
+        return x
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE in place on x [T, heads, D] (float32, unit stride within a head,

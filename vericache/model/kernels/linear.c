@@ -117,6 +117,18 @@ void vc_rms_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, 
     }
 }
 
+/* RMSNorm of each head of x [T, heads, D] in place (token stride st, heads D apart), head h
+ * scaled by w[h] (w [heads, D]: Qwen3's and Gemma 3's q/k norms); each head as `vc_rms_f32`
+ * does a row. */
+void vc_rms_heads_f32(float *x, const float *w, int64_t T, int64_t heads, int64_t D, int64_t st,
+                      float eps) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *r = x + t * st + h * D;
+            vc_rms_f32(r, w + h * D, r, 1, D, eps);
+        }
+}
+
 /* Rotary embedding in place (the rotate-half form): x [T, heads, D] with token stride st and
  * head stride D; cos, sin [T, R] (R <= D, even; dims past R pass). */
 void vc_rope_f32(float *x, int64_t T, int64_t heads, int64_t D, int64_t st, const float *cos,
@@ -176,7 +188,7 @@ typedef int (*attend_fn)(const float *q, const float *k, const float *v, int64_t
                          int64_t H, int64_t R, int64_t D, float scale, int64_t threads);
 
 /* One fast pass's decoder layers in one call (`Runner._fused`): the layers of a plain
- * pre-norm block (RMSNorm, qkv product with optional bias, RoPE, attention over the caches,
+ * pre-norm block (RMSNorm, qkv product with optional bias, optional per-head q/k RMSNorm, RoPE, attention over the caches,
  * output product, residual; RMSNorm, gate/up product, silu * up, down product, residual),
  * each step the same function, in the same order, as the runner's layer loop calls one at a
  * time, so a row gets the same bits either way. The pass's rows are its sequences' padded
@@ -188,6 +200,7 @@ struct vc_pass {
     float *h;                                              /* [T, H] in and out */
     const float *const *ln_in, *const *w_qkv, *const *b_qkv, *const *w_o, *const *ln_mlp,
         *const *w_gu, *const *w_down;                      /* b_qkv entries may be NULL */
+    const float *const *qk_norm;                           /* [hq + hkv, D] or NULL */
     const float *const *cos, *const *sin;                  /* [T, R] per layer */
     float *const *ck, *const *cv;                          /* a layer's caches, slot lo */
     int64_t sb, sh, sn;                                    /* their strides (slot, head, key) */
@@ -211,6 +224,7 @@ int vc_layers_f32(const struct vc_pass *p) {
     for (int64_t li = 0; li < p->layers && !err; li++) {
         vc_rms_f32(p->h, p->ln_in[li], x, T, H, p->eps);
         vc_linear_f32(x, p->w_qkv[li], p->b_qkv[li], qkv, T, nqkv, H, p->threads);
+        if (p->qk_norm[li]) vc_rms_heads_f32(qkv, p->qk_norm[li], T, hq + hkv, D, nqkv, p->eps);
         vc_rope_f32(qkv, T, hq + hkv, D, nqkv, p->cos[li], p->sin[li], p->R);
         for (int64_t t = 0; t < T; t++) {
             const int64_t b = t / p->lq, l = t % p->lq;
