@@ -21,8 +21,9 @@ after the other:
 - the read bandwidth, in the same process right before and after: sum of a 256 MiB fp32
   tensor, best of 5, at 1 and 2 threads; the peak is the largest (`kv_read_share_of_peak`);
 - and the bandwidth while the steps ran (this VM's moves by 2x within minutes): one such sum
-  right before each step (at ctx and at short alike), at the step's threads; `kv_read_share_of_during` is the KV
-  read rate over their median (`read_gb_s_during` lists them, the first dropped).
+  right before each step (at ctx and at short alike), at the step's threads;
+  `kv_read_share_of_during` is the KV read rate over their median (`read_gb_s_during` lists
+  those before the steps at ctx, the first dropped).
 
 With --profile, the after side prints a torch.profiler table of one batch-16 step at ctx and
 the number of SDPA calls in it (one per layer).
@@ -131,7 +132,8 @@ def measure(lm, base, ids: list[int], batch: int, ctx: int, short: int, steps: i
             "step_s": per[ctx], "step_s_short": per[short], "kv_bytes_read": kv,
             "kv_read_gb_s": kv / attn_s / 1e9, "read_gb_s": {"before": bw, "after": bw_after},
             "peak_read_gb_s": peak, "kv_read_share_of_peak": kv / attn_s / 1e9 / peak,
-            "read_gb_s_during": rates[ctx][1:], "kv_read_share_of_during": kv / attn_s / 1e9 / during,
+            "read_gb_s_during": rates[ctx][1:],
+            "kv_read_share_of_during": kv / attn_s / 1e9 / during,
             "decode_tok_s": batch / per[ctx], "torch_threads": torch.get_num_threads()}
 
 

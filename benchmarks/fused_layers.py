@@ -4,9 +4,10 @@ native call) against its layer loop, at batch 1, interleaved in one process.
     PYTHONPATH=. .venv/bin/python benchmarks/fused_layers.py --contexts 1024,7168 --json out.json
 
 Each repeat runs both (fused first, then the loop): the built-in code prompt of about `ctx`
-tokens (`vericache bench`'s first) prefilled, then
---steps greedy decode steps timed; per context, the median ms per step of each, their
-ratio, and the median of each repeat's ratio (this VM's speed drifts between repeats). The outputs of both are checked identical, token for token.
+tokens (`vericache bench`'s first) prefilled, then --steps greedy decode steps timed; per
+context, the median ms per step of each, their
+ratio, and the median of each repeat's ratio (this VM's speed drifts between repeats). The
+outputs of both are checked identical, token for token.
 """
 
 from __future__ import annotations

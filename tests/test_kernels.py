@@ -292,7 +292,7 @@ def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
     from vericache.model.runner import SeqBatchItem
 
     r = lm.runner
-    assert r._fused_w is not None
+    assert r._fused_w["w_qkv"][0] == r.layers[0].w_qkv.data_ptr()  # the layers fused, by pointer
     calls = []
     fused = r._fused
     monkeypatch.setattr(r, "_fused", lambda *a: (calls.append(a[1].shape[0]), fused(*a)))

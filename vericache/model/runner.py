@@ -17,8 +17,8 @@ over them, so that
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
 - a fast pass of one batch group whose rows are in order (decode, draft and verify steps of
-  up to LINEAR_ROWS rows, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all its
-  layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
+  up to LINEAR_ROWS rows, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all
+  its layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
   functions as the layer loop, in the same order, so the same bits, without the loop's
   Python and torch work between them;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
@@ -166,7 +166,8 @@ class Runner:
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
                                         lyr.w_o, lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
         self._fused_w = None
-        if self.attend_kernel is not None and self.linear_kernel is not None and self.silu and plain:
+        if self.attend_kernel is not None and self.linear_kernel is not None and self.silu \
+                and plain:
             self._fused_w = {name: kernels.pointers([getattr(lyr, attr) for lyr in w.layers])
                              for name, attr in (("ln_in", "ln_attn_in"), ("w_qkv", "w_qkv"),
                                                 ("b_qkv", "b_qkv"), ("qk_norm", "qk_norm"),
@@ -329,14 +330,21 @@ class Runner:
         done.update(zip(map(id, bit), self._invariant_pass(bit)))
         return [done[id(it)] for it in items]
 
+    def _native_block(self) -> bool:
+        """Whether the native library runs this runner's layers whole (`_fused_w`: the
+        pre-norm SiLU block) and both kernels are in place (tests may take one away)."""
+        return (self._fused_w is not None and self.attend_kernel is not None
+                and self.linear_kernel is not None)
+
     def _fast_is_invariant(self, items: list[SeqBatchItem]) -> bool:
         """Whether the fast pass over `items` gives each row the bits of a pass of its own, by
         construction: the native kernels serve every product (at most LINEAR_ROWS rows) and
         every attention call (at most KERNEL_ROWS rows a sequence, no sliding window: a
         window's keys start inside a part), over the pre-norm block whose norms (q/k norms
-        too), RoPE and silu * up are the library's row-wise functions (`_fused_w`), and no `bitwise`
-        item needs what only the invariant pass gives it (votes, captured queries)."""
-        if self._fused_w is None or self.attend_kernel is None or self.linear_kernel is None:
+        too), RoPE and silu * up are the library's row-wise functions (`_native_block`), and
+        no `bitwise` item needs what only the invariant pass gives it (votes, captured
+        queries)."""
+        if not self._native_block():
             return False
         lens = [int(it.tokens.shape[0]) for it in items]
         return (not self.windowed and sum(lens) <= LINEAR_ROWS and max(lens) <= KERNEL_ROWS
@@ -585,8 +593,7 @@ class Runner:
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        fused = (one and not invariant and not captures and self._fused_w is not None
-                 and self.attend_kernel is not None and self.linear_kernel is not None
+        fused = (one and not invariant and not captures and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
                  # a cache whose layers arrive during the pass (the offloaded tier's
                  # `StreamedKV`) is read layer by layer, by the loop
@@ -647,8 +654,8 @@ class Runner:
         either way; what is left out is the loop's Python and torch work between them (about
         0.1 ms a layer). For a plan whose rows are in order and served by the native kernels
         (decode, draft and verify steps of up to LINEAR_ROWS rows) over a family whose layers
-        are the pre-norm SiLU block, q/k norms allowed (`self._fused_w`), and caches held whole (not the
-        offloaded tier's, whose layers land while the pass runs)."""
+        are the pre-norm SiLU block, q/k norms allowed (`_native_block`), and caches held
+        whole (not the offloaded tier's, whose layers land while the pass runs)."""
         T, n = h.shape[0], self.num_layers
         if p.pool is None:
             K, V, base = p.cache.k, p.cache.v, 0

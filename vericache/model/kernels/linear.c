@@ -187,9 +187,10 @@ typedef int (*attend_fn)(const float *q, const float *k, const float *v, int64_t
                          int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                          int64_t H, int64_t R, int64_t D, float scale, int64_t threads);
 
-/* One fast pass's decoder layers in one call (`Runner._fused`): the layers of a plain
- * pre-norm block (RMSNorm, qkv product with optional bias, optional per-head q/k RMSNorm, RoPE, attention over the caches,
- * output product, residual; RMSNorm, gate/up product, silu * up, down product, residual),
+/* One fast pass's decoder layers in one call (`Runner._fused`): the layers of a pre-norm
+ * block (RMSNorm, qkv product with optional bias, optional per-head q/k RMSNorm, RoPE,
+ * attention over the caches, output product, residual; RMSNorm, gate/up product,
+ * silu * up, down product, residual),
  * each step the same function, in the same order, as the runner's layer loop calls one at a
  * time, so a row gets the same bits either way. The pass's rows are its sequences' padded
  * rows in order (row t = sequence t / lq, query l = t % lq). Every pointer array has one
