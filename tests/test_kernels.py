@@ -286,9 +286,10 @@ def _loop_too(r, run):
 
 
 def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
-    """The real model's decode step, a 17-row verify pass and a batch of three decode rows
-    over pooled caches: one native call for all layers (`Runner._fused`) gives the layer
-    loop's logits and K/V, bit for bit."""
+    """The real model's decode step, a 17-row verify pass, a batch of decode rows over pooled
+    caches and a ragged batch (a decode row beside a 4-row verify pass, padded): one native
+    call for all layers (`Runner._fused`) gives the layer loop's logits and K/V, bit for
+    bit."""
     from vericache.model.runner import SeqBatchItem
 
     r = lm.runner
@@ -308,11 +309,15 @@ def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
         decode = r.step(ids[0][-1:], len(ids[0]) - 1, caches[0])[0]
         batch = r.forward([SeqBatchItem(torch.tensor([p[-18]]), torch.tensor([len(p) - 18]), c,
                                         "last") for p, c in zip(ids[1:], caches[1:])])
+        ragged = r.forward([SeqBatchItem(torch.tensor(p[-17: -17 + n]),
+                                         torch.arange(len(p) - 17, len(p) - 17 + n), c, "all")
+                            for p, c, n in zip(ids[1:], caches[1:], (1, 4))])
         kv = [c.view() for c in caches]
-        return [verify, decode, *batch], kv
+        return [verify, decode, *batch, *ragged], kv
 
     (out_f, kv_f), (out_l, kv_l) = _loop_too(r, run)
-    assert calls[-3:] == [17, 1, 2]  # each fast pass fused (prefill tails too); none in the loop
+    # each fast pass fused (prefill tails too); none in the loop's run
+    assert calls[-4:] == [17, 1, 2, 5]
     for a, b in zip(out_f, out_l):
         assert torch.equal(a, b)
     for (kf, vf), (kl, vl) in zip(kv_f, kv_l):

@@ -16,9 +16,9 @@ over them, so that
   that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
-- a fast pass of one batch group whose rows are in order (decode, draft and verify steps of
-  up to LINEAR_ROWS rows, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all
-  its layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
+- a fast pass of one batch group (decode, draft and verify steps of up to LINEAR_ROWS rows,
+  ragged or not, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all its
+  layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
   functions as the layer loop, in the same order, so the same bits, without the loop's
   Python and torch work between them;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
@@ -593,7 +593,8 @@ class Runner:
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        fused = (one and not invariant and not captures and self._native_block()
+        fused = (len(plans) == 1 and not explicit and not invariant and not captures
+                 and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
                  # a cache whose layers arrive during the pass (the offloaded tier's
                  # `StreamedKV`) is read layer by layer, by the loop
@@ -652,8 +653,9 @@ class Runner:
         [T, H] in place: the pass's products, norms, RoPE, K/V writes and attention, each the
         kernel function the layer loop calls, in the same order, so a row gets the same bits
         either way; what is left out is the loop's Python and torch work between them (about
-        0.1 ms a layer). For a plan whose rows are in order and served by the native kernels
-        (decode, draft and verify steps of up to LINEAR_ROWS rows) over a family whose layers
+        0.1 ms a layer). For one plan over all the pass's rows (in item order; `p.pad` places
+        them among the padded rows), served by the native kernels (decode, draft and verify
+        steps of up to LINEAR_ROWS rows) over a family whose layers
         are the pre-norm SiLU block, q/k norms allowed (`_native_block`), and caches held
         whole (not the offloaded tier's, whose layers land while the pass runs)."""
         T, n = h.shape[0], self.num_layers
@@ -679,7 +681,7 @@ class Runner:
             I=self.intermediate, R=ropes[0][0].shape[1], layers=n, B=p.B, lq=p.lq,
             threads=self._threads(), eps=self.eps, scale=self.scale, h=h.data_ptr(),
             sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
-            attend=self.attend_kernel.address,
+            pad=None if p.in_order else p.pad.data_ptr(), attend=self.attend_kernel.address,
             **{name: ctypes.addressof(a) for name, a in arrays.items()})
         self.linear_kernel.layers(args)
 

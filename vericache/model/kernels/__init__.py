@@ -142,7 +142,7 @@ class Pass(ctypes.Structure):
                 + [(n, _P) for n in ("ln_in", "w_qkv", "b_qkv", "w_o", "ln_mlp", "w_gu", "w_down",
                                      "qk_norm", "cos", "sin", "ck", "cv")]
                 + [(n, _I) for n in ("sb", "sh", "sn")]
-                + [(n, _P) for n in ("wslot", "wpos", "lo", "hi", "attend")])
+                + [(n, _P) for n in ("wslot", "wpos", "pad", "lo", "hi", "attend")])
 
 
 def pointers(tensors) -> ctypes.Array:

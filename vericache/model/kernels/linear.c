@@ -192,9 +192,9 @@ typedef int (*attend_fn)(const float *q, const float *k, const float *v, int64_t
  * attention over the caches, output product, residual; RMSNorm, gate/up product,
  * silu * up, down product, residual),
  * each step the same function, in the same order, as the runner's layer loop calls one at a
- * time, so a row gets the same bits either way. The pass's rows are its sequences' padded
- * rows in order (row t = sequence t / lq, query l = t % lq). Every pointer array has one
- * entry per layer. */
+ * time, so a row gets the same bits either way. Row t of the pass is padded row u = pad[t]
+ * (u = t without pad): sequence u / lq, query u % lq. Every pointer array has one entry per
+ * layer. */
 struct vc_pass {
     int64_t T, H, hq, hkv, D, I, R, layers, B, lq, threads;
     float eps, scale;
@@ -206,6 +206,7 @@ struct vc_pass {
     float *const *ck, *const *cv;                          /* a layer's caches, slot lo */
     int64_t sb, sh, sn;                                    /* their strides (slot, head, key) */
     const int64_t *wslot, *wpos;                           /* [T] where a row's K/V go */
+    const int64_t *pad;             /* [T] row t's place in the padded [B lq] rows; NULL: t */
     const int64_t *const *lo, *const *hi;                  /* [B, G lq] per layer */
     attend_fn attend;
 };
@@ -215,8 +216,9 @@ int vc_layers_f32(const struct vc_pass *p) {
     const int64_t g = hq / hkv, nqkv = (hq + 2 * hkv) * D, rows = g * p->lq;
     float *x = malloc(sizeof(float) * (size_t)(T * H));
     float *qkv = malloc(sizeof(float) * (size_t)(T * nqkv));
-    float *qp = malloc(sizeof(float) * (size_t)(T * hq * D));
-    float *op = malloc(sizeof(float) * (size_t)(T * hq * D));
+    /* the padded rows' queries (padding rows zero, as the loop's) and outputs */
+    float *qp = calloc((size_t)(p->B * p->lq * hq * D), sizeof(float));
+    float *op = malloc(sizeof(float) * (size_t)(p->B * p->lq * hq * D));
     float *attn = malloc(sizeof(float) * (size_t)(T * hq * D));
     float *o = malloc(sizeof(float) * (size_t)(T * H));
     float *gu = malloc(sizeof(float) * (size_t)(T * 2 * I));
@@ -228,7 +230,7 @@ int vc_layers_f32(const struct vc_pass *p) {
         if (p->qk_norm[li]) vc_rms_heads_f32(qkv, p->qk_norm[li], T, hq + hkv, D, nqkv, p->eps);
         vc_rope_f32(qkv, T, hq + hkv, D, nqkv, p->cos[li], p->sin[li], p->R);
         for (int64_t t = 0; t < T; t++) {
-            const int64_t b = t / p->lq, l = t % p->lq;
+            const int64_t u = p->pad ? p->pad[t] : t, b = u / p->lq, l = u % p->lq;
             const float *row = qkv + t * nqkv;
             for (int64_t kh = 0; kh < hkv; kh++) {
                 const int64_t at = p->wslot[t] * p->sb + kh * p->sh + p->wpos[t] * p->sn;
@@ -243,7 +245,7 @@ int vc_layers_f32(const struct vc_pass *p) {
                         p->B, hkv, rows, D, p->scale, p->threads);
         if (err) break;
         for (int64_t t = 0; t < T; t++) {
-            const int64_t b = t / p->lq, l = t % p->lq;
+            const int64_t u = p->pad ? p->pad[t] : t, b = u / p->lq, l = u % p->lq;
             for (int64_t kh = 0; kh < hkv; kh++)
                 for (int64_t gi = 0; gi < g; gi++)
                     memcpy(attn + t * hq * D + (kh * g + gi) * D,
