@@ -7,7 +7,9 @@ Each repeat runs both (fused first, then the loop): the built-in code prompt of 
 tokens (`vericache bench`'s first) prefilled, then --steps greedy decode steps timed; per
 context, the median ms per step of each, their
 ratio, and the median of each repeat's ratio (this VM's speed drifts between repeats). The
-outputs of both are checked identical, token for token.
+outputs of both are checked identical, token for token. With --ragged B, also passes of B
+sequences at once feeding 1-4 tokens each (a ragged batch over a pool), their logits checked
+equal bit for bit.
 """
 
 from __future__ import annotations
@@ -35,12 +37,42 @@ def decode(r, ids: list[int], steps: int) -> tuple[float, list[int]]:
     return (time.perf_counter() - t) / steps, out
 
 
+def ragged(r, ids: list[int], batch: int, steps: int) -> tuple[float, list]:
+    """`batch` copies of the prompt, then `steps` passes of all of them at once, sequence i
+    feeding 1 + i % 4 of the prompt's tokens a pass (decode rows beside short verify passes:
+    a ragged, padded batch over their pool; the first pass, which pools the caches, untimed):
+    (seconds per pass, every pass's logits)."""
+    from vericache.model.runner import SeqBatchItem
+
+    lens = [1 + i % 4 for i in range(batch)]
+    caches = []
+    for _ in range(batch):
+        c = r.new_cache(len(ids) + (steps + 1) * 4 + 8)
+        for s in range(0, len(ids), 256):
+            r.step(ids[s:s + 256], s, c, logits="none")
+        caches.append(c)
+    out, times = [], []
+    for step in range(steps + 1):
+        items = [SeqBatchItem(torch.tensor([ids[(c.length + j) % len(ids)] for j in range(n)]),
+                              torch.arange(c.length, c.length + n), c, "all")
+                 for c, n in zip(caches, lens)]
+        t = time.perf_counter()
+        logits = r.forward(items)
+        if step:
+            times.append(time.perf_counter() - t)
+            out.append(logits)
+    return statistics.median(times), out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,7168", help="comma list of prompt tokens")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per run")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved runs of each")
     ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads")
+    ap.add_argument("--ragged", type=int, default=0, metavar="B",
+                    help="also time passes of B sequences at once, ragged (1-4 rows each), "
+                         "at each context; logits checked equal bit for bit")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,11 +96,31 @@ def main() -> None:
                 runs[name].append(s * 1e3)
             if outs["fused"] != outs["loop"]:
                 raise SystemExit(f"outputs differ at {ctx} tokens")
+        point = {}
+        if args.ragged:
+            rag, logits = {"fused": [], "loop": []}, {}
+            for _ in range(args.repeats):
+                for name in rag:
+                    r._fused_w = fused_w if name == "fused" else None
+                    try:
+                        s, logits[name] = ragged(r, ids, args.ragged, args.steps)
+                    finally:
+                        r._fused_w = fused_w
+                    rag[name].append(s * 1e3)
+                if not all(torch.equal(a, b) for x, y in zip(logits["fused"], logits["loop"])
+                           for a, b in zip(x, y)):
+                    raise SystemExit(f"ragged logits differ at {ctx} tokens")
+            pr = statistics.median(lp / fu for fu, lp in zip(rag["fused"], rag["loop"]))
+            point = {"ragged_batch": args.ragged, "ragged_ms_per_pass": rag,
+                     "ragged_fused_speedup_pairs": pr}
+            print(f"ctx {ctx}, ragged batch {args.ragged}: fused "
+                  f"{statistics.median(rag['fused']):.2f} ms/pass, loop "
+                  f"{statistics.median(rag['loop']):.2f} (pairs {pr:.3f}x)", flush=True)
         med = {k: statistics.median(v) for k, v in runs.items()}
         pairs = statistics.median(lp / fu for fu, lp in zip(runs["fused"], runs["loop"]))
         points.append({"context": ctx, "ms_per_step": med, "runs_ms": runs,
                        "fused_speedup": med["loop"] / med["fused"],
-                       "fused_speedup_pairs": pairs, "outputs_identical": True})
+                       "fused_speedup_pairs": pairs, "outputs_identical": True, **point})
         print(f"ctx {ctx}: fused {med['fused']:.2f} ms/step, loop {med['loop']:.2f} "
               f"({med['loop'] / med['fused']:.3f}x; median of the pairs' ratios {pairs:.3f}x)",
               flush=True)
