@@ -46,6 +46,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _sum_rate(big: torch.Tensor) -> float:
+    """GB/s of one streaming read of `big` (its sum), at the current threads."""
+    t = time.perf_counter()
+    big.sum()
+    return big.numel() * 4 / (time.perf_counter() - t) / 1e9
+
+
 def read_bandwidth(threads: int) -> float:
     """GB/s of a streaming read (sum of 256 MiB of fp32) at `threads`, best of 5."""
     before = torch.get_num_threads()
@@ -53,12 +60,7 @@ def read_bandwidth(threads: int) -> float:
     try:
         big = torch.ones(256 << 20 >> 2)
         big.sum()
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            big.sum()
-            best = min(best, time.perf_counter() - t)
-        return big.numel() * 4 / best / 1e9
+        return max(_sum_rate(big) for _ in range(5))
     finally:
         torch.set_num_threads(before)
 
@@ -83,13 +85,6 @@ def _caches(base, n: int, batch: int, room: int) -> list:
 
     k, v = base.view(0, n)
     return [KVCache.from_tensors(k, v, room) for _ in range(batch)]
-
-
-def _sum_rate(big: torch.Tensor) -> float:
-    """GB/s of one streaming read of `big` (its sum), at the current threads."""
-    t = time.perf_counter()
-    big.sum()
-    return big.numel() * 4 / (time.perf_counter() - t) / 1e9
 
 
 def _steps(lm, caches: list, first: list[int], steps: int, rates: list | None = None,

@@ -64,6 +64,29 @@ def ragged(r, ids: list[int], batch: int, steps: int) -> tuple[float, list]:
     return statistics.median(times), out
 
 
+def interleaved(r, fused_w, repeats: int, run, same, what: str) -> dict:
+    """run() -> (seconds, output) `repeats` times with the fused stack, then the loop, in
+    turn; every repeat's outputs checked by same(fused, loop). Returns ms per run of each."""
+    times = {"fused": [], "loop": []}
+    for _ in range(repeats):
+        outs = {}
+        for name in times:
+            r._fused_w = fused_w if name == "fused" else None
+            try:
+                s, outs[name] = run()
+            finally:
+                r._fused_w = fused_w
+            times[name].append(s * 1e3)
+        if not same(outs["fused"], outs["loop"]):
+            raise SystemExit(f"{what} differ")
+    return times
+
+
+def pairs(times: dict) -> float:
+    """The median of each repeat's loop / fused ratio."""
+    return statistics.median(lp / fu for fu, lp in zip(times["fused"], times["loop"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,7168", help="comma list of prompt tokens")
@@ -85,45 +108,27 @@ def main() -> None:
     fused_w, points = r._fused_w, []
     for ctx in (int(c) for c in args.contexts.split(",")):
         ids = builtin_prompts(lm.tokenizer, 1, ctx)[0].ids  # the built-in code prompt
-        runs, outs = {"fused": [], "loop": []}, {}
-        for _ in range(args.repeats):
-            for name in runs:
-                r._fused_w = fused_w if name == "fused" else None
-                try:
-                    s, outs[name] = decode(r, ids, args.steps)
-                finally:
-                    r._fused_w = fused_w
-                runs[name].append(s * 1e3)
-            if outs["fused"] != outs["loop"]:
-                raise SystemExit(f"outputs differ at {ctx} tokens")
+        runs = interleaved(r, fused_w, args.repeats, lambda: decode(r, ids, args.steps),
+                           lambda a, b: a == b, f"outputs at {ctx} tokens")
         point = {}
         if args.ragged:
-            rag, logits = {"fused": [], "loop": []}, {}
-            for _ in range(args.repeats):
-                for name in rag:
-                    r._fused_w = fused_w if name == "fused" else None
-                    try:
-                        s, logits[name] = ragged(r, ids, args.ragged, args.steps)
-                    finally:
-                        r._fused_w = fused_w
-                    rag[name].append(s * 1e3)
-                if not all(torch.equal(a, b) for x, y in zip(logits["fused"], logits["loop"])
-                           for a, b in zip(x, y)):
-                    raise SystemExit(f"ragged logits differ at {ctx} tokens")
-            pr = statistics.median(lp / fu for fu, lp in zip(rag["fused"], rag["loop"]))
+            rag = interleaved(r, fused_w, args.repeats,
+                              lambda: ragged(r, ids, args.ragged, args.steps),
+                              lambda a, b: all(torch.equal(x, y) for pa, pb in zip(a, b)
+                                               for x, y in zip(pa, pb)),
+                              f"ragged logits at {ctx} tokens")
             point = {"ragged_batch": args.ragged, "ragged_ms_per_pass": rag,
-                     "ragged_fused_speedup_pairs": pr}
+                     "ragged_fused_speedup_pairs": pairs(rag)}
             print(f"ctx {ctx}, ragged batch {args.ragged}: fused "
                   f"{statistics.median(rag['fused']):.2f} ms/pass, loop "
-                  f"{statistics.median(rag['loop']):.2f} (pairs {pr:.3f}x)", flush=True)
+                  f"{statistics.median(rag['loop']):.2f} (pairs {pairs(rag):.3f}x)", flush=True)
         med = {k: statistics.median(v) for k, v in runs.items()}
-        pairs = statistics.median(lp / fu for fu, lp in zip(runs["fused"], runs["loop"]))
         points.append({"context": ctx, "ms_per_step": med, "runs_ms": runs,
                        "fused_speedup": med["loop"] / med["fused"],
-                       "fused_speedup_pairs": pairs, "outputs_identical": True, **point})
+                       "fused_speedup_pairs": pairs(runs), "outputs_identical": True, **point})
         print(f"ctx {ctx}: fused {med['fused']:.2f} ms/step, loop {med['loop']:.2f} "
-              f"({med['loop'] / med['fused']:.3f}x; median of the pairs' ratios {pairs:.3f}x)",
-              flush=True)
+              f"({med['loop'] / med['fused']:.3f}x; median of the pairs' ratios "
+              f"{pairs(runs):.3f}x)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "points": points}, f, indent=1)

@@ -201,16 +201,22 @@ def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
     _same_with_and_without(r, "attend_kernel", run)
 
 
+def _with_and_without(r, attr: str, run) -> tuple:
+    """run() with the runner's `attr` (a kernel, or `_fused_w`: the fused layer stack) and
+    with None in its place (torch's function, the layer loop): (with, without)."""
+    with_it = run()
+    saved = getattr(r, attr)
+    setattr(r, attr, None)
+    try:
+        return with_it, run()
+    finally:
+        setattr(r, attr, saved)
+
+
 def _same_with_and_without(r, kernel: str, run) -> None:
     """run() with the runner's `kernel` and with torch's in its place: each logits tensor
     equal to float32 rounding, with the same greedy tokens."""
-    with_kernel = run()
-    fn = getattr(r, kernel)
-    setattr(r, kernel, None)
-    try:
-        without = run()
-    finally:
-        setattr(r, kernel, fn)
+    with_kernel, without = _with_and_without(r, kernel, run)
     for a, b in zip(with_kernel, without):
         assert float((a - b).abs().max()) < 1e-3 * float(b.abs().max())
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -275,16 +281,6 @@ def test_rms_heads_is_rms_per_head(linear):
         linear.rms_heads(qk, w[:6], 1e-6)
 
 
-def _loop_too(r, run):
-    """run() with the runner's fused layer stack and with its layer loop: (fused, loop)."""
-    fused_w, r._fused_w = r._fused_w, None
-    try:
-        loop = run()
-    finally:
-        r._fused_w = fused_w
-    return run(), loop
-
-
 def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
     """The real model's decode step, a 17-row verify pass, a batch of decode rows over pooled
     caches and a ragged batch (a decode row beside a 4-row verify pass, padded): one native
@@ -315,7 +311,7 @@ def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
         kv = [c.view() for c in caches]
         return [verify, decode, *batch, *ragged], kv
 
-    (out_f, kv_f), (out_l, kv_l) = _loop_too(r, run)
+    (out_f, kv_f), (out_l, kv_l) = _with_and_without(r, "_fused_w", run)
     # each fast pass fused (prefill tails too); none in the loop's run
     assert calls[-4:] == [17, 1, 2, 5]
     for a, b in zip(out_f, out_l):
@@ -346,6 +342,6 @@ def test_fused_layers_with_qkv_bias(tmp_path):
             out += [r.step(ids[i: i + 1], i, c)[0] for i in range(49, 60)]
             return out, c.view()
 
-        (out_f, kv_f), (out_l, kv_l) = _loop_too(r, run)
+        (out_f, kv_f), (out_l, kv_l) = _with_and_without(r, "_fused_w", run)
         assert all(torch.equal(a, b) for a, b in zip(out_f, out_l)), name
         assert all(torch.equal(a, b) for a, b in zip(kv_f, kv_l)), name

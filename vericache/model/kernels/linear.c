@@ -211,6 +211,13 @@ struct vc_pass {
     attend_fn attend;
 };
 
+/* Where query head gi of KV head kh of pass row t sits in the padded queries [B, hkv, g lq,
+ * D] the attention reads (and its output in the same layout): a float offset. */
+static inline int64_t padded(const struct vc_pass *p, int64_t t, int64_t kh, int64_t gi) {
+    const int64_t u = p->pad ? p->pad[t] : t, g = p->hq / p->hkv;
+    return ((u / p->lq * p->hkv + kh) * g * p->lq + gi * p->lq + u % p->lq) * p->D;
+}
+
 int vc_layers_f32(const struct vc_pass *p) {
     const int64_t T = p->T, H = p->H, hq = p->hq, hkv = p->hkv, D = p->D, I = p->I;
     const int64_t g = hq / hkv, nqkv = (hq + 2 * hkv) * D, rows = g * p->lq;
@@ -230,28 +237,24 @@ int vc_layers_f32(const struct vc_pass *p) {
         if (p->qk_norm[li]) vc_rms_heads_f32(qkv, p->qk_norm[li], T, hq + hkv, D, nqkv, p->eps);
         vc_rope_f32(qkv, T, hq + hkv, D, nqkv, p->cos[li], p->sin[li], p->R);
         for (int64_t t = 0; t < T; t++) {
-            const int64_t u = p->pad ? p->pad[t] : t, b = u / p->lq, l = u % p->lq;
             const float *row = qkv + t * nqkv;
             for (int64_t kh = 0; kh < hkv; kh++) {
                 const int64_t at = p->wslot[t] * p->sb + kh * p->sh + p->wpos[t] * p->sn;
                 memcpy(p->ck[li] + at, row + (hq + kh) * D, sizeof(float) * (size_t)D);
                 memcpy(p->cv[li] + at, row + (hq + hkv + kh) * D, sizeof(float) * (size_t)D);
                 for (int64_t gi = 0; gi < g; gi++)
-                    memcpy(qp + ((b * hkv + kh) * rows + gi * p->lq + l) * D,
-                           row + (kh * g + gi) * D, sizeof(float) * (size_t)D);
+                    memcpy(qp + padded(p, t, kh, gi), row + (kh * g + gi) * D,
+                           sizeof(float) * (size_t)D);
             }
         }
         err = p->attend(qp, p->ck[li], p->cv[li], p->sb, p->sh, p->sn, p->lo[li], p->hi[li], op,
                         p->B, hkv, rows, D, p->scale, p->threads);
         if (err) break;
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t u = p->pad ? p->pad[t] : t, b = u / p->lq, l = u % p->lq;
+        for (int64_t t = 0; t < T; t++)
             for (int64_t kh = 0; kh < hkv; kh++)
                 for (int64_t gi = 0; gi < g; gi++)
-                    memcpy(attn + t * hq * D + (kh * g + gi) * D,
-                           op + ((b * hkv + kh) * rows + gi * p->lq + l) * D,
+                    memcpy(attn + t * hq * D + (kh * g + gi) * D, op + padded(p, t, kh, gi),
                            sizeof(float) * (size_t)D);
-        }
         vc_linear_f32(attn, p->w_o[li], NULL, o, T, H, hq * D, p->threads);
         for (int64_t i = 0; i < T * H; i++) p->h[i] = p->h[i] + o[i];
         vc_rms_f32(p->h, p->ln_mlp[li], x, T, H, p->eps);
