@@ -135,3 +135,106 @@ def test_a_closed_tier_refuses_to_open():
     tier.close()
     with pytest.raises(Unavailable, match="closed"):
         tier.open([host], [1])
+
+
+# --- the link and the offload ----------------------------------------------------------
+
+def test_link_directions_do_not_queue_behind_each_other():
+    """A full-duplex link: a store holds only the store direction, a load only the load one;
+    transfers on one direction queue, and each takes at least its bytes over the rate."""
+    import time
+
+    import torch
+
+    from vericache.engine.kvtier import Link
+
+    link = Link(gbps=0.8)  # 100 MB/s each way
+    src, dst = torch.ones(2 << 20), torch.empty(2 << 20)  # 8 MB: 0.08 s
+    n = src.numel() * 4
+    t0 = time.perf_counter()
+    assert link.copy(dst, src, "store") == n
+    assert time.perf_counter() - t0 >= n / link.rate
+    assert link._free["load"] == 0.0 and link._free["store"] >= t0 + n / link.rate
+    t1 = time.perf_counter()
+    link.copy(dst, src, "load")
+    link.copy(dst, src, "load")
+    assert time.perf_counter() - t1 >= 2 * n / link.rate
+    assert link._free["load"] >= t1 + 2 * n / link.rate
+    assert torch.equal(dst, src)
+
+
+def test_offload_returns_at_once_and_readers_wait_for_it(monkeypatch):
+    """`offload` hands back the host copy while the storer thread still copies; a verify
+    load of it (and `landed`) wait until it has landed, and read the stored values."""
+    import threading
+
+    import torch
+
+    from vericache.model.kvcache import KVCache
+
+    tier = make_tier("offloaded")
+    go = threading.Event()
+    real = tier.link.copy
+
+    def slow_store(dst, src, direction="load"):
+        if direction == "store":
+            go.wait()
+        return real(dst, src, direction)
+
+    monkeypatch.setattr(tier.link, "copy", slow_store)
+    try:
+        cache = KVCache(3, 2, 4, 8, torch.float32, "cpu")
+        cache.k.normal_(), cache.v.normal_()
+        cache.length = 5
+        host = tier.offload(cache)
+        assert host.length == 5 and tier.stats.bytes_stored == 0  # not landed yet
+        [s] = tier.open([host], [2])
+        waiter = threading.Thread(target=lambda: s.k[2])  # the pass's gate of the last layer
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # the load waits for the offload
+        go.set()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        tier.landed(host)
+        assert tier.stats.bytes_stored == 2 * 3 * 2 * 5 * 4 * 4
+        k, v = s.view()
+        assert torch.equal(k, cache.k[:, :, :5]) and torch.equal(v, cache.v[:, :, :5])
+    finally:
+        go.set()
+        tier.close()
+
+
+def test_a_failed_offload_fails_its_readers(monkeypatch):
+    """An offload whose copy raises: `landed` and the next verify load of that KV raise
+    Unavailable (the pass never reads the unfilled host copy)."""
+    import torch
+
+    from vericache.errors import Unavailable
+    from vericache.model.kvcache import KVCache
+
+    tier = make_tier("offloaded")
+
+    real = tier.link.copy
+
+    def broken(dst, src, direction="load"):
+        if direction == "store":
+            raise RuntimeError("simulated store failure")
+        return real(dst, src, direction)
+
+    monkeypatch.setattr(tier.link, "copy", broken)
+    try:
+        cache = KVCache(2, 1, 4, 8, torch.float32, "cpu")
+        cache.length = 3
+        host = tier.offload(cache)
+        with pytest.raises(Unavailable, match="offloading the full KV failed: RuntimeError"):
+            tier.landed(host)
+        [s] = tier.open([host], [1])
+        with pytest.raises(Unavailable, match="offloading the full KV failed"):
+            s.k[0]
+        monkeypatch.undo()  # the next offload is not held behind the failed one
+        other = tier.offload(cache)
+        tier.landed(other)
+        assert other.length == 3
+    finally:
+        tier.close()

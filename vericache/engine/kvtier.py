@@ -2,8 +2,10 @@
 
 - resident: the full KV stays in the verifier's memory (`KVCache`), as before.
 - offloaded: the full KV lives in a slower tier (here a host-memory copy) behind a link with
-  a bandwidth (`Link`: a real copy of the bytes, paced by a `TokenBucket`, so a run can stand
-  for a 1 Gbit/s network or a 25 GB/s PCIe bus). Each verification opens a working copy
+  a bandwidth (`Link`: a real copy of the bytes, paced per direction, so a run can stand for a
+  1 Gbit/s network or a 25 GB/s PCIe bus; full duplex, as both are). Prefill's KV is offloaded
+  by a storer thread while the verifier's lane goes on (`offload`; readers of the host copy
+  wait for it to land). Each verification opens a working copy
   (`StreamedKV`) that a loader thread fills layer by layer while the forward pass computes:
   the runner reads layer l's keys through a gate that waits only until layer l has landed,
   so loading layer l+1 overlaps computing layer l. After the pass the accepted tokens' new
@@ -24,14 +26,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from vericache.errors import Unavailable
 from vericache.model.kvcache import KVCache
-from vericache.store.link import TokenBucket
 
 TIERS = ("resident", "offloaded")
 
@@ -53,16 +55,34 @@ class TierStats:
 
 
 class Link:
-    """A link of `gbps` gigabits per second (None: as fast as memory copies go)."""
+    """A full-duplex link of `gbps` gigabits per second each way (None: as fast as memory
+    copies go), as PCIe and Ethernet are: loads (tier -> working copy) and stores (prefill and
+    write-back -> tier) each have the whole rate and do not queue behind each other.
+
+    A transfer of n bytes holds its direction for n / rate seconds, after the transfers before
+    it on that direction; the copy itself runs inside that time (a DMA engine would move the
+    bytes while the link carries them), so a copy takes max(its memory time, its link time),
+    not their sum."""
+
+    DIRECTIONS = ("load", "store")
 
     def __init__(self, gbps: float | None = None):
         self.gbps = gbps
-        self.bucket = TokenBucket.gbps(gbps) if gbps else None
+        self.rate = gbps * 1e9 / 8 if gbps else None  # bytes per second, each way
+        self._free = dict.fromkeys(self.DIRECTIONS, 0.0)  # when each direction is next free
+        self._lock = threading.Lock()
         self._stream = None  # a CUDA side stream, made on first use
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> int:
-        """Copy src into dst over the link (done when this returns); returns the bytes moved.
-        A copy to or from a GPU runs on a side stream, so it overlaps the compute stream."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str = "load") -> int:
+        """Copy src into dst over the link's `direction` (done when this returns); returns the
+        bytes moved. A copy to or from a GPU runs on a side stream, so it overlaps the compute
+        stream."""
+        n = src.numel() * src.element_size()
+        done = 0.0
+        if self.rate is not None:
+            with self._lock:
+                start = max(time.perf_counter(), self._free[direction])
+                done = self._free[direction] = start + n / self.rate
         if dst.is_cuda or src.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=dst.device if dst.is_cuda else src.device)
@@ -71,9 +91,9 @@ class Link:
             self._stream.synchronize()
         else:
             dst.copy_(src)
-        n = src.numel() * src.element_size()
-        if self.bucket is not None:
-            self.bucket.take(n)
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
         return n
 
 
@@ -161,21 +181,59 @@ class OffloadedTier:
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-kv-loader")
+        self._storer = ThreadPoolExecutor(1, thread_name_prefix="vericache-kv-storer")
+        self._inflight = threading.Semaphore(1)  # offloads queued or copying (see `offload`)
+        # host copy -> its offload (an entry leaves with its host copy)
+        self._landing: weakref.WeakKeyDictionary[KVCache, Future] = weakref.WeakKeyDictionary()
 
     def offload(self, cache: KVCache) -> KVCache:
-        """Move a prefilled full KV into the tier (the copy crosses the link)."""
+        """Move a prefilled full KV into the tier: returns its host copy at once, while a
+        storer thread copies it over the link's store direction (the caller's lane goes on,
+        as a GPU's copy engine would let it). `cache` is kept until the copy has landed, and
+        one offload at a time is in flight (a second waits here for the first to land), so at
+        most one prefilled full KV is held beyond the budgets' count. Every reader of the host
+        copy waits for it (`landed`), and a copy that failed fails them with `Unavailable`."""
         host = KVCache(cache.num_layers, cache.k.shape[1], cache.k.shape[3], cache.capacity,
                        cache.k.dtype, "cpu")
         if self.device.type == "cuda":
             host.k, host.v = host.k.pin_memory(), host.v.pin_memory()
-        n = 0
-        for li in range(cache.num_layers):
-            n += self.link.copy(host.k[li, :, :cache.length], cache.k[li, :, :cache.length])
-            n += self.link.copy(host.v[li, :, :cache.length], cache.v[li, :, :cache.length])
         host.length = cache.length
+        self._inflight.acquire()
+        try:
+            fut = self._storer.submit(self._store, host, cache)
+        except RuntimeError as e:  # the storer was shut down
+            self._inflight.release()
+            raise Unavailable(f"KV tier is closed: {e}") from e
         with self._lock:
-            self.stats.bytes_stored += n
+            self._landing[host] = fut
         return host
+
+    def _store(self, host: KVCache, cache: KVCache) -> None:
+        try:
+            n = 0
+            for li in range(cache.num_layers):
+                n += self.link.copy(host.k[li, :, :cache.length], cache.k[li, :, :cache.length],
+                                    "store")
+                n += self.link.copy(host.v[li, :, :cache.length], cache.v[li, :, :cache.length],
+                                    "store")
+            with self._lock:
+                self.stats.bytes_stored += n
+        finally:
+            self._inflight.release()
+
+    def landed(self, host: KVCache) -> None:
+        """Wait until `host`'s offload (if one is in flight) has landed; raises `Unavailable`
+        if it failed."""
+        with self._lock:
+            fut = self._landing.get(host)
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Unavailable:
+            raise
+        except BaseException as e:  # noqa: BLE001 -- every reader of the host copy sees it
+            raise Unavailable(f"KV tier: offloading the full KV failed: {type(e).__name__}: {e}") from e
 
     def open(self, hosts: list[KVCache], extras: list[int]) -> list[StreamedKV]:
         """Working copies with room for `extras` new tokens; a loader thread fills them layer
@@ -216,6 +274,8 @@ class OffloadedTier:
                 self.stats.loads += 1
                 self.stats.transfer_s += time.perf_counter() - t0
         try:
+            for s in streams:  # a host copy still being offloaded lands first
+                self.landed(s.host)
             for li, ev in enumerate(load.ready):
                 for s in streams:
                     n += self._load_layer(s, li)
@@ -236,13 +296,14 @@ class OffloadedTier:
         h.reserve(b - a)
         n = 0
         if b > a:
-            n += self.link.copy(h.k[:, :, a:b], s.k_buf[:, :, a:b])
-            n += self.link.copy(h.v[:, :, a:b], s.v_buf[:, :, a:b])
+            n += self.link.copy(h.k[:, :, a:b], s.k_buf[:, :, a:b], "store")
+            n += self.link.copy(h.v[:, :, a:b], s.v_buf[:, :, a:b], "store")
         h.length = b
         with self._lock:
             self.stats.bytes_stored += n
 
     def close(self) -> None:
+        self._storer.shutdown(wait=True)
         self._loader.shutdown(wait=True)
 
 

@@ -271,12 +271,18 @@ class Verifier:
         return self._get(rid).selection
 
     def cache(self, rid: str) -> KVCache:
-        return self._get(rid).cache
+        """The request's full KV (an offloaded one once its offload has landed)."""
+        return self._landed(self._get(rid).cache)
+
+    def _landed(self, cache: KVCache) -> KVCache:
+        if self.tier is not None:
+            self.tier.landed(cache)
+        return cache
 
     def _verified_span(self, rid: str, since: int) -> KVSpan:
         """The exact KV of the tokens verified from cache position `since` on, and of the one
         before them (a drafter may not have fed it yet)."""
-        c = self._get(rid).cache
+        c = self._landed(self._get(rid).cache)
         lo = max(0, since - 1)
         return KVSpan(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), lo)
 

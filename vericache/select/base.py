@@ -129,8 +129,9 @@ def window_votes(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch
     g = hq // hkv
     qg = q.float().reshape(hkv, g * w, d)
     scores = torch.matmul(qg, k.float().transpose(-1, -2)) * d ** -0.5  # [Hkv, G w, n]
-    future = torch.arange(n)[None, :] > q_pos.repeat(g)[:, None]  # rows: (g, w)
-    scores.masked_fill_(future, float("-inf"))
+    lo = int(q_pos.min()) + 1  # no query sees past its position: only columns >= lo mask
+    future = torch.arange(lo, n)[None, :] > q_pos.repeat(g)[:, None]  # rows: (g, w)
+    scores[..., lo:].masked_fill_(future, float("-inf"))
     return torch.softmax(scores, dim=-1).sum(dim=1)
 
 
