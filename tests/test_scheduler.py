@@ -30,9 +30,20 @@ def test_lockstep_all_draft_then_all_verify():
 
 def test_staggered_one_group_verifies_while_the_other_drafts():
     s = Scheduler("staggered", groups=2)
-    admit(s, "a", "b", "c", "d")
+    for rid in "abcd":
+        s.add(rid)
+    p1, p2 = s.schedule()  # admission: one request a job, on both free lanes
+    assert (p1, p2) == (Job("prefill", ("a",)), Job("prefill", ("b",), "draft"))
+    assert p2.lane == "draft" and s.group("a") != s.group("b")
+    s.done(p1)
+    s.done(p2)
+    p3, d1 = s.schedule()  # the drafter lane drafts what it can; the verifier lane admits
+    assert p3 == Job("prefill", ("c",)) and d1 == Job("draft", ("a",))
+    s.done(p3)
+    (p4,) = s.schedule()
+    assert p4 == Job("prefill", ("d",))
+    s.done(p4)
     assert sorted(s.group(r) for r in "abcd") == [0, 0, 1, 1]
-    (d1,) = s.schedule()
     s.done(d1)
     jobs = s.schedule()
     assert sorted(j.kind for j in jobs) == ["draft", "verify"]
@@ -44,7 +55,7 @@ def test_staggered_one_group_verifies_while_the_other_drafts():
     s.done(v)  # the first group drafts again while the second verifies
     s.done(d2)
     jobs = s.schedule()
-    assert {j.kind: j.rids for j in jobs} == {"verify": d2.rids, "draft": v.rids}
+    assert {j.kind: j.rids for j in jobs} == {"verify": d2.rids, "draft": ("a", "c")}
 
 
 def test_verify_budget_splits_a_verify_job():
@@ -244,3 +255,26 @@ def test_the_default_budget_sees_a_containers_memory_limit(tmp_path):
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{(2 << 30) + 5}\n")
     assert cgroup_room(str(v1)) == 0
+
+
+def test_staggered_admission_never_waits_behind_a_queue_of_verifications():
+    """Both lanes always have work of their own (two groups cycling): a request that arrives
+    is still prefilled after at most one more verify job, on the verifier lane."""
+    s = Scheduler("staggered", groups=2)
+    for rid in "abcd":
+        s.add(rid)
+    running: list[Job] = []
+    for _ in range(6):  # the four admitted; both groups draft and verify in turn
+        running += s.schedule()
+        s.done(running.pop(0))
+    assert not [r for r in "abcd" if s.state(r) == WAITING]
+    s.add("late")
+    kinds = []
+    for _ in range(20):
+        if s.state("late") != WAITING:
+            break
+        running += s.schedule()
+        job = running.pop(0)
+        kinds.append((job.kind, job.lane))
+        s.done(job)
+    assert s.state("late") != WAITING and kinds.count(("verify", "verify")) <= 1, kinds

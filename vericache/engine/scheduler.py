@@ -1,7 +1,8 @@
 """The scheduler: pure bookkeeping over two lanes (no tensors, no I/O, no clocks).
 
 Requests move PREFILL → (DRAFT ⇄ VERIFY)* → DONE. Two lanes run jobs: the drafter lane runs
-draft jobs; the verifier lane runs prefill and verify jobs. The engine asks `schedule()` for
+draft jobs; the verifier lane runs prefill and verify jobs (and, staggered, the drafter lane
+a prefill job when it has nothing to draft). The engine asks `schedule()` for
 jobs whenever a lane may be free, runs them (each lane on its own thread), and reports each
 job's end with `done(job, finished)`.
 
@@ -14,6 +15,13 @@ Modes:
   draft again; one lane works at a time.
 - staggered: requests are split into `groups` groups at admission (the smallest group takes
   the newcomer); each lane takes a whole group, so while group A verifies, group B drafts.
+  Admission is work-conserving: a prefill job holds one request, and either lane may take
+  it. The drafter lane drafts first, then prefills, then drafts ahead. The verifier lane
+  alternates: after a verify job it prefills a waiting request that fits before verifying
+  again (so none waits behind a queue of verifications), otherwise it verifies first. With
+  an offloaded full KV the verifier lane is mostly waiting on its link, and a prefill is
+  compute: a lane that only the verifier may run would queue it behind the loads while the
+  drafter lane idles.
   With `draft_ahead`, a drafter lane that has no group to draft drafts ahead for requests
   whose drafts are waiting for or in verification (an "ahead" job: it changes no state; the
   engine keeps or drops those tokens when the verification ends), once per round each.
@@ -43,9 +51,12 @@ class Job:
 
     kind: str  # "prefill", "draft", "ahead" or "verify"
     rids: tuple[str, ...]
+    on: str = ""  # the lane where it is not the kind's own (a prefill on the drafter's lane)
 
     @property
     def lane(self) -> str:
+        if self.on:
+            return self.on
         return DRAFT_LANE if self.kind in ("draft", "ahead") else VERIFY_LANE
 
 
@@ -74,6 +85,7 @@ class Scheduler:
     _reqs: dict[str, _Req] = field(default_factory=dict)
     _busy: dict[str, Job | None] = field(default_factory=lambda: {DRAFT_LANE: None, VERIFY_LANE: None})
     _next_group: int = 0  # round-robin start for lanes choosing a group
+    _verified_last: bool = False  # the verifier lane's last job was a verify job
 
     def __post_init__(self):
         if self.schedule_mode not in SCHEDULES:
@@ -132,7 +144,10 @@ class Scheduler:
         """Jobs for the free lanes (marks them busy and their requests' states)."""
         jobs = []
         if self._busy[VERIFY_LANE] is None:
-            job = self._prefill_job() or self._verify_job()
+            if self.schedule_mode == "staggered" and not self._verified_last:
+                job = self._verify_job() or self._prefill_job()
+            else:  # lockstep; staggered after a verify job (no waiting request starves)
+                job = self._prefill_job() or self._verify_job()
             if job is not None:
                 jobs.append(self._start(job))
         if self._busy[DRAFT_LANE] is None:
@@ -143,6 +158,8 @@ class Scheduler:
 
     def _start(self, job: Job) -> Job:
         self._busy[job.lane] = job
+        if job.lane == VERIFY_LANE:
+            self._verified_last = job.kind == "verify"
         if job.kind == "ahead":
             for rid in job.rids:
                 self._reqs[rid].ahead = True
@@ -154,7 +171,7 @@ class Scheduler:
             self._reqs[rid].state = new
         return job
 
-    def _prefill_job(self) -> Job | None:
+    def _prefill_job(self, lane: str = "") -> Job | None:
         if self.schedule_mode == "lockstep" and self._in(DRAFTING):
             return None
         active = self._admitted()
@@ -172,7 +189,9 @@ class Scheduler:
                 break
             take.append(r.rid)
             d, v, n = d + r.draft_bytes, v + r.resident_bytes, n + 1
-        return Job("prefill", tuple(take)) if take else None
+            if self.schedule_mode == "staggered":  # one a job: either lane may take the next
+                break
+        return Job("prefill", tuple(take), lane) if take else None
 
     def _groups_in_order(self) -> list[int]:
         return [(self._next_group + i) % self.groups for i in range(self.groups)]
@@ -207,6 +226,10 @@ class Scheduler:
             if ready:
                 self._next_group = (g + 1) % self.groups
                 return Job("draft", tuple(ready))
+        if self.schedule_mode == "staggered":  # nothing to draft: admit, before drafting ahead
+            job = self._prefill_job(DRAFT_LANE)
+            if job is not None:
+                return job
         if self.draft_ahead and self.schedule_mode == "staggered":
             ahead = [r.rid for r in self._in(VERIFYING, READY_VERIFY) if not r.ahead]
             if ahead:

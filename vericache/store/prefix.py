@@ -74,10 +74,12 @@ class PrefixCache:
         stats.seconds += time.perf_counter() - t
         if not ks:
             return None
-        if new_cache is None:
-            return KVCache.from_tensors(torch.cat(ks, dim=2), torch.cat(vs, dim=2),
-                                        len(prompt) - len(ks) * self.chunk_size + extra_capacity)
-        cache = new_cache(len(prompt) + extra_capacity)
+        if new_cache is None:  # one of its own; the chunks are copied into it once, in place
+            k0 = ks[0]
+            cache = KVCache(k0.shape[0], k0.shape[1], k0.shape[3], len(prompt) + extra_capacity,
+                            k0.dtype, k0.device)
+        else:
+            cache = new_cache(len(prompt) + extra_capacity)
         for k, v in zip(ks, vs):
             cache.append(k, v)
         return cache
