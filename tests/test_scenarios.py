@@ -114,6 +114,13 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     assert 0 < by["vericache_lockstep"]["kv_peak_draft_bytes"] < budget
     assert by["vericache_lockstep"]["max_active"] == 1
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
+    # where each lane's time went, per job kind: it adds up to the lane's busy time
+    jobs = by["vericache_staggered"]["busy_by_job"]
+    assert {"verify:verify", "draft:draft"} <= set(jobs) and jobs["verify:verify"]["jobs"] > 0
+    assert any(k.endswith(":prefill") for k in jobs), jobs
+    for lane in ("draft", "verify"):
+        spent = sum(v["s"] for k, v in jobs.items() if k.startswith(f"{lane}:"))
+        assert spent == pytest.approx(by["vericache_staggered"][f"{lane}_busy_s"], abs=0.01)
     roof = doc["roofline"]
     assert roof["inputs"]["read_gb_s"] > 0 and roof["inputs"]["matmul_gflop_s"] > 0
     assert doc["summary"]["resident_ratio_roofline"] > 0 and doc["summary"]["resident_ratio_of_roofline"] > 0

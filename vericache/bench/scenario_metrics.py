@@ -86,6 +86,9 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
         "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
         "lanes_overlap_s": _r(overlap_s(tr.busy[DRAFT_LANE], tr.busy[VERIFY_LANE])),
+        # where each lane's time went: "lane:kind" -> {"s": seconds, "jobs": count}
+        "busy_by_job": {f"{lane}:{kind}": {"s": _r(sec), "jobs": n}
+                        for (lane, kind), (sec, n) in sorted(tr.jobs.items())},
         "identical": all(identical), "identical_requests": sum(identical),
         "ahead_drafted": tr.ahead_drafted,
         "link_bytes": raw.get("links"),

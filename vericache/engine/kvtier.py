@@ -71,12 +71,12 @@ class Link:
         self.rate = gbps * 1e9 / 8 if gbps else None  # bytes per second, each way
         self._free = dict.fromkeys(self.DIRECTIONS, 0.0)  # when each direction is next free
         self._lock = threading.Lock()
-        self._stream = None  # a CUDA side stream, made on first use
+        self._streams: dict[str, torch.cuda.Stream] = {}  # a CUDA side stream per direction
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str = "load") -> int:
         """Copy src into dst over the link's `direction` (done when this returns); returns the
-        bytes moved. A copy to or from a GPU runs on a side stream, so it overlaps the compute
-        stream."""
+        bytes moved. A copy to or from a GPU runs on its direction's side stream, so it
+        overlaps the compute stream and the other direction."""
         n = src.numel() * src.element_size()
         done = 0.0
         if self.rate is not None:
@@ -84,11 +84,13 @@ class Link:
                 start = max(time.perf_counter(), self._free[direction])
                 done = self._free[direction] = start + n / self.rate
         if dst.is_cuda or src.is_cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=dst.device if dst.is_cuda else src.device)
-            with torch.cuda.stream(self._stream):
+            stream = self._streams.get(direction)
+            if stream is None:
+                stream = self._streams[direction] = torch.cuda.Stream(
+                    device=dst.device if dst.is_cuda else src.device)
+            with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-            self._stream.synchronize()
+            stream.synchronize()
         else:
             dst.copy_(src)
         wait = done - time.perf_counter()

@@ -64,6 +64,8 @@ class LaneTrace:
     busy: dict[str, list[tuple[float, float]]] = field(
         default_factory=lambda: {DRAFT_LANE: [], VERIFY_LANE: []})
     busy_s: dict[str, float] = field(default_factory=lambda: {DRAFT_LANE: 0.0, VERIFY_LANE: 0.0})
+    # (lane, job kind) -> [seconds, jobs]: where each lane's time went
+    jobs: dict[tuple[str, str], list] = field(default_factory=dict)
     first_token: dict[str, float] = field(default_factory=dict)  # rid -> time of its first token
     finish: dict[str, float] = field(default_factory=dict)
     max_active: int = 0  # most requests admitted at once
@@ -309,6 +311,9 @@ class LaneRunner:
             res.finished = {g.rid for g in gens if g.finished and g.rid not in res.failed}
         t1 = time.perf_counter()
         self.trace.busy_s[job.lane] += t1 - t0
+        spent = self.trace.jobs.setdefault((job.lane, job.kind), [0.0, 0])
+        spent[0] += t1 - t0
+        spent[1] += 1
         if self.trace.detailed:
             self.trace.busy[job.lane].append((t0, t1))
         return res
