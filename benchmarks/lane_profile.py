@@ -1,0 +1,123 @@
+"""Where a long-context variant's time goes, per lane and job kind, without its baselines.
+
+Runs the chosen `vericache bench --scenario long-context` variants (the scenario's own
+`run_long_context_variant`, after the same shared prefill) and prints, per variant, its
+throughput, τ, each lane's busy seconds per job kind (prefill, draft, ahead, verify) and the
+offloaded tier's link figures. `--admit N` also profiles N admissions alone (cProfile of
+`LocalBackends.admit`: the prefix load, the prompt's last tokens, selection, the offload)
+and prints the top functions. It times `LaneRunner._execute` from outside, so it runs on
+any commit of the engine (before `busy_by_job` was in the scenario JSON too). Outputs are
+not checked against full decoding here: run `vericache bench --scenario long-context` for
+that.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/lane_profile.py --concurrency 16 \\
+        --context-tokens 8000 --variants vericache_lockstep,vericache_staggered --admit 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from collections import defaultdict
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--context-tokens", type=int, default=8000)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--variants", default="vericache_lockstep,vericache_staggered",
+                    help="comma list of long-context variants (full_resident, full_offloaded, "
+                         "lossy, vericache_lockstep, vericache_staggered)")
+    ap.add_argument("--compressor", default="snapkv")
+    ap.add_argument("--ratio", type=float, default=4.0)
+    ap.add_argument("--draft-len", type=int, default=32, help="k, fixed")
+    ap.add_argument("--selection", default="question")
+    ap.add_argument("--kv-budget-caches", type=float, default=4.0)
+    ap.add_argument("--link-gbps", type=float, default=4.0)
+    ap.add_argument("--admit", type=int, default=0, metavar="N",
+                    help="also profile N admissions alone (cProfile)")
+    a = ap.parse_args()
+
+    import vericache.engine.lanes as lanes
+    from vericache.bench.prompts import shared_document_prompts
+    from vericache.bench.scenario import ScenarioConfig, _drop_new_keys, run_long_context_variant
+    from vericache.compress.registry import make_compressor
+    from vericache.engine.generation import Generation
+    from vericache.engine.kvtier import make_tier
+    from vericache.engine.rounds import LocalBackends
+    from vericache.engine.verifier import Verifier
+    from vericache.model import load_model
+    from vericache.store.memory import MemoryStore
+
+    spent: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    execute = lanes.LaneRunner._execute
+
+    def timed(self, job):
+        t0 = time.perf_counter()
+        try:
+            return execute(self, job)
+        finally:
+            s = spent[(job.lane, job.kind)]
+            s[0] += time.perf_counter() - t0
+            s[1] += 1
+
+    lanes.LaneRunner._execute = timed
+    lm = load_model()
+    prompts = shared_document_prompts(lm.tokenizer, a.concurrency, a.context_tokens)
+    cfg = ScenarioConfig(scenario="long-context", concurrency=a.concurrency, max_tokens=a.max_tokens,
+                         compressor=a.compressor, ratio=a.ratio, draft_len=a.draft_len,
+                         adaptive=False, kv_budget_caches=a.kv_budget_caches,
+                         link_gbps=a.link_gbps, selections=[a.selection])
+    store = MemoryStore()
+    comp = make_compressor(a.compressor, a.ratio)
+    ver = Verifier(lm.runner, store, lm.model_id)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        ver.prefill(f"warm-{i}", p.ids, 1, 256, comp)
+        ver.release(f"warm-{i}")
+    print(f"shared prefill: {time.perf_counter() - t0:.1f} s", flush=True)
+    published = set(store.keys())
+
+    for rep in range(a.admit):
+        tier = make_tier("offloaded", a.link_gbps, lm.runner.device)
+        backends = LocalBackends(lm, store, tier)
+        g = Generation(lm, prompts[rep % len(prompts)].ids, cfg.params("vericache"),
+                       request_id=f"admit-{rep}")
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        backends.admit(g)
+        prof.disable()
+        print(f"admission {rep}: {time.perf_counter() - t:.3f} s", flush=True)
+        backends.close()
+        tier.close()
+        _drop_new_keys(store, published)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+        print(out.getvalue())
+
+    for v in a.variants.split(","):
+        spent.clear()
+        raw = run_long_context_variant(lm, prompts, cfg, v, store)
+        _drop_new_keys(store, published)
+        gens, tr = raw["gens"], raw["trace"]
+        tokens = sum(len(g.output_ids) for g in gens)
+        wall = tr.end - tr.start
+        rounds = [n for g in gens for n in g.stats.round_emitted]
+        print(f"{v}: {tokens / wall:.3f} tok/s, wall {wall:.1f} s, tau "
+              f"{sum(rounds) / max(1, len(rounds)):.2f}, most admitted {tr.max_active}")
+        for (lane, kind), (sec, n) in sorted(spent.items()):
+            print(f"  {lane:6s} {kind:8s} {sec:8.2f} s in {n} jobs")
+        st = raw["tier_stats"]
+        if st is not None:
+            print(f"  link: loaded {st.bytes_loaded / 1e9:.2f} GB, stored {st.bytes_stored / 1e9:.2f} GB, "
+                  f"loader {st.transfer_s:.1f} s, pass waited {st.stall_s:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
