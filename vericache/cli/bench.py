@@ -95,8 +95,8 @@ def add_parser(sub) -> None:
                    help="the staggered variant does not draft ahead while drafts are verified")
     g.add_argument("--link-gbps", type=float, default=None, metavar="GBIT",
                    help="the verifier's link, Gbit/s: to its offloaded full KV (long-context; "
-                        "default 4, 200 = a 25 GB/s PCIe bus) or to the store (remote-prefix; "
-                        "default 200); 0 = unpaced, at memory-copy speed")
+                        "each way, full duplex; default 4, 200 = a 25 GB/s PCIe bus) or to the "
+                        "store (remote-prefix; default 200); 0 = unpaced, at memory-copy speed")
     g.add_argument("--drafter-link-gbps", type=float, default=1.0, metavar="GBIT",
                    help="remote-prefix: the decoding node's (drafter's) slow link to the store, "
                         "Gbit/s (default: 1)")

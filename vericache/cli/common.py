@@ -65,7 +65,8 @@ def add_tier_args(g, services: bool = False) -> None:
                         "offloaded to host memory behind --tier-link-gbps and loaded layer by "
                         "layer for each verification (default: resident; $VERICACHE_KV_TIER)")
     g.add_argument("--tier-link-gbps", type=float, default=float(env("TIER_LINK_GBPS", 0)),
-                   help="the offloaded tier's link in Gbit/s, 0 = memory-copy speed "
+                   help="the offloaded tier's link in Gbit/s each way (full duplex: loads "
+                        "and offloads do not queue behind each other), 0 = memory-copy speed "
                         "($VERICACHE_TIER_LINK_GBPS)")
 
 
