@@ -226,15 +226,15 @@ class Scheduler:
             if ready:
                 self._next_group = (g + 1) % self.groups
                 return Job("draft", tuple(ready))
-        if self.schedule_mode == "staggered":  # nothing to draft: admit, before drafting ahead
-            job = self._prefill_job(DRAFT_LANE)
-            if job is not None:
-                return job
-        if self.draft_ahead and self.schedule_mode == "staggered":
+        if self.schedule_mode != "staggered":
+            return None
+        # nothing to draft: admit a waiting request, else draft ahead
+        job = self._prefill_job(DRAFT_LANE)
+        if job is None and self.draft_ahead:
             ahead = [r.rid for r in self._in(VERIFYING, READY_VERIFY) if not r.ahead]
             if ahead:
-                return Job("ahead", tuple(ahead))
-        return None
+                job = Job("ahead", tuple(ahead))
+        return job
 
     # ---- results ------------------------------------------------------------------------
     def done(self, job: Job, finished: frozenset[str] | set[str] = frozenset()) -> None:
