@@ -54,7 +54,7 @@ def main() -> int:
     for v in a.variants.split(";"):
         comp, _, policy = v.partition("/")
         name, _, ratio = comp.partition("@")
-        taus = []
+        taus, moved = [], []
         for p in prompts:
             r = generate(lm, p.ids, GenParams(max_tokens=a.max_tokens, compressor=name,
                                               ratio=float(ratio) if ratio else None,
@@ -64,8 +64,11 @@ def main() -> int:
                 print(f"{v}: {p.name} differs from the first decoding", file=sys.stderr)
                 return 1
             taus.append(r.usage["tokens_per_round"])
-        out[v] = {"tau_mean": round(sum(taus) / len(taus), 3), "tau": taus}
-        print(f"{v}: mean tau {out[v]['tau_mean']}  {taus}", flush=True)
+            moved.append(r.usage["selection_moved_tokens"])
+        out[v] = {"tau_mean": round(sum(taus) / len(taus), 3), "tau": taus,
+                  "moved_tokens_mean": round(sum(moved) / len(moved))}
+        print(f"{v}: mean tau {out[v]['tau_mean']}  {taus}  moved {out[v]['moved_tokens_mean']} "
+              "tokens a request (over layers and KV heads)", flush=True)
     doc = {"settings": vars(a), "prompts": [len(p.ids) for p in prompts], "variants": out,
            "identical": True}
     if a.json:

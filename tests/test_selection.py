@@ -73,6 +73,30 @@ def test_bounded_move_takes_the_best_first():
     assert torch.equal(st.held_mask(), target_mask(score, 12, 1))
 
 
+def test_question_first_move_bounded_by_first():
+    """`question:first=N` moves at most N tokens per layer and KV head after prefill, the
+    best-scored of the unbounded move's; the default moves all the way, and keeps its spec."""
+    L, H, n, D, w = 2, 3, 40, 8, 4
+    g = torch.Generator().manual_seed(4)
+    q = [torch.randn(2 * H, w, D, generator=g) for _ in range(L)]
+    k, v = torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g)
+    pos = torch.arange(n - w, n)
+    full_pol, bounded = make_selection("question:pool=1"), make_selection("question:pool=1,first=2")
+    assert full_pol.spec == "question:pool=1,window=32" and bounded.spec.startswith("question:first=2,")
+    with pytest.raises(InvalidArgument):
+        make_selection("question:first=-1")
+    st_full, st_b = _state(m=12), _state(m=12)
+    d_full = full_pol.after_prefill(st_full, q, pos, k, v)
+    d_b = bounded.after_prefill(st_b, q, pos, k, v)
+    assert int((d_full.slots >= 0).sum(-1).max()) > 2  # the unbounded move is larger
+    per_row = (d_b.slots >= 0).sum(-1)
+    assert int(per_row.max()) == 2 and d_b.moved < d_full.moved
+    # what entered is among what the unbounded move brought in, and the budget holds
+    entered = st_b.held_mask() & ~_state(m=12).held_mask()
+    assert not (entered & ~st_full.held_mask()).any()
+    assert (st_b.held_mask().sum(-1) == 12).all()
+
+
 def test_delta_compact_and_codec_round_trip():
     st = _state()
     k, v = _full()
@@ -87,6 +111,38 @@ def test_delta_compact_and_codec_round_trip():
         assert torch.equal(d.positions[valid], delta.positions[valid])
         assert torch.equal(d.k[valid], delta.k[valid]) and torch.equal(d.v[valid], delta.v[valid])
     assert delta.nbytes() == delta.moved * (2 * 8 * 4 + 12)
+
+
+def test_8bit_delta_values_survive_the_codec_and_cost_a_quarter():
+    """bits=8: the entering K/V are int8 times a power-of-two scale per entry, within 1/127 of
+    each entry's largest value; encoding them again loses nothing, so a drafter behind a link
+    writes the same values as one in the same process; the bytes are 2D + 2 a token, not 8D."""
+    from vericache.select.base import from_8bit, to_8bit
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(50, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None]
+    y = from_8bit(*to_8bit(x))
+    assert not torch.equal(x, y)
+    assert ((x - y).abs().amax(-1) <= x.abs().amax(-1) / 127).all()
+    assert torch.equal(from_8bit(*to_8bit(y)), y)  # values already 8-bit pass unchanged
+    L, H, n, D = 2, 3, 40, 8
+    k, v = torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g)
+    score = torch.rand(L, H, n, generator=g)
+    d32 = move_towards(_state(), score, 1, None, k, v)
+    d8 = move_towards(_state(), score, 1, None, k, v, bits=8)
+    assert torch.equal(d8.slots, d32.slots) and d8.bits == 8
+    valid = d8.slots >= 0
+    assert not torch.equal(d8.k[valid], d32.k[valid])
+    assert torch.equal(d8.k[valid], from_8bit(*to_8bit(d32.k[valid])))
+    back = decode_deltas(encode_deltas([d8]))[0]
+    assert back.bits == 8
+    assert torch.equal(back.k[valid], d8.k[valid]) and torch.equal(back.v[valid], d8.v[valid])
+    assert d8.nbytes() == d8.moved * (2 * D + 2 + 12) < d32.nbytes()
+    assert len(encode_deltas([d8])) < len(encode_deltas([d32]))
+    with pytest.raises(InvalidArgument):
+        make_selection("question:bits=4")
+    assert make_selection("verify:bits=8").spec == \
+        "verify:bits=8,decay=0.8,every=4,pool=7,tokens=32,window=32"
 
 
 def test_drafter_applies_a_delta_to_its_region_only(lm):
@@ -234,3 +290,21 @@ def test_every_policy_identical_to_full_on_the_long_prompt(lm, prompts, long_ref
         assert moved == 0
     else:
         assert moved >= 1 and res.stats.select_delta_bytes > 0
+
+
+@pytest.mark.slow
+def test_bounded_8bit_question_move_crosses_a_link_and_stays_identical(lm, prompts, long_reference,
+                                                                       store):
+    """question:first=256,bits=8 through a drafter on its own link to the store (the moves are
+    encoded, stored and decoded, as for a remote drafter): at most 256 tokens a layer and KV
+    head, 2D + 2 + 12 bytes each, and the output is still full greedy decoding."""
+    r = lm.runner
+    res = generate(lm, prompts["long"], GenParams(mode="vericache", compressor="snapkv", draft_len=16,
+                                                  selection="question:first=256,bits=8",
+                                                  max_tokens=N, ignore_eos=True, adaptive=False),
+                   LocalBackends(lm, store, drafter_store=store))
+    assert res.token_ids == long_reference.token_ids
+    assert res.usage["tokens_per_round"] >= 1.5
+    s = res.stats
+    assert s.select_moves == 1 and 0 < s.select_moved_tokens <= 256 * r.num_layers * r.num_kv_heads
+    assert s.select_delta_bytes == s.select_moved_tokens * (2 * r.head_dim + 2 + 12)

@@ -37,15 +37,33 @@ from vericache.spec_string import Named
 SINKS = 4  # the first tokens always stay (attention sinks)
 
 
+def to_8bit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] as int8 values q and a power-of-two scale per row, 2**e (e: int8 [...]):
+    x ~ q * 2**e with |q| <= 127. The scale being a power of two, a row that is already such
+    a product goes through this again unchanged (the codec re-encodes a delta's values)."""
+    amax = x.float().abs().amax(-1).clamp(min=2.0 ** -100)
+    e = torch.ceil(torch.log2(amax / 127.0))
+    q = torch.round(x.float() * torch.exp2(-e)[..., None]).clamp(-127, 127)
+    return q.to(torch.int8), e.to(torch.int8)
+
+
+def from_8bit(q: torch.Tensor, e: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of `to_8bit`'s (q, e)."""
+    return (q.float() * torch.exp2(e.float())[..., None]).to(dtype)
+
+
 @dataclass
 class SelectionDelta:
     """One move of a drafter's kept set. Entries with slot -1 are padding (rows move by
-    different counts); their k/v are copies of a real entry of the row, never written."""
+    different counts); their k/v are copies of a real entry of the row, never written.
+    bits 8: the entering K/V cross links as int8 with a power-of-two scale per entry
+    (`to_8bit`), and k, v hold those values (what the drafter writes, in every path)."""
 
     slots: torch.Tensor  # [L, Hkv, r] int64: drafter cache slots to overwrite (-1: none)
     positions: torch.Tensor  # [L, Hkv, r] int64: sequence positions that enter
     k: torch.Tensor  # [L, Hkv, r, D] post-RoPE
     v: torch.Tensor  # [L, Hkv, r, D]
+    bits: int = 32  # 32: k, v move in their own dtype; 8: as int8 and a scale per entry
 
     @property
     def moved(self) -> int:
@@ -53,19 +71,24 @@ class SelectionDelta:
         return int((self.slots >= 0).sum())
 
     def nbytes(self) -> int:
-        """Bytes the compact form moves: the entering tokens' K/V plus row, slot and position
-        (int32 each) per entry."""
+        """Bytes the compact form moves: the entering tokens' K/V (and their scales at 8
+        bits) plus row, slot and position (int32 each) per entry."""
         d = self.k.shape[-1]
-        return self.moved * (2 * d * self.k.element_size() + 12)
+        kv = 2 * d + 2 if self.bits == 8 else 2 * d * self.k.element_size()
+        return self.moved * (kv + 12)
 
     def compact(self) -> dict[str, torch.Tensor]:
-        """Only the real entries: row (l * Hkv + h), slot, position [m] int32; k, v [m, D]."""
+        """Only the real entries: row (l * Hkv + h), slot, position [m] int32; k, v [m, D]
+        (int8, with exponents ke, ve [m] int8, at 8 bits)."""
         valid = self.slots >= 0
         L, H, _ = self.slots.shape
         li, hi, _ = valid.nonzero(as_tuple=True)
-        return {"row": (li * H + hi).to(torch.int32), "slot": self.slots[valid].to(torch.int32),
-                "pos": self.positions[valid].to(torch.int32), "k": self.k[valid], "v": self.v[valid],
-                "shape": torch.tensor([L, H], dtype=torch.int32)}
+        out = {"row": (li * H + hi).to(torch.int32), "slot": self.slots[valid].to(torch.int32),
+               "pos": self.positions[valid].to(torch.int32), "k": self.k[valid], "v": self.v[valid],
+               "shape": torch.tensor([L, H], dtype=torch.int32)}
+        if self.bits == 8:
+            (out["k"], out["ke"]), (out["v"], out["ve"]) = to_8bit(out["k"]), to_8bit(out["v"])
+        return out
 
     @classmethod
     def from_compact(cls, t: dict[str, torch.Tensor]) -> "SelectionDelta":
@@ -75,17 +98,21 @@ class SelectionDelta:
         if row.numel() and (int(row.min()) < 0 or int(row.max()) >= L * H
                             or bool((row[1:] < row[:-1]).any())):
             raise ValueError("selection delta rows out of range or unsorted")
+        bits = 8 if "ke" in t else 32
+        tk, tv = ((from_8bit(t["k"], t["ke"]), from_8bit(t["v"], t["ve"])) if bits == 8
+                  else (t["k"], t["v"]))
         counts = torch.bincount(row, minlength=L * H)
         r = int(counts.max()) if row.numel() else 0
         j = torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts)[row]
-        d = t["k"].shape[-1]
+        d = tk.shape[-1]
         slots = torch.full((L * H, r), -1, dtype=torch.long)
         pos = torch.zeros((L * H, r), dtype=torch.long)
-        k = t["k"].new_zeros(L * H, r, d)
-        v = t["v"].new_zeros(L * H, r, d)
+        k = tk.new_zeros(L * H, r, d)
+        v = tv.new_zeros(L * H, r, d)
         slots[row, j], pos[row, j] = t["slot"].long(), t["pos"].long()
-        k[row, j], v[row, j] = t["k"], t["v"]
-        return cls(slots.view(L, H, r), pos.view(L, H, r), k.view(L, H, r, d), v.view(L, H, r, d))
+        k[row, j], v[row, j] = tk, tv
+        return cls(slots.view(L, H, r), pos.view(L, H, r), k.view(L, H, r, d), v.view(L, H, r, d),
+                   bits)
 
 
 @dataclass
@@ -145,11 +172,12 @@ def target_mask(score: torch.Tensor, budget: int, pool: int) -> torch.Tensor:
 
 
 def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: int | None,
-                 k_full: torch.Tensor, v_full: torch.Tensor) -> SelectionDelta | None:
+                 k_full: torch.Tensor, v_full: torch.Tensor, bits: int = 32) -> SelectionDelta | None:
     """The delta that moves `state`'s kept set towards the top of `score` ([L, H, region_end])
     at the same budget, at most `limit` tokens per row (None: all the way), the best-scored
     entering first and the worst-scored leaving first. k_full, v_full: [L, H, >= region_end, D],
-    the full KV to take entering tokens from. Updates `state.positions`; None when nothing moves."""
+    the full KV to take entering tokens from; bits 8: they enter as `to_8bit` values.
+    Updates `state.positions`; None when nothing moves."""
     L, H, n = score.shape
     held = state.held_mask()
     want = target_mask(score, state.budget, pool)
@@ -175,12 +203,17 @@ def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: i
     idx = e_pos.unsqueeze(-1).expand(L, H, r, k_full.shape[-1])
     k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
     v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
+    if bits == 8:
+        k, v = from_8bit(*to_8bit(k), k.dtype), from_8bit(*to_8bit(v), v.dtype)
     # the verifier's record follows the drafter
     rows = valid.nonzero(as_tuple=True)
     state.positions[rows[0], rows[1], slots[valid]] = e_pos[valid]
     state.moves += 1
     state.moved_tokens += int(valid.sum())
-    return SelectionDelta(slots, e_pos, k, v)
+    return SelectionDelta(slots, e_pos, k, v, bits)
+
+
+BITS = (32, 8)  # how a delta's entering K/V move: the model's dtype, or 8 bits (`to_8bit`)
 
 
 class SelectionPolicy(Named, ABC):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vericache.errors import InvalidArgument
-from vericache.select.base import SelectionPolicy, SelectionState, move_towards, window_votes
+from vericache.select.base import BITS, SelectionPolicy, SelectionState, move_towards, window_votes
 
 
 class Static(SelectionPolicy):
@@ -18,14 +18,24 @@ class Static(SelectionPolicy):
 class Question(SelectionPolicy):
     """Classic SnapKV over the whole prompt, once: the prompt's last `window` queries score
     every region token (per layer and KV head, summed over the group's query heads, max-pooled
-    over `pool` neighbours) and the kept set moves, all at once, to the top of that score."""
+    over `pool` neighbours) and the kept set moves, at once, to the top of that score: all the
+    way, or by at most `first` tokens per layer and KV head (the best-scored entering first), which
+    bounds the move's bytes where it crosses a slow link. `bits=8`: every move's entering K/V
+    are 8-bit values (`vericache.select.base.to_8bit`), a quarter of float32's bytes on a link;
+    the drafter is lossy already, and its drafts are verified."""
 
     name = "question"
 
-    def __init__(self, window: int = 32, pool: int = 7, **params):
-        self.window, self.pool = int(window), int(pool)
-        if self.window < 1 or self.pool < 1:
-            raise InvalidArgument("selection window and pool must be >= 1", "selection")
+    def __init__(self, window: int = 32, pool: int = 7, first: int = 0, bits: int = 32, **params):
+        self.window, self.pool, self.first, self.bits = int(window), int(pool), int(first), int(bits)
+        if self.window < 1 or self.pool < 1 or self.first < 0 or self.bits not in BITS:
+            raise InvalidArgument("selection window and pool must be >= 1, first >= 0 (0: no "
+                                  "bound), bits 32 or 8", "selection")
+        # a default shows not in the spec (specs made before these parameters stay the same)
+        if self.first:
+            params["first"] = self.first
+        if self.bits != 32:
+            params["bits"] = self.bits
         super().__init__(window=self.window, pool=self.pool, **params)
 
     def question_score(self, state: SelectionState, window_q: list[torch.Tensor],
@@ -41,7 +51,7 @@ class Question(SelectionPolicy):
     def after_prefill(self, state, window_q, window_pos, k_full, v_full):
         score = self.question_score(state, window_q, window_pos, k_full)
         state.score = score
-        return move_towards(state, score, self.pool, None, k_full, v_full)
+        return move_towards(state, score, self.pool, self.first or None, k_full, v_full, self.bits)
 
 
 class Verify(Question):
@@ -49,18 +59,19 @@ class Verify(Question):
     any lossy cache): each verify pass's attention over the full KV is folded into a decayed
     score per position; every `every` rounds, or after a round that accepted under half its
     drafts, the kept set moves towards the score's top by at most `tokens` per layer and KV
-    head."""
+    head (`first` and `bits` as for `question`)."""
 
     name = "verify"
     needs_votes = True
 
     def __init__(self, window: int = 32, pool: int = 7, every: int = 4, tokens: int = 32,
-                 decay: float = 0.8):
+                 decay: float = 0.8, first: int = 0, bits: int = 32):
         self.every, self.tokens, self.decay = int(every), int(tokens), float(decay)
         if self.every < 1 or self.tokens < 1 or not 0.0 <= self.decay < 1.0:
             raise InvalidArgument("verify selection needs every >= 1, tokens >= 1, 0 <= decay < 1",
                                   "selection")
-        super().__init__(window, pool, every=self.every, tokens=self.tokens, decay=self.decay)
+        super().__init__(window, pool, first, bits, every=self.every, tokens=self.tokens,
+                         decay=self.decay)
 
     def after_verify(self, state, votes, queries, accepted, drafted, k_full, v_full):
         if votes is None or state.score is None or queries < 1:
@@ -71,4 +82,4 @@ class Verify(Question):
         if state.rounds < self.every and not (drafted and 2 * accepted < drafted):
             return None
         state.rounds = 0
-        return move_towards(state, state.score, self.pool, self.tokens, k_full, v_full)
+        return move_towards(state, state.score, self.pool, self.tokens, k_full, v_full, self.bits)

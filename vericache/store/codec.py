@@ -13,7 +13,8 @@ Two kinds of chunk sit on top (`meta["kind"]`):
   meta: start, length.
 - "compressed": a `CompressedChunk`; meta: compressor (its spec), start, length.
 - "selection": moves of a drafter's kept set (`vericache.select.SelectionDelta`, compact
-  form), tensors "<i>.<name>" for the i-th delta; meta: count.
+  form: int8 k, v with exponents "ke", "ve" at 8 bits), tensors "<i>.<name>" for the i-th
+  delta; meta: count.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ def decode_deltas(data: bytes | bytearray | memoryview) -> list[SelectionDelta]:
     _expect_kind(meta, "selection")
     names = ("row", "slot", "pos", "k", "v", "shape")
     try:
-        return [SelectionDelta.from_compact({n: tensors[f"{i}.{n}"] for n in names})
+        return [SelectionDelta.from_compact({**{n: tensors[f"{i}.{n}"] for n in names},
+                                             **{n: tensors[f"{i}.{n}"] for n in ("ke", "ve")
+                                                if f"{i}.{n}" in tensors}})
                 for i in range(int(meta["count"]))]
     except (KeyError, ValueError, RuntimeError) as e:
         raise InvalidArgument(f"malformed selection delta: {e}", param="value") from None
