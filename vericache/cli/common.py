@@ -89,7 +89,9 @@ def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                         "(parameters as NAME:key=value,...; default: question; "
                         "$VERICACHE_SELECTION). static: each chunk's own choice; question: the "
                         "prompt's last 32 queries choose over the whole prompt; verify: that, then "
-                        "each verify pass's attention re-ranks (verify:every=4,tokens=32)")
+                        "each verify pass's attention re-ranks (verify:every=4,tokens=32); "
+                        "both take first=N (bound the first move, tokens per layer and KV head) "
+                        "and bits=8 (moved K/V at 8 bits, for a drafter behind a slow link)")
     g.add_argument("--exact", default=env("EXACT", "fast"), choices=EXACT,
                    help="fast (default): batched full-KV passes, output identical to full "
                         "greedy decoding up to near-ties; bitwise: full-KV passes in the invariant "
