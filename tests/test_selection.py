@@ -141,8 +141,11 @@ def test_8bit_delta_values_survive_the_codec_and_cost_a_quarter():
     assert len(encode_deltas([d8])) < len(encode_deltas([d32]))
     with pytest.raises(InvalidArgument):
         make_selection("question:bits=4")
-    assert make_selection("verify:bits=8").spec == \
-        "verify:bits=8,decay=0.8,every=4,pool=7,tokens=32,window=32"
+    # 8 is the policies' default (not in the spec); 32 moves the full KV's own values
+    assert make_selection("question").bits == make_selection("verify").bits == 8
+    assert make_selection("verify:bits=8").spec == make_selection("verify").spec == \
+        "verify:decay=0.8,every=4,pool=7,tokens=32,window=32"
+    assert make_selection("question:bits=32").spec == "question:bits=32,pool=7,window=32"
 
 
 def test_drafter_applies_a_delta_to_its_region_only(lm):
@@ -169,12 +172,14 @@ def test_drafter_applies_a_delta_to_its_region_only(lm):
 def test_question_policy_moves_the_drafter_to_the_verifiers_set(lm, prompts, spec):
     """After prefill with `question`, slot i of the drafter's region holds the position the
     verifier's record says, with the full KV (re-quantized for KIVI) of that position; the set
-    is the whole-prompt SnapKV top-k, and it reaches past the chunks' own choice."""
+    is the whole-prompt SnapKV top-k, and it reaches past the chunks' own choice (bits=32:
+    the moved K/V are the full KV's own values)."""
     ids = prompts["long"][:1100]  # four compressed chunks, then the exact tail
     comp = make_compressor(spec, 4)
     store = MemoryStore()
     ver = Verifier(lm.runner, store, lm.model_id)
-    out = ver.prefill("q", ids, 8, 256, comp, save_tail=True, selection=make_selection("question"))
+    out = ver.prefill("q", ids, 8, 256, comp, save_tail=True,
+                      selection=make_selection("question:bits=32"))
     dr = Drafter(lm.runner, lm.eos_token_ids, store, lm.model_id)
     dr.attach_from_store("q", ids, comp, 256, out.tail_start, out.first_token, 8)
     rec = ver.selection("q")

@@ -91,7 +91,7 @@ def add_gen_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
                         "prompt's last 32 queries choose over the whole prompt; verify: that, then "
                         "each verify pass's attention re-ranks (verify:every=4,tokens=32); "
                         "both take first=N (bound the first move, tokens per layer and KV head) "
-                        "and bits=8 (moved K/V at 8 bits, for a drafter behind a slow link)")
+                        "and bits=8|32 (moved K/V at 8 bits, the default, or the full KV's own)")
     g.add_argument("--exact", default=env("EXACT", "fast"), choices=EXACT,
                    help="fast (default): batched full-KV passes, output identical to full "
                         "greedy decoding up to near-ties; bitwise: full-KV passes in the invariant "

@@ -20,13 +20,15 @@ class Question(SelectionPolicy):
     every region token (per layer and KV head, summed over the group's query heads, max-pooled
     over `pool` neighbours) and the kept set moves, at once, to the top of that score: all the
     way, or by at most `first` tokens per layer and KV head (the best-scored entering first), which
-    bounds the move's bytes where it crosses a slow link. `bits=8`: every move's entering K/V
-    are 8-bit values (`vericache.select.base.to_8bit`), a quarter of float32's bytes on a link;
-    the drafter is lossy already, and its drafts are verified."""
+    bounds the move's bytes where it crosses a slow link. `bits`: how a move's entering K/V
+    go, 8 (the default: 8-bit values, `vericache.select.base.to_8bit`, a quarter of float32's
+    bytes on a link; the drafter is lossy already, and its drafts are verified) or 32 (the
+    full KV's own values). 8 is the default by measurement: it changed no τ of the snapkv
+    probes (docs/performance.md, sixteenth session) and moves a quarter of the bytes."""
 
     name = "question"
 
-    def __init__(self, window: int = 32, pool: int = 7, first: int = 0, bits: int = 32, **params):
+    def __init__(self, window: int = 32, pool: int = 7, first: int = 0, bits: int = 8, **params):
         self.window, self.pool, self.first, self.bits = int(window), int(pool), int(first), int(bits)
         if self.window < 1 or self.pool < 1 or self.first < 0 or self.bits not in BITS:
             raise InvalidArgument("selection window and pool must be >= 1, first >= 0 (0: no "
@@ -34,7 +36,7 @@ class Question(SelectionPolicy):
         # a default shows not in the spec (specs made before these parameters stay the same)
         if self.first:
             params["first"] = self.first
-        if self.bits != 32:
+        if self.bits != 8:
             params["bits"] = self.bits
         super().__init__(window=self.window, pool=self.pool, **params)
 
@@ -65,7 +67,7 @@ class Verify(Question):
     needs_votes = True
 
     def __init__(self, window: int = 32, pool: int = 7, every: int = 4, tokens: int = 32,
-                 decay: float = 0.8, first: int = 0, bits: int = 32):
+                 decay: float = 0.8, first: int = 0, bits: int = 8):
         self.every, self.tokens, self.decay = int(every), int(tokens), float(decay)
         if self.every < 1 or self.tokens < 1 or not 0.0 <= self.decay < 1.0:
             raise InvalidArgument("verify selection needs every >= 1, tokens >= 1, 0 <= decay < 1",
