@@ -278,3 +278,34 @@ def test_staggered_admission_never_waits_behind_a_queue_of_verifications():
         kinds.append((job.kind, job.lane))
         s.done(job)
     assert s.state("late") != WAITING and kinds.count(("verify", "verify")) <= 1, kinds
+
+
+def test_staggered_plain_requests_run_as_one_batch():
+    """Requests whose draft jobs drafted nothing (plain decoding steps) belong to no group:
+    a staggered schedule verifies them in one job, as lockstep would, instead of two half
+    batches; a request that drafts again rejoins its own group's jobs."""
+    s = Scheduler("staggered", groups=2)
+    for rid in "abcd":
+        s.add(rid)
+    while s._in(WAITING) or s._in("prefill"):
+        for j in s.schedule():
+            s.done(j)
+    assert sorted(s.group(r) for r in "abcd") == [0, 0, 1, 1]
+    verified: list[tuple[str, ...]] = []
+    running: list[Job] = []
+    for _ in range(16):  # drive as an engine would, every draft job drafting nothing
+        running += s.schedule()
+        job = running.pop(0)
+        s.done(job, plain=set(job.rids) if job.kind == "draft" else set())
+        if job.kind == "verify":
+            verified.append(job.rids)
+    # the first verify jobs take one group each (nobody is plain yet); once every request
+    # has drafted nothing, every verify job holds the whole batch
+    whole = [sorted(v) == list("abcd") for v in verified]
+    assert not whole[0] and sum(whole) >= 3 and all(whole[whole.index(True):]), verified
+    # a request that drafts again is no longer plain: its group's jobs take it, not others'
+    running += s.schedule()
+    (d,) = [j for j in running if j.kind == "draft"]
+    s.done(d, plain=set(d.rids) - {"a"})
+    running.remove(d)
+    assert not s._reqs["a"].plain and all(s._reqs[r].plain for r in d.rids if r != "a")

@@ -78,6 +78,7 @@ class LaneTrace:
 class _JobResult:
     finished: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # rid -> reason
+    plain: set[str] = field(default_factory=set)  # a draft job's requests that drafted nothing
 
 
 def failure_reason(e: BaseException) -> str:
@@ -241,7 +242,7 @@ class LaneRunner:
         res = _JobResult(failed={rid: failure_reason(e) for rid in job.rids}) if e else f.result()
         if e is not None and not isinstance(e, VeriCacheError):
             log.error("%s job failed unexpectedly", job.kind, exc_info=e)
-        self.sched.done(job, res.finished | set(res.failed))
+        self.sched.done(job, res.finished | set(res.failed), res.plain)
         for rid in job.rids:
             if rid in res.failed or rid in res.finished:
                 self._end(rid, res.failed.get(rid))
@@ -297,6 +298,7 @@ class LaneRunner:
             out = draft_phase(self.backends, gens, self.costs) if gens else {}
             self._drafted.update({rid: len(d.tokens) for rid, d in out.items()})
             self._drafts.update(out)
+            res.plain = {g.rid for g in gens if g.rid not in out or not out[g.rid].tokens}
         elif job.kind == "ahead":
             batch = [(g, g.k_ahead(self._drafted.get(g.rid, 0))) for g in gens
                      if g.params.mode == "vericache" and not g.finished]

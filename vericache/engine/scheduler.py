@@ -25,6 +25,12 @@ Modes:
   With `draft_ahead`, a drafter lane that has no group to draft drafts ahead for requests
   whose drafts are waiting for or in verification (an "ahead" job: it changes no state; the
   engine keeps or drops those tokens when the verification ends), once per round each.
+  Plain requests (their last draft job drafted nothing: the cost model chose plain decoding
+  steps, or the request decodes in full mode) belong to no group: a draft or verify job
+  takes them with whichever group it takes, and a verify job of plain requests only waits
+  while other plain requests are a trivial draft job away. Without that, a batch that
+  decodes plainly would run as two half batches, each pass reading the weights for half
+  the tokens, slower than lockstep.
 
 Memory: a request costs `draft_bytes` on the drafter and `resident_bytes` on the verifier
 while admitted, and `load_bytes` on the verifier while it is being verified (the working
@@ -69,6 +75,7 @@ class _Req:
     state: str = WAITING
     group: int = -1
     ahead: bool = False  # drafted ahead in this round already
+    plain: bool = False  # its last draft job drafted nothing (staggered: in every group)
 
 
 @dataclass
@@ -200,9 +207,11 @@ class Scheduler:
         if self.schedule_mode == "lockstep" and self._in(DRAFTING):
             return None
         for g in self._groups_in_order():
-            ready = [r for r in self._in(READY_VERIFY) if r.group == g]
-            if not ready:
+            if not any(r.group == g for r in self._in(READY_VERIFY)):
                 continue
+            ready = [r for r in self._in(READY_VERIFY) if r.group == g or r.plain]
+            if self._plain_to_wait_for(ready):
+                return None
             held = self._admitted()
             resident = sum(r.resident_bytes for r in held)
             rooms = [b - used for b, used in ((self.verify_budget, resident),
@@ -222,10 +231,10 @@ class Scheduler:
         if self.schedule_mode == "lockstep" and self._in(VERIFYING, READY_VERIFY, PREFILL):
             return None
         for g in self._groups_in_order():
-            ready = [r.rid for r in self._in(READY_DRAFT) if r.group == g]
-            if ready:
+            if any(r.group == g for r in self._in(READY_DRAFT)):
                 self._next_group = (g + 1) % self.groups
-                return Job("draft", tuple(ready))
+                return Job("draft", tuple(r.rid for r in self._in(READY_DRAFT)
+                                          if r.group == g or r.plain))
         if self.schedule_mode != "staggered":
             return None
         # nothing to draft: admit a waiting request, else draft ahead
@@ -236,9 +245,22 @@ class Scheduler:
                 job = Job("ahead", tuple(ahead))
         return job
 
+    def _plain_to_wait_for(self, ready: list[_Req]) -> bool:
+        """Staggered: `ready` are all plain, and other plain requests will be ready to verify
+        after a draft job that drafts nothing (the drafter lane is free to take them, or
+        runs such a job): verifying now would split a plain batch in two."""
+        if self.schedule_mode != "staggered" or not all(r.plain for r in ready):
+            return False
+        coming = [r for r in self._in(READY_DRAFT, DRAFTING) if r.plain]
+        running = self._busy[DRAFT_LANE]
+        return bool(coming) and (running is None or running.kind == "draft" and all(
+            self._reqs[rid].plain for rid in running.rids))
+
     # ---- results ------------------------------------------------------------------------
-    def done(self, job: Job, finished: frozenset[str] | set[str] = frozenset()) -> None:
-        """A job ended; requests in `finished` are DONE (they may end after prefill or verify)."""
+    def done(self, job: Job, finished: frozenset[str] | set[str] = frozenset(),
+             plain: frozenset[str] | set[str] = frozenset()) -> None:
+        """A job ended; requests in `finished` are DONE (they may end after prefill or verify).
+        A draft job's `plain` requests drafted nothing (see the module docstring)."""
         if self._busy[job.lane] != job:
             raise ValueError(f"{job} is not running")
         self._busy[job.lane] = None
@@ -251,7 +273,7 @@ class Scheduler:
             elif job.kind == "prefill":
                 r.state = READY_DRAFT
             elif job.kind == "draft":
-                r.state = READY_VERIFY
+                r.state, r.plain = READY_VERIFY, rid in plain
             else:
                 r.state, r.ahead = READY_DRAFT, False
 
