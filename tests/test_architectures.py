@@ -244,7 +244,8 @@ def test_window_masks_by_recorded_position(name, tmp_path):
 def test_drafter_records_kept_positions(tmp_path, spec, via_store):
     """A windowed model's drafter cache records each slot's position: the key a token-dropping
     compressor kept in a slot is the full KV's key at the recorded position (after the
-    selection policy moved the kept set, and after some rounds of drafting)."""
+    selection policy moved the kept set, and after some rounds of drafting; bits=32, so the
+    moved keys are the full KV's own values)."""
     from vericache.engine.generation import Generation, GenParams
     from vericache.engine.rounds import LocalBackends, run_round, start
     from vericache.model.loader import load_model
@@ -256,7 +257,8 @@ def test_drafter_records_kept_positions(tmp_path, spec, via_store):
     store = MemoryStore() if via_store else None
     b = LocalBackends(lm, store)
     g = Generation(lm, prompt, GenParams(mode="vericache", compressor=spec, chunk_size=CHUNK,
-                                         draft_len=4, max_tokens=N_NEW, ignore_eos=True))
+                                         draft_len=4, max_tokens=N_NEW, ignore_eos=True,
+                                         selection="question:bits=32"))
     try:
         start(b, g)
         for _ in range(3):
