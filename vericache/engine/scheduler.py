@@ -206,10 +206,11 @@ class Scheduler:
     def _verify_job(self) -> Job | None:
         if self.schedule_mode == "lockstep" and self._in(DRAFTING):
             return None
+        waiting = self._in(READY_VERIFY)
         for g in self._groups_in_order():
-            if not any(r.group == g for r in self._in(READY_VERIFY)):
+            if not any(r.group == g for r in waiting):
                 continue
-            ready = [r for r in self._in(READY_VERIFY) if r.group == g or r.plain]
+            ready = [r for r in waiting if r.group == g or r.plain]
             if self._plain_to_wait_for(ready):
                 return None
             held = self._admitted()
@@ -230,11 +231,11 @@ class Scheduler:
     def _draft_job(self) -> Job | None:
         if self.schedule_mode == "lockstep" and self._in(VERIFYING, READY_VERIFY, PREFILL):
             return None
+        waiting = self._in(READY_DRAFT)
         for g in self._groups_in_order():
-            if any(r.group == g for r in self._in(READY_DRAFT)):
+            if any(r.group == g for r in waiting):
                 self._next_group = (g + 1) % self.groups
-                return Job("draft", tuple(r.rid for r in self._in(READY_DRAFT)
-                                          if r.group == g or r.plain))
+                return Job("draft", tuple(r.rid for r in waiting if r.group == g or r.plain))
         if self.schedule_mode != "staggered":
             return None
         # nothing to draft: admit a waiting request, else draft ahead

@@ -33,7 +33,7 @@ class Question(SelectionPolicy):
         if self.window < 1 or self.pool < 1 or self.first < 0 or self.bits not in BITS:
             raise InvalidArgument("selection window and pool must be >= 1, first >= 0 (0: no "
                                   "bound), bits 32 or 8", "selection")
-        # a default shows not in the spec (specs made before these parameters stay the same)
+        # a default shows not in the spec (so `question` reads as it did before first and bits)
         if self.first:
             params["first"] = self.first
         if self.bits != 8:
