@@ -271,7 +271,8 @@ def test_drafter_records_kept_positions(tmp_path, spec, via_store):
         assert n < fc.length  # tokens were dropped: slots are not positions
         want = torch.gather(fc.k[:, :, : fc.length], 2,
                             pos.unsqueeze(-1).expand(*pos.shape, dc.k.shape[-1]))
-        assert torch.allclose(dc.k[:, :, :n], want, atol=1e-5), spec
+        # (the drafter holds its K/V in its own dtype: bfloat16 for a float32 model on CPU)
+        assert torch.equal(dc.k[:, :, :n], want.to(dc.k.dtype)), spec
     finally:
         b.release(g)
         if store is not None:

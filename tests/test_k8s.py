@@ -127,7 +127,7 @@ def test_commands_parse_with_the_real_flags(docs):
 
 
 def test_configmap_variables_are_read_by_the_code(docs):
-    source = "".join(p.read_text() for d in ("services", "vericache/cli")
+    source = "".join(p.read_text() for d in ("services", "vericache")
                      for p in (REPO / d).rglob("*.py"))
     for key in _get(docs, "ConfigMap", "vericache-config")["data"]:
         if key.startswith("VERICACHE_"):

@@ -80,6 +80,28 @@ def test_kernel_rows_are_invariant(attend):
             assert torch.equal(step, full[b: b + 1, :, rows])
 
 
+@pytest.mark.parametrize("D,window,threads", [(64, None, 2), (128, 50, 1), (40, None, 3)])
+def test_kernel_reads_bfloat16_as_its_float32_widening(attend, D, window, threads):
+    """A drafter's bfloat16 cache: the kernel's output is its output over the same keys and
+    values widened to float32 (the sums are float32 in both), bit for bit at the head sizes it
+    runs in vectors (64, 128; at others the compiler may order a scalar loop's sums
+    differently), on strided pool slots, with windows and padding rows."""
+    g = torch.Generator().manual_seed(D)
+    B, H, cap, rows = 4, 3, 900, 9
+    store = torch.randn(2, B + 1, H, cap, D, generator=g).to(torch.bfloat16)
+    k, v = store[0, 1:], store[1, 1:]
+    q = torch.randn(B, H, rows, D, generator=g)
+    hi = torch.tensor([880, 3, 515, 0])[:, None] + torch.arange(rows)[None, :] % 3 + 1
+    hi[3] = 0  # a padding sequence
+    lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+    out = attend(q, k, v, lo, hi, D ** -0.5, threads)
+    widened = attend(q, k.float(), v.float(), lo, hi, D ** -0.5, threads)
+    assert torch.equal(out, widened) if D in (64, 128) else torch.allclose(out, widened, atol=1e-6)
+    assert float((out - _reference(q, k.float(), v.float(), lo, hi, D ** -0.5)).abs().max()) < 2e-5
+    with pytest.raises(TypeError, match="bfloat16"):
+        attend(q, k, v.float(), lo, hi, 1.0)
+
+
 def test_kernel_refuses_what_it_cannot_read(attend):
     q = torch.randn(1, 1, 1, 8)
     k = torch.randn(1, 1, 4, 8)
@@ -281,11 +303,13 @@ def test_rms_heads_is_rms_per_head(linear):
         linear.rms_heads(qk, w[:6], 1e-6)
 
 
-def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch, dtype):
     """The real model's decode step, a 17-row verify pass, a batch of decode rows over pooled
     caches and a ragged batch (a decode row beside a 4-row verify pass, padded): one native
     call for all layers (`Runner._fused`) gives the layer loop's logits and K/V, bit for
-    bit."""
+    bit; over caches of the model's float32 and of a drafter's bfloat16 (the fused call
+    rounds what it writes as torch's conversion does)."""
     from vericache.model.runner import SeqBatchItem
 
     r = lm.runner
@@ -298,7 +322,7 @@ def test_fused_layers_are_the_loop_bit_for_bit(lm, prompts, monkeypatch):
     def run():
         caches = []
         for p in ids:
-            c = r.new_cache(len(p) + 20)
+            c = r.new_cache(len(p) + 20, dtype=dtype)
             r.step(p[:-18], 0, c, logits="none")
             caches.append(c)
         verify = r.step(ids[0][-18:-1], len(ids[0]) - 18, caches[0], logits="all")[0]

@@ -227,10 +227,14 @@ def test_a_services_ledger_refuses_a_session_past_its_budget_and_holds_nothing(l
     ver.prefill("b", list(range(1, 31)), 20, 256)
     assert ver.ledger.in_use == 50 * per_token
 
+    # the drafter charges a token at its own K/V dtype's size: bfloat16 on CPU, half float32's
+    per_token = lm.runner.kv_bytes_per_token(lm.runner.draft_dtype)
+    assert lm.runner.draft_dtype == torch.bfloat16 and 2 * per_token == lm.runner.kv_bytes_per_token()
     dra = Drafter(lm.runner, lm.eos_token_ids, ledger=Ledger(30 * per_token, "--draft-kv-budget-mb"))
     shape = (lm.runner.num_layers, lm.runner.num_kv_heads, 10, lm.runner.head_dim)
     dra.attach("a", torch.zeros(shape), torch.zeros(shape), [1], 11, 10)
     assert dra.ledger.in_use == 20 * per_token
+    assert dra.sessions["a"].cache.k.dtype == torch.bfloat16
     with pytest.raises(ResourceExhausted, match="--draft-kv-budget-mb"):
         dra.attach("b", torch.zeros(shape), torch.zeros(shape), [1], 11, 10)
     assert set(dra.sessions) == {"a"}

@@ -232,6 +232,9 @@ def test_services_hold_their_own_kv_budgets_and_the_gateway_admits_by_them(stack
         assert _metric(text, f'vericache_kv_budget_bytes{{side="{side}"}}') == BUDGET_MB[side] << 20
     _, stub_mod = load("verifier")
     per_token = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
+    # the drafter holds bfloat16 K/V on this CPU and says so: the gateway charges it that
+    assert _health("verifier", stack["verifier"].address).kv_bytes_per_token == per_token
+    assert _health("drafter", stack["drafter"].address).kv_bytes_per_token == per_token // 2
     extra = (BUDGET_MB["verifier"] << 20) // per_token  # 200 prompt tokens + this: over budget
     with grpc.insecure_channel(stack["verifier"].address) as ch:
         with pytest.raises(grpc.RpcError) as e:

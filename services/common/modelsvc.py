@@ -167,6 +167,8 @@ class SessionServicer:
     """Release and Health, the same on the drafter and the verifier (`self.core` holds the
     sessions; their messages live in verifier.proto)."""
 
+    drafts = False  # True on the drafter: its sessions' K/V are in the runner's draft_dtype
+
     def Release(self, req, context):
         from services.common.convert import request_id
         from vericache._proto import load
@@ -197,8 +199,10 @@ class SessionServicer:
         from vericache._proto import load
 
         vpb, _ = load("verifier")
-        ledger = self.svc.ledger
+        ledger, runner = self.svc.ledger, self.svc.lm.runner
+        per_token = runner.kv_bytes_per_token(runner.draft_dtype if self.drafts else None)
         return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
                                          model_id=self.svc.lm.model_id, kv_tier=self.svc.tier_name,
                                          kv_budget_bytes=ledger.budget or 0,
-                                         kv_in_use_bytes=ledger.in_use)
+                                         kv_in_use_bytes=ledger.in_use,
+                                         kv_bytes_per_token=per_token)

@@ -20,6 +20,8 @@ pb, pb_grpc = load("drafter")
 
 
 class DrafterServicer(SessionServicer, pb_grpc.DrafterServicer):
+    drafts = True  # its Health reports the draft_dtype's bytes a token
+
     def __init__(self, svc: ModelService):
         self.svc = svc
         self.core = Drafter(svc.lm.runner, svc.lm.eos_token_ids, svc.store, svc.lm.model_id,

@@ -77,10 +77,11 @@ def build_engine(args) -> tuple[Engine, Readiness]:
 
     def learn_budgets() -> None:
         """The verifier's tier and each service's own budget, unless a flag narrows it."""
-        tier, draft, verify = backends.budgets(wait_s=0)
+        tier, draft, verify, draft_per_token = backends.budgets(wait_s=0)
         draft = int(args.draft_kv_budget_mb * MB) if args.draft_kv_budget_mb else draft
         verify = int(args.kv_budget_mb * MB) if args.kv_budget_mb else verify
-        engine.set_budgets(request_cost(info.kv_bytes_per_token, tier), draft, verify)
+        engine.set_budgets(request_cost(info.kv_bytes_per_token, tier, draft_per_token), draft,
+                           verify)
         log.info("services answer: KV tier %s, budgets drafter %s, verifier %s", tier, draft,
                  verify)
         calibrate(engine, args)  # through the services, before the gateway reports ready

@@ -188,7 +188,8 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
     prefix = f"{namespace}-" if namespace else ""
     gens = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-{i}")
             for i, p in enumerate(prompts)]
-    cost = request_cost(lm.runner.kv_bytes_per_token(), tier_name)
+    cost = request_cost(lm.runner.kv_bytes_per_token(), tier_name,
+                        lm.runner.kv_bytes_per_token(lm.runner.draft_dtype))
     costs, calibration, warm = CostModel(), None, None
     draft_budget = None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB)
 

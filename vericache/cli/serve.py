@@ -141,7 +141,8 @@ def embedded_engine(args):
     tier = make_tier(args.kv_tier, args.tier_link_gbps or None, lm.runner.device)
     engine = BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
                          backends=LocalBackends(lm, store, tier), schedule=args.schedule,
-                         cost=request_cost(lm.runner.kv_bytes_per_token(), args.kv_tier),
+                         cost=request_cost(lm.runner.kv_bytes_per_token(), args.kv_tier,
+                                           lm.runner.kv_bytes_per_token(lm.runner.draft_dtype)),
                          draft_budget=budget_bytes(args.draft_kv_budget_mb, "drafter", args.device),
                          verify_budget=budget_bytes(args.kv_budget_mb, "verifier", args.device))
     calibrate(engine, args)

@@ -2,8 +2,8 @@
 
 A request holds, while admitted:
 - on the drafter, the tokens its compressor keeps and the exact tail
-  (`vericache.engine.prefill.drafter_tokens`, decompressed in
-  the model dtype) plus room for its output and one draft;
+  (`vericache.engine.prefill.drafter_tokens`, decompressed in the drafter's K/V dtype,
+  `Runner.draft_dtype`) plus room for its output and one draft;
 - on the verifier, its full KV (prompt + output + one draft): resident the whole time, or,
   with the offloaded tier, a working copy only while one of its verifications runs.
 The scheduler (`vericache.engine.scheduler`) admits requests in arrival order while both
@@ -28,13 +28,17 @@ MB = 1 << 20
 DEFAULT_SHARE = {"verifier": 0.5, "drafter": 0.2}
 
 
-def request_cost(kv_per_token: int, tier: str = "resident"):
-    """The scheduler's cost function: (draft_bytes, resident_bytes, load_bytes) of a request."""
+def request_cost(kv_per_token: int, tier: str = "resident", draft_per_token: int | None = None):
+    """The scheduler's cost function: (draft_bytes, resident_bytes, load_bytes) of a request.
+    `draft_per_token`: a token's K/V bytes on the drafter (`Runner.kv_bytes_per_token` of its
+    `draft_dtype`; None: `kv_per_token`)."""
+    per_draft = draft_per_token or kv_per_token
+
     def cost(g: Generation) -> tuple[int, int, int]:
-        room = g.extra_capacity * kv_per_token
-        full = len(g.prompt) * kv_per_token + room
+        full = len(g.prompt) * kv_per_token + g.extra_capacity * kv_per_token
         draft = 0 if g.compressor is None else \
-            drafter_tokens(g.compressor, len(g.prompt), g.params.chunk_size) * kv_per_token + room
+            (drafter_tokens(g.compressor, len(g.prompt), g.params.chunk_size)
+             + g.extra_capacity) * per_draft
         if g.params.mode == "lossy":
             return draft, 0, 0
         return (draft, full, 0) if tier == "resident" else (draft, 0, full)

@@ -97,13 +97,14 @@ class Drafter:
         (`Runner.new_cache`; the engine's: its group's, so that a group drafts over one pool)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
-        with self.ledger.hold(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token()):
+        dtype = self.runner.draft_dtype  # (bfloat16 for a float32 model on CPU)
+        with self.ledger.hold(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token(dtype)):
             if self.runner.windowed and pos is None:
                 p0 = seq_len - len(pending) - k.shape[2]
                 pos = torch.arange(p0, p0 + k.shape[2])
             # (an offloaded full KV sits on the host: cache_from moves k, v to the runner's device)
             cache = self.runner.cache_from(k, v, extra_capacity,
-                                           pos if self.runner.windowed else None, arena)
+                                           pos if self.runner.windowed else None, arena, dtype)
         history = None
         if sampling.penalized:
             history = TokenHistory(prompt or [], self.runner.vocab_size, sampling)

@@ -316,9 +316,10 @@ class RemoteBackends(Backends):
         return {name: call(stub.Health, vpb.ServiceHealthRequest(), timeout_s, f"{name} Health")
                 for name, stub in (("drafter", self.drafter), ("verifier", self.verifier))}
 
-    def budgets(self, wait_s: float) -> tuple[str, int | None, int | None]:
+    def budgets(self, wait_s: float) -> tuple[str, int | None, int | None, int | None]:
         """(the verifier's KV tier, the drafter's and the verifier's KV budgets in bytes, None
-        where unbounded), from their Health, waiting up to `wait_s` for them to answer."""
+        where unbounded, and the K/V bytes a token of the drafter's sessions takes, None where
+        it does not say), from their Health, waiting up to `wait_s` for them to answer."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -329,7 +330,7 @@ class RemoteBackends(Backends):
                     raise
                 time.sleep(1.0)
         return (h["verifier"].kv_tier or "resident", h["drafter"].kv_budget_bytes or None,
-                h["verifier"].kv_budget_bytes or None)
+                h["verifier"].kv_budget_bytes or None, h["drafter"].kv_bytes_per_token or None)
 
     def prefill_into_store(self, rid: str, ids: list[int], compressor: str, chunk_size: int,
                            namespace: str) -> None:

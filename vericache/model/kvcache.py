@@ -28,10 +28,33 @@ two), so a batch that grows one request at a time re-pools log2(n) times, not n.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
 import torch
+
+from vericache.errors import InvalidArgument
+
+DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
+
+
+def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a drafter's K/V for a model of `dtype` on `device`: the model's, except a
+    float32 model on CPU, whose drafter holds bfloat16 (half the bytes, in memory and read per
+    draft step; the native attention widens it as it reads, and every sum stays float32; the
+    drafter is lossy already and its drafts are verified: it changed no τ of the probes in
+    docs/performance.md, seventeenth session). `VERICACHE_DRAFT_KV_DTYPE`: `auto` (that
+    rule), `model` (the model's dtype always), `bfloat16`. Every process of a deployment reads
+    the same rule, so the gateway's budget and the drafter's own agree."""
+    choice = os.environ.get("VERICACHE_DRAFT_KV_DTYPE", "auto")
+    if choice not in DRAFT_KV_DTYPES:
+        raise InvalidArgument(f"VERICACHE_DRAFT_KV_DTYPE must be one of {', '.join(DRAFT_KV_DTYPES)}"
+                              f" (got {choice!r})", "VERICACHE_DRAFT_KV_DTYPE")
+    if choice == "bfloat16" or (choice == "auto" and torch.device(device).type == "cpu"
+                                and dtype == torch.float32):
+        return torch.bfloat16
+    return dtype
 
 # a slot is handed out by `KVPool.claim` (a lane making a cache) and by `KVPool.hold` (a
 # pass adopting a cache that joins): one at a time, or two threads could take one slot

@@ -12,7 +12,10 @@ over them, so that
   and requests that join take free ones, see `vericache.model.kvcache`), each sequence's rows
   padded to the longest (decode 1, verify k + 1, a prefill chunk). The call is the native
   kernel (`vericache.model.kernels`: each row's keys as a range; float32 on CPU, passes of at
-  most KERNEL_ROWS rows a sequence) or torch SDPA with masks for the ragged lengths. Items
+  most KERNEL_ROWS rows a sequence) or torch SDPA with masks for the ragged lengths;
+- a drafter's caches may hold K/V in a narrower dtype than the model's (`draft_dtype`:
+  bfloat16 for a float32 model on CPU, `vericache.model.kvcache.draft_kv_dtype`): written
+  rounded, read widened, every sum in the model's dtype. Items
   that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 
 from vericache.model import kernels
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
-from vericache.model.kvcache import KVCache, KVPool
+from vericache.model.kvcache import KVCache, KVPool, draft_kv_dtype
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # A CPU pass of fewer tokens than this (decode, draft and small verify steps) runs torch's
@@ -138,6 +141,7 @@ class Runner:
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
         self.dtype, self.device = w.embed.dtype, w.embed.device
+        self.draft_dtype = draft_kv_dtype(self.device, self.dtype)  # a drafter's caches' K/V
         self.group = self.num_heads // self.num_kv_heads
         self.scale = w.attn_scale or self.head_dim ** -0.5
         self.act = _activation(w.activation)
@@ -182,37 +186,43 @@ class Runner:
         otherwise, or for a RoPE type whose frequencies change with the length)."""
         return cls(hf.config, extract(hf, device or torch.device("cpu")))
 
-    def new_cache(self, capacity: int, positions: bool = False, arena=None) -> KVCache:
+    def new_cache(self, capacity: int, positions: bool = False, arena=None,
+                  dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache with room for `capacity` tokens (`positions`: one that records
-        them). `arena` (any hashable key; used on CPU once `arena_slots` is set): the cache is
+        them; `dtype`: its K/V's, the model's by default, `draft_dtype` for a drafter's). `arena` (any hashable key; used on CPU once `arena_slots` is set): the cache is
         a slot of that key's pool (`KVPool.claim`), of `max_positions` tokens, so that the
         caches of one key, a batch, are pooled from their first token and its first pass
         copies nothing; a full pool starts another. Without: a cache of its own, which
         `KVPool.hold` copies into a pool at the first pass it shares (on this 2-core VM,
         writing fresh memory ran at 0.6 GB/s: 5.1 s for 16 caches of 2k tokens)."""
+        dtype = dtype or self.dtype
         if arena is not None and self.arena_slots and self.device.type == "cpu":
-            key = (arena, positions)
+            key = (arena, positions, dtype)
             with self._arena_lock:
                 pool = self._arenas.get(key)
                 c = None if pool is None else pool.claim()
                 if c is None:
                     pool = self._arenas[key] = KVPool(
                         self.num_layers, self.num_kv_heads, self.head_dim, self.max_positions,
-                        self.arena_slots, self.dtype, self.device, positions)
+                        self.arena_slots, dtype, self.device, positions)
                     c = pool.claim()
             return c
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
-                       self.dtype, self.device, positions=positions)
+                       dtype, self.device, positions=positions)
 
     def cache_from(self, k: torch.Tensor, v: torch.Tensor, extra_capacity: int = 0,
-                   pos: torch.Tensor | None = None, arena=None) -> KVCache:
-        """`KVCache.from_tensors` in a cache of `new_cache` (with `arena`, a pool's slot)."""
-        c = self.new_cache(k.shape[2] + extra_capacity, pos is not None, arena)
-        c.append(k.to(self.device, self.dtype), v.to(self.device, self.dtype), pos)
+                   pos: torch.Tensor | None = None, arena=None,
+                   dtype: torch.dtype | None = None) -> KVCache:
+        """`KVCache.from_tensors` in a cache of `new_cache` (with `arena`, a pool's slot;
+        `dtype` as there)."""
+        c = self.new_cache(k.shape[2] + extra_capacity, pos is not None, arena, dtype)
+        c.append(k.to(self.device, c.k.dtype), v.to(self.device, c.k.dtype), pos)
         return c
 
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """K/V bytes a token takes in a cache of `dtype` (the model's by default)."""
+        size = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * size
 
     # ---- the forward ----------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -511,8 +521,9 @@ class Runner:
         else:
             span = slice(p.lo, p.lo + p.B)
             ck, cv = p.pool.k[li, span], p.pool.v[li, span]  # [B, Hkv, cap, D]
-            ck[p.write_slot, :, p.write_pos] = kg
-            cv[p.write_slot, :, p.write_pos] = vg
+            # (a drafter's narrower cache: rounded as written, as `_fused`'s kernel rounds)
+            ck[p.write_slot, :, p.write_pos] = kg.to(ck.dtype)
+            cv[p.write_slot, :, p.write_pos] = vg.to(cv.dtype)
         if p.in_order:
             qp = qg
         else:
@@ -542,7 +553,9 @@ class Runner:
             old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
-        return F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi], cv[:, :, lo: p.hi],
+        # (a drafter's narrower cache: widened to the queries' dtype for SDPA)
+        return F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi].to(qp.dtype),
+                                              cv[:, :, lo: p.hi].to(qp.dtype),
                                               attn_mask=mask, scale=self.scale)
 
     @torch.inference_mode()
@@ -681,7 +694,8 @@ class Runner:
             I=self.intermediate, R=ropes[0][0].shape[1], layers=n, B=p.B, lq=p.lq,
             threads=self._threads(), eps=self.eps, scale=self.scale, h=h.data_ptr(),
             sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
-            pad=None if p.in_order else p.pad.data_ptr(), attend=self.attend_kernel.address,
+            pad=None if p.in_order else p.pad.data_ptr(),
+            attend=self.attend_kernel.address[K.dtype], kv_bf16=int(K.dtype == torch.bfloat16),
             **{name: ctypes.addressof(a) for name, a in arrays.items()})
         self.linear_kernel.layers(args)
 

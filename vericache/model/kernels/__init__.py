@@ -100,29 +100,35 @@ def _build(name: str) -> Path:
 
 class Attend:
     """`attend(q, k, v, lo, hi, scale, threads)` -> out: q [B, H, R, D] float32 (any
-    layout; made contiguous); k, v [B, H, N, D] float32 views with unit stride within a key
-    (a pool's slots); lo, hi [B, R] int64: row r of sequence b attends over keys
+    layout; made contiguous); k, v [B, H, N, D] views with unit stride within a key (a pool's
+    slots), both float32 or both bfloat16 (a drafter's cache: read as bfloat16, summed in
+    float32); lo, hi [B, R] int64: row r of sequence b attends over keys
     [lo, hi) (none: zeros). `threads` OpenMP threads split the B * H tasks, or each task's
     keys when the tasks are few (batch 1)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.vc_attend_f32
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, i, ctypes.c_float, i]
-        self._fn.restype = ctypes.c_int
-        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value  # for `Linear.layers`
+        self._fns = {dtype: getattr(lib, name) for dtype, name in
+                     ((torch.float32, "vc_attend_f32"), (torch.bfloat16, "vc_attend_bf16"))}
+        for fn in self._fns.values():
+            fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, i, ctypes.c_float, i]
+            fn.restype = ctypes.c_int
+        # per K/V dtype, for `Linear.layers`
+        self.address = {dtype: ctypes.cast(fn, ctypes.c_void_p).value
+                        for dtype, fn in self._fns.items()}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                  hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
-        if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
-            raise TypeError("attend: float32 only")
+        fn = self._fns.get(k.dtype)
+        if q.dtype != torch.float32 or fn is None or v.dtype != k.dtype:
+            raise TypeError("attend: float32 queries, float32 or bfloat16 keys and values")
         if k.stride() != v.stride() or k.stride(3) != 1 or q.device.type != "cpu":
             raise ValueError("attend: k and v must share strides, unit within a key, on CPU")
         q = q.contiguous()
         lo, hi = lo.contiguous(), hi.contiguous()
         B, H, R, D = q.shape
         out = torch.empty_like(q)
-        if self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
                     k.stride(2), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), B, H, R, D,
                     float(scale), threads):
             raise MemoryError("attend: out of memory for its buffers")
@@ -142,7 +148,8 @@ class Pass(ctypes.Structure):
                 + [(n, _P) for n in ("ln_in", "w_qkv", "b_qkv", "w_o", "ln_mlp", "w_gu", "w_down",
                                      "qk_norm", "cos", "sin", "ck", "cv")]
                 + [(n, _I) for n in ("sb", "sh", "sn")]
-                + [(n, _P) for n in ("wslot", "wpos", "pad", "lo", "hi", "attend")])
+                + [(n, _P) for n in ("wslot", "wpos", "pad", "lo", "hi", "attend")]
+                + [("kv_bf16", _I)])
 
 
 def pointers(tensors) -> ctypes.Array:

@@ -7,8 +7,10 @@
  * from memory once and used for every row (GQA's query heads and a verify pass's rows share
  * it), with an online softmax per row (running max and sum), as in FlashAttention.
  *
- * q, out: [B, H, R, D] contiguous float32; k, v: float32 with element strides sb, sh, sn for
- * b, h and the key, and 1 within a key (a pool's slots as they lie); lo, hi: [B, R] int64.
+ * q, out: [B, H, R, D] contiguous float32; k, v: float32 (`vc_attend_f32`) or bfloat16
+ * (`vc_attend_bf16`: the drafter's caches, widened to float32 as they are read; the sums are
+ * float32 either way) with element strides sb, sh, sn for b, h and the key, and 1 within a
+ * key (a pool's slots as they lie); lo, hi: [B, R] int64.
  * Each task's keys go in parts of PART_KEYS at fixed places (part p: keys [p PART_KEYS,
  * (p + 1) PART_KEYS)), each part with its own running max and sum, combined by them at the
  * end; the (task, part) units go to `threads` OpenMP threads (the runtime torch has loaded).
@@ -37,6 +39,31 @@ static inline vf load(const float *p) {
 }
 
 static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+typedef uint16_t vh __attribute__((vector_size(16 * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(16 * sizeof(uint32_t))));
+
+/* 16 keys' or values' elements at element offset `off` of `base`: float32 (BF 0) or bfloat16
+ * (BF 1: the top half of a float32, so widening is a shift) */
+static inline __attribute__((always_inline)) vf kv_load(const void *base, int64_t off,
+                                                        const int BF) {
+    if (!BF) return load((const float *)base + off);
+    vh x;
+    memcpy(&x, (const uint16_t *)base + off, sizeof x);
+    const vu u = __builtin_convertvector(x, vu) << 16;
+    vf r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+static inline __attribute__((always_inline)) float kv_get(const void *base, int64_t off,
+                                                          const int BF) {
+    if (!BF) return ((const float *)base)[off];
+    const uint32_t u = (uint32_t)((const uint16_t *)base)[off] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* lane j: the sum of a[j]'s lanes (16 vectors reduced at once: 15 shuffle-add pairs) */
 static inline vf hsum16(vf *a) {
@@ -67,12 +94,12 @@ static inline vf hsum16(vf *a) {
  * NV > 0: D = 16 NV, in vectors (16 keys' scores at once, the row's output in registers);
  * NV = 0: any D, in scalar loops. */
 static inline __attribute__((always_inline)) void
-part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh, int64_t sn,
+part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
-     float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m, float *l,
-     float *s) {
+     const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
+     float *l, float *s) {
     const int64_t b = t / H, h = t % H;
-    const float *kb = k + b * sb + h * sh, *vb = v + b * sb + h * sh;
+    const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
     const int64_t *lob = lo + b * R, *hib = hi + b * R;
     int64_t first = INT64_MAX, last = 0;
@@ -100,17 +127,17 @@ part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh, int
                 for (; i + 16 <= n; i += 16) {
                     vf dots[16];
                     for (int j = 0; j < 16; j++) {
-                        const float *kj = kb + (a + i + j) * sn;
-                        dots[j] = qv[0] * load(kj);
-                        for (int c = 1; c < NV; c++) dots[j] += qv[c] * load(kj + 16 * c);
+                        const int64_t kj = kb + (a + i + j) * sn;
+                        dots[j] = qv[0] * kv_load(k, kj, BF);
+                        for (int c = 1; c < NV; c++) dots[j] += qv[c] * kv_load(k, kj + 16 * c, BF);
                     }
                     store(s + i, hsum16(dots) * scale);
                 }
             }
             for (; i < n; i++) {
-                const float *kj = kb + (a + i) * sn;
+                const int64_t kj = kb + (a + i) * sn;
                 float dot = 0.0f;
-                for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
+                for (int64_t d = 0; d < D; d++) dot += qr[d] * kv_get(k, kj + d, BF);
                 s[i] = dot * scale;
             }
             float mx = m[r];
@@ -126,17 +153,17 @@ part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh, int
                 vf o[NV > 0 ? NV : 1];
                 for (int c = 0; c < NV; c++) o[c] = load(ar + 16 * c) * corr;
                 for (i = 0; i < n; i++) {
-                    const float *vj = vb + (a + i) * sn;
+                    const int64_t vj = kb + (a + i) * sn;
                     const float p = s[i];
-                    for (int c = 0; c < NV; c++) o[c] += p * load(vj + 16 * c);
+                    for (int c = 0; c < NV; c++) o[c] += p * kv_load(v, vj + 16 * c, BF);
                 }
                 for (int c = 0; c < NV; c++) store(ar + 16 * c, o[c]);
             } else {
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
-                    const float *vj = vb + (a + i) * sn;
+                    const int64_t vj = kb + (a + i) * sn;
                     const float p = s[i];
-                    for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+                    for (int64_t d = 0; d < D; d++) ar[d] += p * kv_get(v, vj + d, BF);
                 }
             }
             l[r] = l[r] * corr + sum;
@@ -145,9 +172,10 @@ part(const float *q, const float *k, const float *v, int64_t sb, int64_t sh, int
     }
 }
 
-int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
-                  int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
-                  int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
+static inline __attribute__((always_inline)) int
+attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
+       const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H, int64_t R,
+       int64_t D, float scale, int64_t threads, const int BF) {
     const int64_t tasks = B * H;
     int64_t last = 0;
     for (int64_t i = 0; i < B * R; i++)
@@ -180,13 +208,13 @@ int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, in
                 float *m = acc + R * D, *l = m + R;
                 /* the common models' head sizes in vectors */
                 if (D == 64)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, scale, t, j_lo, j_hi, acc, m,
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, BF, scale, t, j_lo, j_hi, acc, m,
                          l, s);
                 else if (D == 128)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, scale, t, j_lo, j_hi, acc, m,
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, BF, scale, t, j_lo, j_hi, acc, m,
                          l, s);
                 else
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, scale, t, j_lo, j_hi, acc, m,
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi, acc, m,
                          l, s);
             }
             free(s);
@@ -218,4 +246,16 @@ int vc_attend_f32(const float *q, const float *k, const float *v, int64_t sb, in
     }
     free(scratch);
     return failed ? -1 : 0;
+}
+
+int vc_attend_f32(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
+                  int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
+                  int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, B, H, R, D, scale, threads, 0);
+}
+
+int vc_attend_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
+                   int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
+                   int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, B, H, R, D, scale, threads, 1);
 }

@@ -183,7 +183,7 @@ void vc_silu_mul_f32(const float *gu, float *a, int64_t T, int64_t I) {
     }
 }
 
-typedef int (*attend_fn)(const float *q, const float *k, const float *v, int64_t sb, int64_t sh,
+typedef int (*attend_fn)(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                          int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                          int64_t H, int64_t R, int64_t D, float scale, int64_t threads);
 
@@ -203,13 +203,29 @@ struct vc_pass {
         *const *w_gu, *const *w_down;                      /* b_qkv entries may be NULL */
     const float *const *qk_norm;                           /* [hq + hkv, D] or NULL */
     const float *const *cos, *const *sin;                  /* [T, R] per layer */
-    float *const *ck, *const *cv;                          /* a layer's caches, slot lo */
+    void *const *ck, *const *cv;     /* a layer's caches, slot lo: float32, or bfloat16 */
     int64_t sb, sh, sn;                                    /* their strides (slot, head, key) */
     const int64_t *wslot, *wpos;                           /* [T] where a row's K/V go */
     const int64_t *pad;             /* [T] row t's place in the padded [B lq] rows; NULL: t */
     const int64_t *const *lo, *const *hi;                  /* [B, G lq] per layer */
-    attend_fn attend;
+    attend_fn attend;                /* `attend.c`'s, for the caches' type */
+    int64_t kv_bf16;                 /* 1: the caches hold bfloat16 (the drafter's) */
 };
+
+/* a cache row's D elements from float32 `x`: copied, or rounded to bfloat16 (to nearest, ties
+ * to even, as torch's conversion: finite values get the bits a `.to(torch.bfloat16)` gives) */
+static void kv_put(void *base, int64_t at, const float *x, int64_t D, int64_t bf16) {
+    if (!bf16) {
+        memcpy((float *)base + at, x, sizeof(float) * (size_t)D);
+        return;
+    }
+    uint16_t *o = (uint16_t *)base + at;
+    for (int64_t d = 0; d < D; d++) {
+        uint32_t u;
+        memcpy(&u, x + d, sizeof u);
+        o[d] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
 
 /* Where query head gi of KV head kh of pass row t sits in the padded queries [B, hkv, g lq,
  * D] the attention reads (and its output in the same layout): a float offset. */
@@ -240,8 +256,8 @@ int vc_layers_f32(const struct vc_pass *p) {
             const float *row = qkv + t * nqkv;
             for (int64_t kh = 0; kh < hkv; kh++) {
                 const int64_t at = p->wslot[t] * p->sb + kh * p->sh + p->wpos[t] * p->sn;
-                memcpy(p->ck[li] + at, row + (hq + kh) * D, sizeof(float) * (size_t)D);
-                memcpy(p->cv[li] + at, row + (hq + hkv + kh) * D, sizeof(float) * (size_t)D);
+                kv_put(p->ck[li], at, row + (hq + kh) * D, D, p->kv_bf16);
+                kv_put(p->cv[li], at, row + (hq + hkv + kh) * D, D, p->kv_bf16);
                 for (int64_t gi = 0; gi < g; gi++)
                     memcpy(qp + padded(p, t, kh, gi), row + (kh * g + gi) * D,
                            sizeof(float) * (size_t)D);
