@@ -229,8 +229,10 @@ def test_a_services_ledger_refuses_a_session_past_its_budget_and_holds_nothing(l
 
     # the drafter charges a token at its own K/V dtype's size: bfloat16 on CPU, half float32's
     per_token = lm.runner.kv_bytes_per_token(lm.runner.draft_dtype)
-    assert lm.runner.draft_dtype == torch.bfloat16 and 2 * per_token == lm.runner.kv_bytes_per_token()
-    dra = Drafter(lm.runner, lm.eos_token_ids, ledger=Ledger(30 * per_token, "--draft-kv-budget-mb"))
+    assert lm.runner.draft_dtype == torch.bfloat16
+    assert 2 * per_token == lm.runner.kv_bytes_per_token()
+    dra = Drafter(lm.runner, lm.eos_token_ids,
+                  ledger=Ledger(30 * per_token, "--draft-kv-budget-mb"))
     shape = (lm.runner.num_layers, lm.runner.num_kv_heads, 10, lm.runner.head_dim)
     dra.attach("a", torch.zeros(shape), torch.zeros(shape), [1], 11, 10)
     assert dra.ledger.in_use == 20 * per_token

@@ -98,7 +98,8 @@ class Drafter:
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dtype = self.runner.draft_dtype  # (bfloat16 for a float32 model on CPU)
-        with self.ledger.hold(rid, (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token(dtype)):
+        nbytes = (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token(dtype)
+        with self.ledger.hold(rid, nbytes):
             if self.runner.windowed and pos is None:
                 p0 = seq_len - len(pending) - k.shape[2]
                 pos = torch.arange(p0, p0 + k.shape[2])

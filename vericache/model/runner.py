@@ -189,8 +189,9 @@ class Runner:
     def new_cache(self, capacity: int, positions: bool = False, arena=None,
                   dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache with room for `capacity` tokens (`positions`: one that records
-        them; `dtype`: its K/V's, the model's by default, `draft_dtype` for a drafter's). `arena` (any hashable key; used on CPU once `arena_slots` is set): the cache is
-        a slot of that key's pool (`KVPool.claim`), of `max_positions` tokens, so that the
+        them; `dtype`: its K/V's, the model's by default, `draft_dtype` for a drafter's).
+        `arena` (any hashable key; used on CPU once `arena_slots` is set): the cache is a
+        slot of that key's pool (`KVPool.claim`), of `max_positions` tokens, so that the
         caches of one key, a batch, are pooled from their first token and its first pass
         copies nothing; a full pool starts another. Without: a cache of its own, which
         `KVPool.hold` copies into a pool at the first pass it shares (on this 2-core VM,

@@ -129,7 +129,8 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                     for (int j = 0; j < 16; j++) {
                         const int64_t kj = kb + (a + i + j) * sn;
                         dots[j] = qv[0] * kv_load(k, kj, BF);
-                        for (int c = 1; c < NV; c++) dots[j] += qv[c] * kv_load(k, kj + 16 * c, BF);
+                        for (int c = 1; c < NV; c++)
+                            dots[j] += qv[c] * kv_load(k, kj + 16 * c, BF);
                     }
                     store(s + i, hsum16(dots) * scale);
                 }
@@ -208,14 +209,14 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 float *m = acc + R * D, *l = m + R;
                 /* the common models' head sizes in vectors */
                 if (D == 64)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, BF, scale, t, j_lo, j_hi, acc, m,
-                         l, s);
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, BF, scale, t, j_lo, j_hi,
+                         acc, m, l, s);
                 else if (D == 128)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, BF, scale, t, j_lo, j_hi, acc, m,
-                         l, s);
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, BF, scale, t, j_lo, j_hi,
+                         acc, m, l, s);
                 else
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi, acc, m,
-                         l, s);
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
+                         acc, m, l, s);
             }
             free(s);
 #pragma omp for schedule(static)
