@@ -72,7 +72,8 @@ def flops_per_token(params: int, layers: int, heads: int, head_dim: int, ctx: fl
 def project_ratios(m: dict, model: dict, run: dict) -> dict:
     """Projected tokens/s of each variant on this machine and VeriCache's ratios.
 
-    m: `measure()`; model: params, layers, heads, head_dim, weight_bytes, kv_per_token;
+    m: `measure()`; model: params, layers, heads, head_dim, weight_bytes, kv_per_token,
+    draft_kv_per_token (the drafter's K/V dtype; default kv_per_token);
     run: ctx, batch, budget_caches, tau, k, compression, link_gbps, max_tokens."""
     bw, ff, fs = m["read_gb_s"] * 1e9, m["matmul_gflop_s"] * 1e9, m["skinny_matmul_gflop_s"] * 1e9
     W, kvt = model["weight_bytes"], model["kv_per_token"]
@@ -90,7 +91,8 @@ def project_ratios(m: dict, model: dict, run: dict) -> dict:
     t_res = step(b_res, ctx, W + b_res * F)
     full_resident = b_res / t_res
     full_offloaded = B / max(step(B, ctx, W + B * F), B * F / link)
-    t_draft = step(B, ctx / r, W + B * F / r)
+    draft_share = model.get("draft_kv_per_token", kvt) / kvt  # a drafter's narrower K/V
+    t_draft = step(B, ctx / r, W + B * F / r * draft_share)
     t_vcomp = step(B * (k + 1), ctx, W + B * F)
     t_load = B * F / link
     lock = k * t_draft + max(t_vcomp, t_load)
