@@ -82,8 +82,8 @@ class Compressor(Named, ABC):
 
     def kept_in_chunk(self, start: int, length: int) -> int:
         """How many tokens `compress` keeps of the chunk [start, start + length) (the drafter
-        holds them decompressed, in the model dtype): with the exact tail, what its memory
-        budget is charged (`vericache.engine.prefill.drafter_tokens`)."""
+        holds them decompressed, in its K/V dtype, `Runner.draft_dtype`): with the exact
+        tail, what its memory budget is charged (`vericache.engine.prefill.drafter_tokens`)."""
         return length
 
     def requantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
