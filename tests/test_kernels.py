@@ -369,3 +369,25 @@ def test_fused_layers_with_qkv_bias(tmp_path):
         (out_f, kv_f), (out_l, kv_l) = _with_and_without(r, "_fused_w", run)
         assert all(torch.equal(a, b) for a, b in zip(out_f, out_l)), name
         assert all(torch.equal(a, b) for a, b in zip(kv_f, kv_l)), name
+
+
+def test_the_drafters_kv_dtype_rule(monkeypatch):
+    """bfloat16 for a float32 model on CPU with the kernel (which reads it), the model's dtype
+    elsewhere;
+    VERICACHE_DRAFT_KV_DTYPE overrides it, and an unknown value is refused, naming the
+    choices."""
+    from vericache.errors import InvalidArgument
+    from vericache.model.kvcache import draft_kv_dtype
+
+    monkeypatch.delenv("VERICACHE_DRAFT_KV_DTYPE", raising=False)
+    assert draft_kv_dtype("cpu", torch.float32) == torch.bfloat16
+    assert draft_kv_dtype("cpu", torch.float32, kernel=False) == torch.float32  # SDPA's
+    assert draft_kv_dtype("cuda", torch.float32) == torch.float32
+    assert draft_kv_dtype("cuda", torch.float16) == torch.float16
+    monkeypatch.setenv("VERICACHE_DRAFT_KV_DTYPE", "model")
+    assert draft_kv_dtype("cpu", torch.float32) == torch.float32
+    monkeypatch.setenv("VERICACHE_DRAFT_KV_DTYPE", "bfloat16")
+    assert draft_kv_dtype("cuda", torch.float16) == torch.bfloat16
+    monkeypatch.setenv("VERICACHE_DRAFT_KV_DTYPE", "fp8")
+    with pytest.raises(InvalidArgument, match="auto, model, bfloat16"):
+        draft_kv_dtype("cpu", torch.float32)

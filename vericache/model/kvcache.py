@@ -39,22 +39,27 @@ from vericache.errors import InvalidArgument
 DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
 
 
-def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
+                   kernel: bool = True) -> torch.dtype:
     """The dtype of a drafter's K/V for a model of `dtype` on `device`: the model's, except a
-    float32 model on CPU, whose drafter holds bfloat16 (half the bytes, in memory and read per
-    draft step; the native attention widens it as it reads, and every sum stays float32; the
-    drafter is lossy already and its drafts are verified: it changed no τ of the probes in
-    docs/performance.md, seventeenth session). `VERICACHE_DRAFT_KV_DTYPE`: `auto` (that
-    rule), `model` (the model's dtype always), `bfloat16`. Every process of a deployment reads
-    the same rule, so the gateway's budget and the drafter's own agree."""
+    float32 model on CPU with the native attention (`kernel`), whose drafter holds bfloat16
+    (half the bytes; the kernel widens them as it reads, and every sum stays float32; the
+    drafter is lossy already and its drafts are verified; the snapkv τ probes of
+    docs/performance.md, seventeenth session, moved by +0.2 or not at all). Without the
+    kernel, SDPA would widen a copy of every layer's K/V per step, so the model's dtype stays.
+    `VERICACHE_DRAFT_KV_DTYPE`: `auto` (that rule), `model` (the model's dtype always),
+    `bfloat16`. The drafter service reports the bytes a token in its Health, which the
+    gateway admits by."""
     choice = os.environ.get("VERICACHE_DRAFT_KV_DTYPE", "auto")
     if choice not in DRAFT_KV_DTYPES:
-        raise InvalidArgument(f"VERICACHE_DRAFT_KV_DTYPE must be one of {', '.join(DRAFT_KV_DTYPES)}"
-                              f" (got {choice!r})", "VERICACHE_DRAFT_KV_DTYPE")
-    if choice == "bfloat16" or (choice == "auto" and torch.device(device).type == "cpu"
-                                and dtype == torch.float32):
+        raise InvalidArgument("VERICACHE_DRAFT_KV_DTYPE must be one of "
+                              f"{', '.join(DRAFT_KV_DTYPES)} (got {choice!r})",
+                              "VERICACHE_DRAFT_KV_DTYPE")
+    if choice == "bfloat16" or (choice == "auto" and kernel and dtype == torch.float32
+                                and torch.device(device).type == "cpu"):
         return torch.bfloat16
     return dtype
+
 
 # a slot is handed out by `KVPool.claim` (a lane making a cache) and by `KVPool.hold` (a
 # pass adopting a cache that joins): one at a time, or two threads could take one slot

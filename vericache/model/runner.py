@@ -141,7 +141,6 @@ class Runner:
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
         self.dtype, self.device = w.embed.dtype, w.embed.device
-        self.draft_dtype = draft_kv_dtype(self.device, self.dtype)  # a drafter's caches' K/V
         self.group = self.num_heads // self.num_kv_heads
         self.scale = w.attn_scale or self.head_dim ** -0.5
         self.act = _activation(w.activation)
@@ -160,6 +159,8 @@ class Runner:
         # None: SDPA with masks, as on other devices and dtypes)
         native = self.device.type == "cpu" and self.dtype == torch.float32
         self.attend_kernel = kernels.attend() if native else None
+        # a drafter's caches' K/V (bfloat16 where this kernel reads them)
+        self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
         self.silu = w.activation == "silu"
         # the weights' pointers for `_fused` (None: the family's layers are not the pre-norm
