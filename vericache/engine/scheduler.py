@@ -2,7 +2,7 @@
 
 Requests move PREFILL → (DRAFT ⇄ VERIFY)* → DONE. Two lanes run jobs: the drafter lane runs
 draft jobs; the verifier lane runs prefill and verify jobs (and, staggered, the drafter lane
-a prefill job when it has nothing to draft). The engine asks `schedule()` for
+prefill jobs too, before its draft jobs). The engine asks `schedule()` for
 jobs whenever a lane may be free, runs them (each lane on its own thread), and reports each
 job's end with `done(job, finished)`.
 
@@ -16,7 +16,12 @@ Modes:
 - staggered: requests are split into `groups` groups at admission (the smallest group takes
   the newcomer); each lane takes a whole group, so while group A verifies, group B drafts.
   Admission is work-conserving: a prefill job holds one request, and either lane may take
-  it. The drafter lane drafts first, then prefills, then drafts ahead. The verifier lane
+  it. The drafter lane prefills first (a request that fits is admitted before any draft
+  job, as vLLM's scheduler puts prefills first), then drafts, then drafts ahead: a draft job
+  costs k steps whatever its batch (each step reads the weights), so drafting for the few
+  requests admitted so far while the rest wait multiplied the drafting (21 draft jobs
+  against lockstep's 4 for 16 requests, 42 s against 12; docs/performance.md, seventeenth
+  session). The verifier lane
   alternates: after a verify job it prefills a waiting request that fits before verifying
   again (so none waits behind a queue of verifications), otherwise it verifies first. With
   an offloaded full KV the verifier lane is mostly waiting on its link, and a prefill is
@@ -231,20 +236,20 @@ class Scheduler:
     def _draft_job(self) -> Job | None:
         if self.schedule_mode == "lockstep" and self._in(VERIFYING, READY_VERIFY, PREFILL):
             return None
+        if self.schedule_mode == "staggered":  # admission first (see the module docstring)
+            job = self._prefill_job(DRAFT_LANE)
+            if job is not None:
+                return job
         waiting = self._in(READY_DRAFT)
         for g in self._groups_in_order():
             if any(r.group == g for r in waiting):
                 self._next_group = (g + 1) % self.groups
                 return Job("draft", tuple(r.rid for r in waiting if r.group == g or r.plain))
-        if self.schedule_mode != "staggered":
+        if self.schedule_mode != "staggered" or not self.draft_ahead:
             return None
-        # nothing to draft: admit a waiting request, else draft ahead
-        job = self._prefill_job(DRAFT_LANE)
-        if job is None and self.draft_ahead:
-            ahead = [r.rid for r in self._in(VERIFYING, READY_VERIFY) if not r.ahead]
-            if ahead:
-                job = Job("ahead", tuple(ahead))
-        return job
+        # nothing to draft or admit: draft ahead
+        ahead = [r.rid for r in self._in(VERIFYING, READY_VERIFY) if not r.ahead]
+        return Job("ahead", tuple(ahead)) if ahead else None
 
     def _plain_to_wait_for(self, ready: list[_Req]) -> bool:
         """Staggered: `ready` are all plain, and other plain requests will be ready to verify
