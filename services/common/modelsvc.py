@@ -200,7 +200,8 @@ class SessionServicer:
 
         vpb, _ = load("verifier")
         ledger, runner = self.svc.ledger, self.svc.lm.runner
-        per_token = runner.kv_bytes_per_token(runner.draft_dtype if self.drafts else None)
+        per_token = (runner.draft_kv_bytes_per_token() if self.drafts
+                     else runner.kv_bytes_per_token())
         return vpb.ServiceHealthResponse(ok=True, sessions=len(self.core.sessions),
                                          model_id=self.svc.lm.model_id, kv_tier=self.svc.tier_name,
                                          kv_budget_bytes=ledger.budget or 0,

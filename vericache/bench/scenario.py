@@ -189,7 +189,7 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
     gens = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-{i}")
             for i, p in enumerate(prompts)]
     cost = request_cost(lm.runner.kv_bytes_per_token(), tier_name,
-                        lm.runner.kv_bytes_per_token(lm.runner.draft_dtype))
+                        lm.runner.draft_kv_bytes_per_token())
     costs, calibration, warm = CostModel(), None, None
     draft_budget = None if cfg.draft_budget_mb is None else int(cfg.draft_budget_mb * MB)
 

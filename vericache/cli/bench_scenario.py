@@ -69,7 +69,7 @@ def add_roofline(doc: dict, runner, threads: int | None) -> None:
     model = {"params": wb // runner.embed.element_size(), "layers": runner.num_layers,
              "heads": runner.num_heads, "head_dim": runner.head_dim, "weight_bytes": wb,
              "kv_per_token": runner.kv_bytes_per_token(),
-             "draft_kv_per_token": runner.kv_bytes_per_token(runner.draft_dtype)}
+             "draft_kv_per_token": runner.draft_kv_bytes_per_token()}
     budget = st["kv_budget_bytes"]
     per_cache = (max(st["context_tokens"]) + st["max_tokens"]) * runner.kv_bytes_per_token()
     run = {"ctx": sum(st["context_tokens"]) / len(st["context_tokens"]) + st["max_tokens"] / 2,

@@ -142,7 +142,7 @@ def embedded_engine(args):
     engine = BatchEngine(lm, max_batch=args.max_batch, max_waiting=args.max_waiting,
                          backends=LocalBackends(lm, store, tier), schedule=args.schedule,
                          cost=request_cost(lm.runner.kv_bytes_per_token(), args.kv_tier,
-                                           lm.runner.kv_bytes_per_token(lm.runner.draft_dtype)),
+                                           lm.runner.draft_kv_bytes_per_token()),
                          draft_budget=budget_bytes(args.draft_kv_budget_mb, "drafter", args.device),
                          verify_budget=budget_bytes(args.kv_budget_mb, "verifier", args.device))
     calibrate(engine, args)

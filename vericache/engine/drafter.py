@@ -98,7 +98,7 @@ class Drafter:
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dtype = self.runner.draft_dtype  # (bfloat16 for a float32 model on CPU)
-        nbytes = (k.shape[2] + extra_capacity) * self.runner.kv_bytes_per_token(dtype)
+        nbytes = (k.shape[2] + extra_capacity) * self.runner.draft_kv_bytes_per_token()
         with self.ledger.hold(rid, nbytes):
             if self.runner.windowed and pos is None:
                 p0 = seq_len - len(pending) - k.shape[2]

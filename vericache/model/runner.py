@@ -226,6 +226,10 @@ class Runner:
         size = torch.empty(0, dtype=dtype or self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * size
 
+    def draft_kv_bytes_per_token(self) -> int:
+        """K/V bytes a token takes in a drafter's cache (`draft_dtype`)."""
+        return self.kv_bytes_per_token(self.draft_dtype)
+
     # ---- the forward ----------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim; w: [x.shape[-1]] or broadcastable (per-head q/k norms).
