@@ -12,7 +12,7 @@ from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument, UnknownName
 from vericache.select import SelectionDelta, SelectionState, make_selection, selection_names
-from vericache.select.base import SINKS, move_towards, target_mask
+from vericache.select.base import SINKS, move_towards, pooled, target_mask
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.memory import MemoryStore
 
@@ -32,7 +32,7 @@ def _full(L=2, H=3, n=40, D=8):
 def test_registry_names_and_errors():
     assert selection_names() == ["question", "static", "verify"]
     assert make_selection("verify:every=8,tokens=64").spec == \
-        "verify:decay=0.8,every=8,pool=7,tokens=64,window=32"
+        "verify:decay=0.8,every=8,pool=5,tokens=64,window=32"
     with pytest.raises(UnknownName, match="valid: question, static, verify"):
         make_selection("oracle")
     with pytest.raises(InvalidArgument):
@@ -97,6 +97,24 @@ def test_question_first_move_bounded_by_first():
     assert (st_b.held_mask().sum(-1) == 12).all()
 
 
+def test_pooling_by_max_or_mean():
+    """`pooled` takes the max (default) or, with avg, the mean over the `pool` neighbours a
+    position has (fewer at the edges); `question:avg=1` ranks its move by the mean."""
+    g = torch.Generator().manual_seed(5)
+    score = torch.rand(2, 3, 23, generator=g)
+    pad = torch.nn.functional.pad(score, (2, 2), value=float("nan"))
+    windows = pad.unfold(-1, 5, 1)  # [L, H, n, 5]: each position's neighbours, nan off the edge
+    assert torch.allclose(pooled(score, 5, avg=True), windows.nanmean(-1))
+    assert torch.equal(pooled(score, 5), windows.nan_to_num(float("-inf")).amax(-1))
+    assert torch.equal(pooled(score, 1, avg=True), score)
+    pol, by_max = make_selection("question"), make_selection("question:avg=0,pool=7")
+    assert pol.spec == "question:pool=5,window=32" and by_max.spec == "question:avg=0,pool=7,window=32"
+    assert torch.equal(pol.pooled(score), pooled(score, 5, avg=True))
+    assert torch.equal(by_max.pooled(score), pooled(score, 7))
+    with pytest.raises(InvalidArgument):
+        make_selection("question:avg=2")
+
+
 def test_delta_compact_and_codec_round_trip():
     st = _state()
     k, v = _full()
@@ -144,8 +162,8 @@ def test_8bit_delta_values_survive_the_codec_and_cost_a_quarter():
     # 8 is the policies' default (not in the spec); 32 moves the full KV's own values
     assert make_selection("question").bits == make_selection("verify").bits == 8
     assert make_selection("verify:bits=8").spec == make_selection("verify").spec == \
-        "verify:decay=0.8,every=4,pool=7,tokens=32,window=32"
-    assert make_selection("question:bits=32").spec == "question:bits=32,pool=7,window=32"
+        "verify:decay=0.8,every=4,pool=5,tokens=32,window=32"
+    assert make_selection("question:bits=32").spec == "question:bits=32,pool=5,window=32"
 
 
 def test_drafter_applies_a_delta_to_its_region_only(lm):

@@ -138,12 +138,18 @@ class SelectionState:
         return mask
 
 
-def pooled(score: torch.Tensor, pool: int) -> torch.Tensor:
-    """Max over `pool` neighbours along the last dim (SnapKV's clustering): [L, H, n]."""
+def pooled(score: torch.Tensor, pool: int, avg: bool = False) -> torch.Tensor:
+    """Max (or, with `avg`, mean) over `pool` neighbours along the last dim (SnapKV's
+    clustering): [L, H, n]."""
     if pool <= 1:
         return score
     L, H, n = score.shape
-    return F.max_pool1d(score.reshape(L * H, 1, n), pool, stride=1, padding=pool // 2).view(L, H, n)
+    flat = score.reshape(L * H, 1, n)
+    if avg:
+        out = F.avg_pool1d(flat, pool, stride=1, padding=pool // 2, count_include_pad=False)
+    else:
+        out = F.max_pool1d(flat, pool, stride=1, padding=pool // 2)
+    return out[..., :n].reshape(L, H, n)
 
 
 def window_votes(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
