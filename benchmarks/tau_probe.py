@@ -45,6 +45,7 @@ def main() -> int:
 
     from vericache.bench.prompts import builtin_prompts, shared_document_prompts
     from vericache.engine.generation import GenParams
+    from vericache.bench.scenario import _drop_new_keys
     from vericache.compress.registry import make_compressor
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
@@ -75,11 +76,6 @@ def main() -> int:
         keep = set(store.keys())
         return LocalBackends(lm, store), keep
 
-    def drop_new(keep: set[str]) -> None:  # a decode's own chunks are not the next one's cache
-        for key in store.keys():
-            if key not in keep:
-                store.delete(key)
-
     first: dict[str, list[int]] = {}
     if a.check_full:
         for p in prompts:
@@ -96,8 +92,8 @@ def main() -> int:
                                               draft_len=a.draft_len, adaptive=False,
                                               selection=policy or "static"),
                          b[0] if b else None)
-            if b:
-                drop_new(b[1])
+            if b:  # a decode's own chunks are not the next one's cache
+                _drop_new_keys(store, b[1])
             if first.setdefault(p.name, r.token_ids) != r.token_ids:
                 print(f"{v}: {p.name} differs from the first decoding", file=sys.stderr)
                 return 1
