@@ -83,9 +83,11 @@ def test_kernel_rows_are_invariant(attend):
 @pytest.mark.parametrize("D,window,threads", [(64, None, 2), (128, 50, 1), (40, None, 3)])
 def test_kernel_reads_bfloat16_as_its_float32_widening(attend, D, window, threads):
     """A drafter's bfloat16 cache: the kernel's output is its output over the same keys and
-    values widened to float32 (the sums are float32 in both), bit for bit at the head sizes it
-    runs in vectors (64, 128; at others the compiler may order a scalar loop's sums
-    differently), on strided pool slots, with windows and padding rows."""
+    values widened to float32 (the sums are float32 in both) to float32 rounding, on strided
+    pool slots, with windows and padding rows, and its bits do not depend on the threads.
+    Not bit for bit with the float32 build: the two are separate instantiations, and under
+    -ffast-math the compiler may order or fuse their sums differently (it did on one of this
+    project's machines); nothing needs more, since a draft is only a proposal."""
     g = torch.Generator().manual_seed(D)
     B, H, cap, rows = 4, 3, 900, 9
     store = torch.randn(2, B + 1, H, cap, D, generator=g).to(torch.bfloat16)
@@ -96,7 +98,10 @@ def test_kernel_reads_bfloat16_as_its_float32_widening(attend, D, window, thread
     lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
     out = attend(q, k, v, lo, hi, D ** -0.5, threads)
     widened = attend(q, k.float(), v.float(), lo, hi, D ** -0.5, threads)
-    assert torch.equal(out, widened) if D in (64, 128) else torch.allclose(out, widened, atol=1e-6)
+    assert torch.allclose(out, widened, rtol=1e-5, atol=1e-6)
+    assert bool((out[3] == 0).all())
+    for other in {1, 2, 3} - {threads}:
+        assert torch.equal(attend(q, k, v, lo, hi, D ** -0.5, other), out)
     assert float((out - _reference(q, k.float(), v.float(), lo, hi, D ** -0.5)).abs().max()) < 2e-5
     with pytest.raises(TypeError, match="bfloat16"):
         attend(q, k, v.float(), lo, hi, 1.0)

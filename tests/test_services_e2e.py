@@ -71,7 +71,7 @@ def stack(services):
     gw = services("services.gateway", ["--drafter", dra.address, "--verifier", ver.address,
                                        "--kvstore", kv.address, "--max-tokens", str(N),
                                        "--schedule", "staggered", "--calibrate", "on"],
-                  _gateway_ready, timeout_s=120, env=ONE_THREAD)
+                  _gateway_ready, timeout_s=360, env=ONE_THREAD)  # it calibrates first
     yield {"kvstore": kv, "verifier": ver, "drafter": dra, "gateway": gw}
     r = redis.Redis(host="127.0.0.1", port=6379, db=0)  # shared server: drop only our keys
     keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
