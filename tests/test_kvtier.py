@@ -238,3 +238,34 @@ def test_a_failed_offload_fails_its_readers(monkeypatch):
         assert other.length == 3
     finally:
         tier.close()
+
+
+def test_a_cpu_cache_is_adopted_and_the_link_still_carries_it():
+    """On a CPU runner the prefilled cache is already host memory: the tier keeps it as the
+    host copy (no second copy of the KV), while the storer holds the link's store direction
+    for its bytes' time and counts them."""
+    import time
+
+    import torch
+
+    from vericache.model.kvcache import KVCache
+
+    tier = make_tier("offloaded", link_gbps=0.8)  # 100 MB/s each way
+    try:
+        cache = KVCache(2, 2, 64, 4096, torch.float32, "cpu")
+        cache.k.normal_(), cache.v.normal_()
+        cache.length = 4000
+        before = cache.k[:, :, :4000].clone()
+        n = 2 * 2 * 2 * 4000 * 64 * 4  # k and v, 2 layers, 2 heads: 8.2 MB, 0.08 s
+        t0 = time.perf_counter()
+        host = tier.offload(cache)
+        assert host is cache
+        tier.landed(host)
+        assert time.perf_counter() - t0 >= n / tier.link.rate
+        assert tier.stats.bytes_stored == n
+        assert torch.equal(host.k[:, :, :4000], before)
+        [s] = tier.open([host], [1])
+        s.k[1]  # the pass's gate of the last layer: every layer has landed
+        assert torch.equal(s.view()[0], before)
+    finally:
+        tier.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -79,6 +80,14 @@ def test_full_chunk_roundtrip_default_model_shape():
     assert 2 * k.numel() * 4 <= len(data) < 2 * k.numel() * 4 + 4096
     span = decode_full(data)
     assert span.start == 512 and torch.equal(span.k, k) and torch.equal(span.v, v)
+    span.k.add_(1.0)  # the default decode owns its memory
+    assert decode_full(data).k.equal(k)
+    # borrowed: read-only views of the stored bytes (a prefix load copies them once, into
+    # its cache)
+    lent = decode_full(data, borrow=True)
+    assert lent.start == 512 and torch.equal(lent.k, k) and torch.equal(lent.v, v)
+    at = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    assert at <= lent.k.data_ptr() < lent.v.data_ptr() < at + len(data)
 
 
 @pytest.mark.parametrize("spec", ["kivi:bits=2", "streamingllm", "identity"])

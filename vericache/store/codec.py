@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from typing import Any
 
 import torch
@@ -76,8 +77,11 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None)
     return bytes(buf)
 
 
-def decode(data: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The named tensors (CPU, owning their memory) and meta of a value made by `encode`."""
+def decode(data: bytes | bytearray | memoryview,
+           borrow: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The named tensors (CPU, owning their memory) and meta of a value made by `encode`.
+    `borrow`: the tensors are read-only views of `data` instead (no copy; the caller copies
+    what it keeps and writes none of them)."""
     mv = memoryview(data).cast("B")
     if len(mv) < _PREFIX.size:
         raise InvalidArgument("value too short to be a VeriCache chunk", param="value")
@@ -100,7 +104,12 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
         if n == 0:
             tensors[e["name"]] = torch.empty(e["shape"], dtype=dtype)
             continue
-        raw = torch.frombuffer(bytearray(mv[start:start + n]), dtype=torch.uint8)
+        if borrow:
+            with warnings.catch_warnings():  # read-only memory: the caller only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.frombuffer(mv[start:start + n], dtype=torch.uint8)
+        else:
+            raw = torch.frombuffer(bytearray(mv[start:start + n]), dtype=torch.uint8)
         tensors[e["name"]] = raw.view(dtype).reshape(e["shape"])
     return tensors, header["meta"]
 
@@ -129,9 +138,10 @@ def encode_full(k: torch.Tensor, v: torch.Tensor, start: int = 0) -> bytes:
     return encode({"k": k, "v": v}, {"kind": "full", "start": start, "length": k.shape[2]})
 
 
-def decode_full(data: bytes | bytearray | memoryview) -> KVSpan:
-    """The exact KV stored by `encode_full`, as a `KVSpan` (k, v, start)."""
-    tensors, meta = decode(data)
+def decode_full(data: bytes | bytearray | memoryview, borrow: bool = False) -> KVSpan:
+    """The exact KV stored by `encode_full`, as a `KVSpan` (k, v, start); `borrow` as for
+    `decode`."""
+    tensors, meta = decode(data, borrow)
     _expect_kind(meta, "full")
     return KVSpan(k=tensors["k"], v=tensors["v"], start=meta["start"])
 
