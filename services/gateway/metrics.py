@@ -48,7 +48,9 @@ ENGINE_COUNTERS = {
     "draft_busy_s": ("vericache_draft_lane_busy_seconds_total",
                      "time the executor's drafter lane ran jobs"),
     "verify_busy_s": ("vericache_verify_lane_busy_seconds_total",
-                      "time the executor's verifier lane ran jobs (prefill and verify)"),
+                      "time the executor's verifier lane ran jobs (verify; prefill in lockstep)"),
+    "admit_busy_s": ("vericache_admit_lane_busy_seconds_total",
+                     "time the executor's admission lane ran prefill jobs (staggered schedule)"),
     "store_hits": ("vericache_store_hits_total", "KV chunks read from the store"),
     "store_bytes_read": ("vericache_store_read_bytes_total", "KV bytes read from the store"),
     "store_bytes_written": ("vericache_store_written_bytes_total", "KV bytes written to the store"),
@@ -61,7 +63,7 @@ ENGINE_COUNTERS = {
     "select_delta_bytes": ("vericache_selection_delta_bytes_total",
                            "bytes of the moves of drafters' kept sets"),
 }
-LANES = {"draft": "draft_busy_s", "verify": "verify_busy_s"}
+LANES = {"draft": "draft_busy_s", "verify": "verify_busy_s", "admit": "admit_busy_s"}
 
 
 def histogram(name: str, help: str, counts: dict[int | float, int],

@@ -19,7 +19,7 @@ emitted token; the summary has τ and the throughput ratios per policy (`by_sele
 from __future__ import annotations
 
 from vericache.bench.metrics import mean, ngram_rounds, tau_hist
-from vericache.engine.scheduler import DRAFT_LANE, VERIFY_LANE
+from vericache.engine.scheduler import ADMIT_LANE, DRAFT_LANE, VERIFY_LANE
 
 
 def overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -85,6 +85,7 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "kv_peak_draft_bytes": tr.peak_kv[0], "kv_peak_verify_bytes": tr.peak_kv[1],
         "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
         "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
+        "admit_busy_s": _r(sum(b - a for a, b in tr.busy[ADMIT_LANE])),
         "lanes_overlap_s": _r(overlap_s(tr.busy[DRAFT_LANE], tr.busy[VERIFY_LANE])),
         # where each lane's time went: "lane:kind" -> {"s": seconds, "jobs": count}
         "busy_by_job": {f"{lane}:{kind}": {"s": _r(sec), "jobs": n}

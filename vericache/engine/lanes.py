@@ -1,4 +1,5 @@
-"""The engine's executor: requests over two lanes, drafter and verifier, each on its own thread.
+"""The engine's executor: requests over the lanes (drafter, verifier and, staggered, admission),
+each on its own thread.
 
 This is the one executor: `vericache serve`, the gateway (`BatchEngine` is its admission and
 event shell) and `vericache bench --scenario` (`run_requests`) all run their requests here.
@@ -7,7 +8,7 @@ The scheduler (`vericache.engine.scheduler`, pure bookkeeping) says which job ea
 next; this module runs the jobs on the backends (`vericache.engine.backends.Backends`:
 in-process or gRPC) and reports each job's end back to it. In lockstep mode one lane works at
 a time (the same rounds as `run_round`); in staggered mode one group verifies (full-KV load +
-forward) while another drafts. torch releases the GIL inside its kernels and the offloaded
+forward) while another drafts, and new requests are prefilled beside both. torch releases the GIL inside its kernels and the offloaded
 tier's loads are copies and sleeps, so the lanes really overlap.
 
 Outcomes of a verification are committed to the drafter on the drafter's lane, before the
@@ -38,8 +39,8 @@ from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
 from vericache.engine.rounds import commit_outcomes, draft_phase, start, verify_phase
-from vericache.engine.scheduler import (DONE, DRAFT_LANE, DRAFTING, PREFILL, VERIFY_LANE, VERIFYING,
-                                        WAITING, Job, Scheduler)
+from vericache.engine.scheduler import (DONE, DRAFTING, LANES, PREFILL, VERIFYING, WAITING,
+                                        Job, Scheduler)
 from vericache.errors import Unavailable, VeriCacheError
 from vericache.spec.costmodel import CostModel
 
@@ -62,8 +63,8 @@ class LaneTrace:
     start: float = 0.0
     end: float = 0.0
     busy: dict[str, list[tuple[float, float]]] = field(
-        default_factory=lambda: {DRAFT_LANE: [], VERIFY_LANE: []})
-    busy_s: dict[str, float] = field(default_factory=lambda: {DRAFT_LANE: 0.0, VERIFY_LANE: 0.0})
+        default_factory=lambda: {lane: [] for lane in LANES})
+    busy_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LANES, 0.0))
     # (lane, job kind) -> [seconds, jobs]: where each lane's time went
     jobs: dict[tuple[str, str], list] = field(default_factory=dict)
     first_token: dict[str, float] = field(default_factory=dict)  # rid -> time of its first token
@@ -153,7 +154,7 @@ class LaneRunner:
         threads = torch.get_num_threads()
         pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"vericache-{lane}",
                                           initializer=torch.set_num_threads, initargs=(threads,))
-                 for lane in (DRAFT_LANE, VERIFY_LANE)}
+                 for lane in LANES}
         self.trace.start = time.perf_counter()
         try:
             while True:

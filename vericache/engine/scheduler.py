@@ -1,10 +1,10 @@
-"""The scheduler: pure bookkeeping over two lanes (no tensors, no I/O, no clocks).
+"""The scheduler: pure bookkeeping over the lanes (no tensors, no I/O, no clocks).
 
-Requests move PREFILL → (DRAFT ⇄ VERIFY)* → DONE. Two lanes run jobs: the drafter lane runs
-draft jobs; the verifier lane runs prefill and verify jobs (and, staggered, the drafter lane
-prefill jobs too, before its draft jobs). The engine asks `schedule()` for
-jobs whenever a lane may be free, runs them (each lane on its own thread), and reports each
-job's end with `done(job, finished)`.
+Requests move PREFILL → (DRAFT ⇄ VERIFY)* → DONE. Lanes run jobs: the drafter lane runs
+draft jobs; the verifier lane runs verify jobs, and prefill jobs in lockstep; staggered, an
+admission lane runs prefill jobs, and the drafter lane too, before its draft jobs. The engine
+asks `schedule()` for jobs whenever a lane may be free, runs them (each lane on its own
+thread), and reports each job's end with `done(job, finished)`.
 
 Per-request states: WAITING (queued, not admitted), PREFILL (prefill job running),
 READY_DRAFT, DRAFTING, READY_VERIFY, VERIFYING, DONE.
@@ -15,18 +15,16 @@ Modes:
   draft again; one lane works at a time.
 - staggered: requests are split into `groups` groups at admission (the smallest group takes
   the newcomer); each lane takes a whole group, so while group A verifies, group B drafts.
-  Admission is work-conserving: a prefill job holds one request, and either lane may take
-  it. The drafter lane prefills first (a request that fits is admitted before any draft
-  job, as vLLM's scheduler puts prefills first), then drafts, then drafts ahead: a draft job
-  costs k steps whatever its batch (each step reads the weights), so drafting for the few
-  requests admitted so far while the rest wait multiplied the drafting (21 draft jobs
-  against lockstep's 4 for 16 requests, 42 s against 12; docs/performance.md, seventeenth
-  session). The verifier lane
-  alternates: after a verify job it prefills a waiting request that fits before verifying
-  again (so none waits behind a queue of verifications), otherwise it verifies first. With
-  an offloaded full KV the verifier lane is mostly waiting on its link, and a prefill is
-  compute: a lane that only the verifier may run would queue it behind the loads while the
-  drafter lane idles.
+  Admission is work-conserving: a prefill job holds one request, and the admission lane or
+  the drafter lane takes it. The drafter lane prefills first (a request that fits is
+  admitted before any draft job, as vLLM's scheduler puts prefills first), then drafts, then
+  drafts ahead: a draft job costs k steps whatever its batch (each step reads the weights),
+  so drafting for the few requests admitted so far while the rest wait multiplied the
+  drafting (21 draft jobs against lockstep's 4 for 16 requests, 42 s against 12;
+  docs/performance.md, seventeenth session). The verifier lane only verifies: with an
+  offloaded full KV it is mostly waiting on its link, and a prefill it ran held every
+  verification (and the link) behind its compute, while the admission lane's prefill
+  computes during those waits (nineteenth session: 16 x 8k, 58.7 s to 51.3 s).
   With `draft_ahead`, a drafter lane that has no group to draft drafts ahead for requests
   whose drafts are waiting for or in verification (an "ahead" job: it changes no state; the
   engine keeps or drops those tokens when the verification ends), once per round each.
@@ -53,7 +51,8 @@ from dataclasses import dataclass, field
 WAITING, PREFILL, READY_DRAFT, DRAFTING, READY_VERIFY, VERIFYING, DONE = (
     "waiting", "prefill", "ready_draft", "drafting", "ready_verify", "verifying", "done")
 SCHEDULES = ("lockstep", "staggered")
-DRAFT_LANE, VERIFY_LANE = "draft", "verify"
+DRAFT_LANE, VERIFY_LANE, ADMIT_LANE = "draft", "verify", "admit"
+LANES = (DRAFT_LANE, VERIFY_LANE, ADMIT_LANE)
 
 
 @dataclass(frozen=True)
@@ -95,9 +94,8 @@ class Scheduler:
     draft_ahead: bool = False
     total_budget: int | None = None  # bytes over both sides
     _reqs: dict[str, _Req] = field(default_factory=dict)
-    _busy: dict[str, Job | None] = field(default_factory=lambda: {DRAFT_LANE: None, VERIFY_LANE: None})
+    _busy: dict[str, Job | None] = field(default_factory=lambda: dict.fromkeys(LANES))
     _next_group: int = 0  # round-robin start for lanes choosing a group
-    _verified_last: bool = False  # the verifier lane's last job was a verify job
 
     def __post_init__(self):
         if self.schedule_mode not in SCHEDULES:
@@ -155,10 +153,14 @@ class Scheduler:
     def schedule(self) -> list[Job]:
         """Jobs for the free lanes (marks them busy and their requests' states)."""
         jobs = []
+        if self.schedule_mode == "staggered" and self._busy[ADMIT_LANE] is None:
+            job = self._prefill_job(ADMIT_LANE)
+            if job is not None:
+                jobs.append(self._start(job))
         if self._busy[VERIFY_LANE] is None:
-            if self.schedule_mode == "staggered" and not self._verified_last:
-                job = self._verify_job() or self._prefill_job()
-            else:  # lockstep; staggered after a verify job (no waiting request starves)
+            if self.schedule_mode == "staggered":  # admission has lanes of its own
+                job = self._verify_job()
+            else:
                 job = self._prefill_job() or self._verify_job()
             if job is not None:
                 jobs.append(self._start(job))
@@ -170,8 +172,6 @@ class Scheduler:
 
     def _start(self, job: Job) -> Job:
         self._busy[job.lane] = job
-        if job.lane == VERIFY_LANE:
-            self._verified_last = job.kind == "verify"
         if job.kind == "ahead":
             for rid in job.rids:
                 self._reqs[rid].ahead = True
