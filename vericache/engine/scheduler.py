@@ -24,7 +24,8 @@ Modes:
   docs/performance.md, seventeenth session). The verifier lane only verifies: with an
   offloaded full KV it is mostly waiting on its link, and a prefill it ran held every
   verification (and the link) behind its compute, while the admission lane's prefill
-  computes during those waits (nineteenth session: 16 x 8k, 58.7 s to 51.3 s).
+  computes during those waits (nineteenth session, 16 x 8k: staggered went from 1.20x to
+  1.28x lockstep's throughput; docs/performance.md).
   With `draft_ahead`, a drafter lane that has no group to draft drafts ahead for requests
   whose drafts are waiting for or in verification (an "ahead" job: it changes no state; the
   engine keeps or drops those tokens when the verification ends), once per round each.
