@@ -35,7 +35,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=("lockstep", "staggered"),
                    default=env("SCHEDULE", "lockstep"),
                    help="lockstep: every request drafts, then every one verifies; staggered: "
-                        "one half of the batch verifies while the other drafts "
+                        "one half of the batch verifies while the other drafts, and new "
+                        "requests are prefilled on a lane of their own "
                         "(default: lockstep; $VERICACHE_SCHEDULE)")
     g.add_argument("--calibrate", choices=("on", "off"), default=env("CALIBRATE", "on"),
                    help="on: before serving, time a few rounds of synthetic requests through "

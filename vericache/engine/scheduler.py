@@ -202,7 +202,7 @@ class Scheduler:
                 break
             take.append(r.rid)
             d, v, n = d + r.draft_bytes, v + r.resident_bytes, n + 1
-            if self.schedule_mode == "staggered":  # one a job: either lane may take the next
+            if self.schedule_mode == "staggered":  # one a job: the other lane takes the next
                 break
         return Job("prefill", tuple(take), lane) if take else None
 
