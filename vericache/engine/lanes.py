@@ -8,8 +8,9 @@ The scheduler (`vericache.engine.scheduler`, pure bookkeeping) says which job ea
 next; this module runs the jobs on the backends (`vericache.engine.backends.Backends`:
 in-process or gRPC) and reports each job's end back to it. In lockstep mode one lane works at
 a time (the same rounds as `run_round`); in staggered mode one group verifies (full-KV load +
-forward) while another drafts, and new requests are prefilled beside both. torch releases the GIL inside its kernels and the offloaded
-tier's loads are copies and sleeps, so the lanes really overlap.
+forward) while another drafts, and new requests are prefilled beside both. torch releases
+the GIL inside its kernels and the offloaded tier's loads are copies and sleeps, so the
+lanes really overlap.
 
 Outcomes of a verification are committed to the drafter on the drafter's lane, before the
 request's next draft, so a drafter session is only ever touched by one thread; with
