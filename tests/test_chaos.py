@@ -30,8 +30,8 @@ from chaos_stack import Stack, deleting_keys, references, stream_chat, wait_drai
 
 pytestmark = pytest.mark.slow
 N = 8
-# an RPC deadline well above a 550-token prefill through the store (about 2 s here, more on
-# a loaded or slower machine), as short as the blackhole tests, which wait it out, allow
+# an RPC deadline well above a 550-token prefill through the store (seconds here, many more
+# on a loaded or slower machine), as short as the blackhole tests, which wait it out, allow
 RPC_DEADLINE_S, STORE_DEADLINE_S = 20.0, 3.0
 MARGIN_S = 5.0
 SHORT = ["Write a haiku about the sea.", "List three uses of a hash map.",
