@@ -44,7 +44,7 @@ def main() -> int:
 
     import vericache.engine.lanes as lanes
     from vericache.bench.prompts import shared_document_prompts
-    from vericache.bench.scenario import ScenarioConfig, _drop_new_keys, run_long_context_variant
+    from vericache.bench.scenario import ScenarioConfig, drop_new_keys, run_long_context_variant
     from vericache.compress.registry import make_compressor
     from vericache.engine.generation import Generation
     from vericache.engine.kvtier import make_tier
@@ -95,7 +95,7 @@ def main() -> int:
         print(f"admission {rep}: {time.perf_counter() - t:.3f} s", flush=True)
         backends.close()
         tier.close()
-        _drop_new_keys(store, published)
+        drop_new_keys(store, published)
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
         print(out.getvalue())
@@ -103,7 +103,7 @@ def main() -> int:
     for v in a.variants.split(","):
         spent.clear()
         raw = run_long_context_variant(lm, prompts, cfg, v, store)
-        _drop_new_keys(store, published)
+        drop_new_keys(store, published)
         gens, tr = raw["gens"], raw["trace"]
         tokens = sum(len(g.output_ids) for g in gens)
         wall = tr.end - tr.start

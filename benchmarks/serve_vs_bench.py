@@ -50,7 +50,7 @@ def stream_ids(port: int, ids: list[int], body: dict) -> dict:
 
 def bench_side(lm, prompts, cfg) -> tuple[dict, list[list[int]]]:
     """The scenario's own variant run (what `vericache bench --scenario` does for it)."""
-    from vericache.bench.scenario import (_drop_new_keys, run_long_context_variant,
+    from vericache.bench.scenario import (drop_new_keys, run_long_context_variant,
                                           variant_measures)
     from vericache.compress import make_compressor
     from vericache.engine.local import generate
@@ -68,7 +68,7 @@ def bench_side(lm, prompts, cfg) -> tuple[dict, list[list[int]]]:
     reference = []
     for p in prompts:
         reference.append(generate(lm, p.ids, cfg.params("full"), LocalBackends(lm, store)).token_ids)
-        _drop_new_keys(store, published)
+        drop_new_keys(store, published)
     raw = run_long_context_variant(lm, prompts, cfg, f"vericache_{cfg.schedule}", store)
     row = variant_measures(raw, reference, lm.runner.kv_bytes_per_token())
     store.close()

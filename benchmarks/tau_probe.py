@@ -44,8 +44,8 @@ def main() -> int:
     import torch
 
     from vericache.bench.prompts import builtin_prompts, shared_document_prompts
+    from vericache.bench.scenario import drop_new_keys
     from vericache.engine.generation import GenParams
-    from vericache.bench.scenario import _drop_new_keys
     from vericache.compress.registry import make_compressor
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
@@ -93,7 +93,7 @@ def main() -> int:
                                               selection=policy or "static"),
                          b[0] if b else None)
             if b:  # a decode's own chunks are not the next one's cache
-                _drop_new_keys(store, b[1])
+                drop_new_keys(store, b[1])
             if first.setdefault(p.name, r.token_ids) != r.token_ids:
                 print(f"{v}: {p.name} differs from the first decoding", file=sys.stderr)
                 return 1

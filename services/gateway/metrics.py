@@ -23,6 +23,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from vericache.engine.scheduler import LANES as EXECUTOR_LANES
+
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 TAU_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -63,7 +65,7 @@ ENGINE_COUNTERS = {
     "select_delta_bytes": ("vericache_selection_delta_bytes_total",
                            "bytes of the moves of drafters' kept sets"),
 }
-LANES = {"draft": "draft_busy_s", "verify": "verify_busy_s", "admit": "admit_busy_s"}
+LANES = {lane: f"{lane}_busy_s" for lane in EXECUTOR_LANES}
 
 
 def histogram(name: str, help: str, counts: dict[int | float, int],

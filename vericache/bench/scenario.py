@@ -167,7 +167,9 @@ class ScenarioConfig:
         return None if self.kv_budget_mb is None else int(self.kv_budget_mb * MB)
 
 
-def _drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
+def drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
+    """Delete the keys of `store` not in `keep`: a decode's own chunks are not the next
+    decode's cache (the scenario and the probes under benchmarks/)."""
     for key in store.keys():
         if key not in keep:
             store.delete(key)
@@ -370,7 +372,7 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
     for p in prompts:
         step(f"reference {p.name}")
         reference.append(generate(lm, p.ids, cfg.params("full"), LocalBackends(lm, store)).token_ids)
-        _drop_new_keys(store, published)
+        drop_new_keys(store, published)
     runs: dict[str, list[dict]] = {}  # variant -> its rows, one per repeat
     baselines = BASELINES[cfg.scenario]
     if cfg.services is not None:
@@ -397,7 +399,7 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
             for v, vcfg in cfg.variants(VARIANTS[cfg.scenario]):
                 step(v + (f" (run {rep + 1} of {cfg.repeats})" if cfg.repeats > 1 else ""))
                 raw = run_variant(lm, prompts, vcfg, v, store, warm_prompts)
-                _drop_new_keys(store, published)
+                drop_new_keys(store, published)
                 runs.setdefault(v, []).append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     rows = [median_run(r) for r in runs.values()]
     doc = {"scenario": cfg.scenario, "model": lm.name,

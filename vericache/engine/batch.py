@@ -178,8 +178,7 @@ class BatchEngine(Engine):
         with self._lock:
             counters = dict(self.counters)
         counters.update(overlapped_rounds=tr.overlapped, ahead_drafted=tr.ahead_drafted,
-                        draft_busy_s=tr.busy_s["draft"], verify_busy_s=tr.busy_s["verify"],
-                        admit_busy_s=tr.busy_s["admit"])
+                        **{f"{lane}_busy_s": s for lane, s in tr.busy_s.items()})
         sched = self.runner.sched
         draft, verify = self.runner.kv_in_use
         kv = {"drafter": {"in_use": draft, "budget": sched.draft_budget},

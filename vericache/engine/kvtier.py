@@ -202,8 +202,9 @@ class OffloadedTier:
         storer thread copies it over the link's store direction (the caller's lane goes on,
         as a GPU's copy engine would let it). A copied `cache` is kept until the copy has
         landed, and one offload at a time is in flight (a second waits here for the first to
-        land), so at most one prefilled full KV is held beyond the budgets' count. Every reader of the host
-        copy waits for it (`landed`), and a copy that failed fails them with `Unavailable`.
+        land), so at most one prefilled full KV is held beyond the budgets' count. Every
+        reader of the host copy waits for it (`landed`), and a copy that failed fails them
+        with `Unavailable`.
         A cache already in host memory (a CPU runner's) is adopted as the host copy: the link
         still carries its bytes (the storer holds the store direction for their time), but
         nothing is copied, as a GPU's copy engine would spend no CPU time on it (on this 2-core

@@ -21,11 +21,12 @@ class Question(SelectionPolicy):
     every region token (per layer and KV head, summed over the group's query heads, pooled
     over `pool` neighbours by their mean, or with avg=0 their max) and the kept set moves,
     at once, to the top of that score: all the way, or by at most `first` tokens per layer
-    and KV head (the best-scored entering first), which bounds the move's bytes where it crosses a slow link. `bits`: how a move's entering K/V
-    go, 8 (the default: 8-bit values, `vericache.select.base.to_8bit`, a quarter of float32's
-    bytes on a link; the drafter is lossy already, and its drafts are verified) or 32 (the
-    full KV's own values). 8 is the default by measurement: it changed no τ of the snapkv
-    probes (docs/performance.md, sixteenth session) and moves a quarter of the bytes.
+    and KV head (the best-scored entering first), which bounds the move's bytes where it
+    crosses a slow link. `bits`: how a move's entering K/V go, 8 (the default: 8-bit
+    values, `vericache.select.base.to_8bit`, a quarter of float32's bytes on a link; the
+    drafter is lossy already, and its drafts are verified) or 32 (the full KV's own values).
+    8 is the default by measurement: it changed no τ of the snapkv probes
+    (docs/performance.md, sixteenth session) and moves a quarter of the bytes.
     Mean pooling over 5 is the default (SnapKV's reference code pools so): at 16 x 8k it
     raised τ from 15.03 to 16.0 over max pooling over 7 (docs/performance.md, eighteenth
     session)."""
