@@ -30,7 +30,17 @@
 #define PART_KEYS 512 /* a multiple of BLOCK */
 #define SCRATCH_FLOATS (16 << 20) /* 64 MB */
 
-typedef float vf __attribute__((vector_size(16 * sizeof(float))));
+/* W: floats in a vector and keys scored at once, the machine's own width (AVX-512: 16; else 8,
+ * AVX2's): 16 keys' dot products of 16-float vectors (32 registers' worth) spilled on AVX2's 16
+ * registers and ran the kernel at a tenth of its speed. A row's sums are in the order W fixes,
+ * the same on every call of one build. */
+#if defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
 
 static inline vf load(const float *p) {
     vf r;
@@ -40,10 +50,10 @@ static inline vf load(const float *p) {
 
 static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
-typedef uint16_t vh __attribute__((vector_size(16 * sizeof(uint16_t))));
-typedef uint32_t vu __attribute__((vector_size(16 * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 
-/* 16 keys' or values' elements at element offset `off` of `base`: float32 (BF 0) or bfloat16
+/* W keys' or values' elements at element offset `off` of `base`: float32 (BF 0) or bfloat16
  * (BF 1: the top half of a float32, so widening is a shift) */
 static inline __attribute__((always_inline)) vf kv_load(const void *base, int64_t off,
                                                         const int BF) {
@@ -65,8 +75,9 @@ static inline __attribute__((always_inline)) float kv_get(const void *base, int6
     return f;
 }
 
+#if W == 16
 /* lane j: the sum of a[j]'s lanes (16 vectors reduced at once: 15 shuffle-add pairs) */
-static inline vf hsum16(vf *a) {
+static inline vf hsum(vf *a) {
     vf c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
         c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
@@ -88,10 +99,24 @@ static inline vf hsum16(vf *a) {
            __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                    29, 31);
 }
+#else
+/* lane j: the sum of a[j]'s lanes (8 vectors reduced at once: 7 shuffle-add pairs) */
+static inline vf hsum(vf *a) {
+    vf c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 /* Task t's rows over the keys [j_lo, j_hi) (each row's range clipped to it): the unnormalised
  * output acc [R, D], each row's running max m [R] and sum l [R]; s: BLOCK scratch.
- * NV > 0: D = 16 NV, in vectors (16 keys' scores at once, the row's output in registers);
+ * NV > 0: D = W NV, in vectors (W keys' scores at once, the row's output in registers);
  * NV = 0: any D, in scalar loops. */
 static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
@@ -123,16 +148,16 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             int64_t i = 0;
             if (NV) {
                 vf qv[NV > 0 ? NV : 1];
-                for (int c = 0; c < NV; c++) qv[c] = load(qr + 16 * c);
-                for (; i + 16 <= n; i += 16) {
-                    vf dots[16];
-                    for (int j = 0; j < 16; j++) {
+                for (int c = 0; c < NV; c++) qv[c] = load(qr + W * c);
+                for (; i + W <= n; i += W) {
+                    vf dots[W];
+                    for (int j = 0; j < W; j++) {
                         const int64_t kj = kb + (a + i + j) * sn;
                         dots[j] = qv[0] * kv_load(k, kj, BF);
                         for (int c = 1; c < NV; c++)
-                            dots[j] += qv[c] * kv_load(k, kj + 16 * c, BF);
+                            dots[j] += qv[c] * kv_load(k, kj + W * c, BF);
                     }
-                    store(s + i, hsum16(dots) * scale);
+                    store(s + i, hsum(dots) * scale);
                 }
             }
             for (; i < n; i++) {
@@ -152,13 +177,13 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             float *ar = acc + r * D;
             if (NV) {
                 vf o[NV > 0 ? NV : 1];
-                for (int c = 0; c < NV; c++) o[c] = load(ar + 16 * c) * corr;
+                for (int c = 0; c < NV; c++) o[c] = load(ar + W * c) * corr;
                 for (i = 0; i < n; i++) {
                     const int64_t vj = kb + (a + i) * sn;
                     const float p = s[i];
-                    for (int c = 0; c < NV; c++) o[c] += p * kv_load(v, vj + 16 * c, BF);
+                    for (int c = 0; c < NV; c++) o[c] += p * kv_load(v, vj + W * c, BF);
                 }
-                for (int c = 0; c < NV; c++) store(ar + 16 * c, o[c]);
+                for (int c = 0; c < NV; c++) store(ar + W * c, o[c]);
             } else {
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
@@ -209,10 +234,10 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 float *m = acc + R * D, *l = m + R;
                 /* the common models' head sizes in vectors */
                 if (D == 64)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 4, BF, scale, t, j_lo, j_hi,
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 64 / W, BF, scale, t, j_lo, j_hi,
                          acc, m, l, s);
                 else if (D == 128)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 8, BF, scale, t, j_lo, j_hi,
+                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 128 / W, BF, scale, t, j_lo, j_hi,
                          acc, m, l, s);
                 else
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
