@@ -56,10 +56,10 @@ def main() -> int:
     spent: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
     execute = lanes.LaneRunner._execute
 
-    def timed(self, job):
+    def timed(self, job, *args):
         t0 = time.perf_counter()
         try:
-            return execute(self, job)
+            return execute(self, job, *args)
         finally:
             s = spent[(job.lane, job.kind)]
             s[0] += time.perf_counter() - t0

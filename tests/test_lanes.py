@@ -121,16 +121,28 @@ def test_batch_engine_schedules_identical_to_full(lm, cases, schedule, monkeypat
 def test_serving_and_the_scenario_benchmark_run_one_executor(lm, cases, monkeypatch):
     """`BatchEngine` (what `vericache serve` and the gateway run) and `run_requests` (what
     `vericache bench --scenario` runs) execute their jobs in the same `LaneRunner`: every
-    job of both goes through it, outputs equal full greedy in both."""
+    job of both goes through it, outputs equal full greedy in both. The jobs running at once
+    share the caller's threads: the first job of a closed run has all four, the one the
+    drafter lane starts beside it half, and each lane computes on what it was given."""
+    import torch
+
     from vericache.engine.batch import BatchEngine
     from vericache.engine.lanes import LaneRunner
 
     jobs: dict[bool, set[str]] = {True: set(), False: set()}  # detailed trace: closed run
+    given: list[int] = []  # closed run: the threads each job was given, in start order
+    computed_on: list[tuple[int, int]] = []  # (given, the lane's count when it ended)
     execute = LaneRunner._execute
 
-    def spy(self, job):
+    def spy(self, job, threads):
         jobs[self.trace.detailed].add(job.kind)
-        return execute(self, job)
+        if self.trace.detailed:
+            given.append(threads)
+        try:
+            return execute(self, job, threads)
+        finally:
+            if self.trace.detailed:
+                computed_on.append((threads, torch.get_num_threads()))
 
     monkeypatch.setattr(LaneRunner, "_execute", spy)
     ids, refs = cases
@@ -147,9 +159,17 @@ def test_serving_and_the_scenario_benchmark_run_one_executor(lm, cases, monkeypa
     assert counters["ahead_drafted"] > 0 and counters["overlapped_rounds"] > 0
     assert engine.sessions() == {"drafter": 0, "verifier": 0}  # every request released
     gens = _gens(lm, ids[:2])
-    run_requests(LocalBackends(lm), gens, "staggered", draft_ahead=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        run_requests(LocalBackends(lm), gens, "staggered", draft_ahead=True)
+    finally:
+        torch.set_num_threads(before)
     assert [g.output_ids for g in gens] == refs[:2]
     assert jobs[True] >= {"prefill", "draft", "verify"}
+    # the two prefills start together: the admission lane's alone, the drafter lane's beside it
+    assert sorted(given[:2]) == [2, 4]
+    assert all(t == on for t, on in computed_on), computed_on
 
 
 def test_the_serving_engine_admits_within_its_kv_budget(lm, cases):

@@ -112,6 +112,7 @@ class LaneRunner:
         self._cancelled: set[str] = set()
         self._wake = threading.Event()
         self._running: dict[Future, Job] = {}
+        self._threads = torch.get_num_threads()  # the lanes share them (`_loop` sets it again)
         self._overlapped: dict[Job, bool] = {}  # running verify job -> a draft job overlapped it
         self._ending: dict[str, str | None] = {}  # ends waiting for an ahead job on the rid
         # rid -> why: its ahead job found the drafter unavailable (or past its deadline); its
@@ -152,7 +153,7 @@ class LaneRunner:
     def _loop(self, should_stop: Callable[[], bool], strict: bool) -> None:
         # the lanes compute with this thread's intra-op thread count (a new thread would
         # start from OpenMP's default, ignoring e.g. `vericache bench --threads`)
-        threads = torch.get_num_threads()
+        self._threads = threads = torch.get_num_threads()
         pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"vericache-{lane}",
                                           initializer=torch.set_num_threads, initargs=(threads,))
                  for lane in LANES}
@@ -220,7 +221,8 @@ class LaneRunner:
         elif job.kind == "draft":
             for j in self._overlapped:
                 self._overlapped[j] = True
-        f = pool.submit(self._execute, job)
+        # the jobs running at once share the threads (see `_execute`)
+        f = pool.submit(self._execute, job, max(1, self._threads // (len(self._running) + 1)))
         self._running[f] = job
         f.add_done_callback(lambda _: self._wake.set())
 
@@ -276,8 +278,17 @@ class LaneRunner:
         if self.on_tokens is not None:
             self.on_tokens(g, toks)
 
-    def _execute(self, job: Job) -> _JobResult:
-        """Run one job on its lane's thread."""
+    def _execute(self, job: Job, threads: int) -> _JobResult:
+        """Run one job on its lane's thread, computing on `threads` intra-op threads: the
+        lanes' threads share the caller's, split between the jobs running when this one
+        starts. Each lane on all of them oversubscribed the cores (on 2 vCPUs, three lanes'
+        OpenMP teams of two: a static split waits for its descheduled half), and the
+        staggered schedule's lanes compute at once (embedded; a lane whose backends are
+        gRPC services only waits on them)."""
+        # torch applies its process-wide count to a thread at the thread's first query or
+        # parallel op, which would undo a count set before it: query first
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
         t0 = time.perf_counter()
         gens = [self._gens[rid] for rid in job.rids]
         res = _JobResult()
