@@ -7,7 +7,8 @@
  * row blocks, and the panel's x in L2), each (row, feature) pair accumulating in a vector
  * register over k. The feature blocks are split between `threads` OpenMP threads (the
  * runtime torch itself uses: the library links the libgomp.so.1 torch has loaded). A row's
- * sum is in a fixed order that depends on k alone, not on m, the threads or the other rows.
+ * sum is in a fixed order that depends on k and VL alone, not on m, the threads or the other
+ * rows.
  */
 #include <stdint.h>
 #include <math.h>
