@@ -118,12 +118,15 @@ static inline vf hsum(vf *a) {
 /* Task t's rows over the keys [j_lo, j_hi) (each row's range clipped to it): the unnormalised
  * output acc [R, D], each row's running max m [R] and sum l [R]; s: BLOCK scratch.
  * NV > 0: D = W NV, in vectors (W keys' scores at once, the row's output in registers);
- * NV = 0: any D, in scalar loops. */
+ * NV = 0: any D, in scalar loops. BF: each block's bfloat16 keys and values are widened once
+ * into wb (2 BLOCK D floats), which every row then reads: widening is exact, so a row's
+ * sums are those of widening as it reads, without widening a block again for each of the
+ * GQA group's rows (a bfloat16 step read its KV at half float32's rate). */
 static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
-     float *l, float *s) {
+     float *l, float *s, float *wb) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -141,6 +144,28 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
     memset(acc, 0, sizeof(float) * (size_t)(R * D));
     for (int64_t j0 = first; j0 < last; j0 += BLOCK) {
         const int64_t j1 = j0 + BLOCK < last ? j0 + BLOCK : last;
+        /* where the rows read the block: key j's elements at kr + j * kn of kp, vp */
+        const void *kp = k, *vp = v;
+        int64_t kr = kb, kn = sn;
+        if (BF) {
+            float *wk = wb, *wv = wb + BLOCK * D;
+            for (int64_t j = j0; j < j1; j++) {
+                const int64_t src = kb + j * sn, dst = (j - j0) * D;
+                int64_t d = 0;
+                for (; NV && d + W <= D; d += W) {
+                    store(wk + dst + d, kv_load(k, src + d, 1));
+                    store(wv + dst + d, kv_load(v, src + d, 1));
+                }
+                for (; d < D; d++) {
+                    wk[dst + d] = kv_get(k, src + d, 1);
+                    wv[dst + d] = kv_get(v, src + d, 1);
+                }
+            }
+            kp = wk;
+            vp = wv;
+            kr = -j0 * D;
+            kn = D;
+        }
         for (int64_t r = 0; r < R; r++) {
             const int64_t a = lob[r] > j0 ? lob[r] : j0, e = hib[r] < j1 ? hib[r] : j1;
             if (a >= e) continue;
@@ -153,18 +178,18 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 for (; i + W <= n; i += W) {
                     vf dots[W];
                     for (int j = 0; j < W; j++) {
-                        const int64_t kj = kb + (a + i + j) * sn;
-                        dots[j] = qv[0] * kv_load(k, kj, BF);
+                        const int64_t kj = kr + (a + i + j) * kn;
+                        dots[j] = qv[0] * kv_load(kp, kj, 0);
                         for (int c = 1; c < NV; c++)
-                            dots[j] += qv[c] * kv_load(k, kj + W * c, BF);
+                            dots[j] += qv[c] * kv_load(kp, kj + W * c, 0);
                     }
                     store(s + i, hsum(dots) * scale);
                 }
             }
             for (; i < n; i++) {
-                const int64_t kj = kb + (a + i) * sn;
+                const int64_t kj = kr + (a + i) * kn;
                 float dot = 0.0f;
-                for (int64_t d = 0; d < D; d++) dot += qr[d] * kv_get(k, kj + d, BF);
+                for (int64_t d = 0; d < D; d++) dot += qr[d] * kv_get(kp, kj + d, 0);
                 s[i] = dot * scale;
             }
             float mx = m[r];
@@ -180,17 +205,17 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 vf o[NV > 0 ? NV : 1];
                 for (int c = 0; c < NV; c++) o[c] = load(ar + W * c) * corr;
                 for (i = 0; i < n; i++) {
-                    const int64_t vj = kb + (a + i) * sn;
+                    const int64_t vj = kr + (a + i) * kn;
                     const float p = s[i];
-                    for (int c = 0; c < NV; c++) o[c] += p * kv_load(v, vj + W * c, BF);
+                    for (int c = 0; c < NV; c++) o[c] += p * kv_load(vp, vj + W * c, 0);
                 }
                 for (int c = 0; c < NV; c++) store(ar + W * c, o[c]);
             } else {
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
-                    const int64_t vj = kb + (a + i) * sn;
+                    const int64_t vj = kr + (a + i) * kn;
                     const float p = s[i];
-                    for (int64_t d = 0; d < D; d++) ar[d] += p * kv_get(v, vj + d, BF);
+                    for (int64_t d = 0; d < D; d++) ar[d] += p * kv_get(vp, vj + d, 0);
                 }
             }
             l[r] = l[r] * corr + sum;
@@ -222,13 +247,14 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
 #pragma omp parallel num_threads(threads)
         {
             float *s = malloc(sizeof(float) * BLOCK);
-            if (!s) {
+            float *wb = BF ? malloc(sizeof(float) * 2 * BLOCK * (size_t)D) : NULL;
+            if (!s || (BF && !wb)) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < units; u++) {
-                if (!s) continue;
+                if (!s || (BF && !wb)) continue;
                 const int64_t t = t0 + u / parts, p = u % parts;
                 const int64_t j_lo = p * PART_KEYS, j_hi = j_lo + PART_KEYS;
                 float *acc = scratch + u * stride;
@@ -236,15 +262,16 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 /* the common models' head sizes in vectors */
                 if (D == 64)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 64 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s);
+                         acc, m, l, s, wb);
                 else if (D == 128)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 128 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s);
+                         acc, m, l, s, wb);
                 else
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s);
+                         acc, m, l, s, wb);
             }
             free(s);
+            free(wb);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < nt; i++) {
                 float *ob = out + (t0 + i) * R * D;
