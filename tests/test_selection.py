@@ -135,7 +135,7 @@ def test_8bit_delta_values_survive_the_codec_and_cost_a_quarter():
     """bits=8: the entering K/V are int8 times a power-of-two scale per entry, within 1/127 of
     each entry's largest value; encoding them again loses nothing, so a drafter behind a link
     writes the same values as one in the same process; the bytes are 2D + 2 a token, not 8D."""
-    from vericache.select.base import from_8bit, to_8bit
+    from vericache.select.base import as_8bit, from_8bit, to_8bit
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(50, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None]
@@ -143,6 +143,13 @@ def test_8bit_delta_values_survive_the_codec_and_cost_a_quarter():
     assert not torch.equal(x, y)
     assert ((x - y).abs().amax(-1) <= x.abs().amax(-1) / 127).all()
     assert torch.equal(from_8bit(*to_8bit(y)), y)  # values already 8-bit pass unchanged
+    # rounded half to even, as torch.round: ties included (x.5 times the row's scale)
+    q, e = to_8bit(x)
+    scaled = x * torch.exp2(-e.float())[:, None]
+    assert torch.equal(q, torch.round(scaled).clamp(-127, 127).to(torch.int8))
+    ties = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.0]]) * 2.0 ** -3
+    assert to_8bit(ties)[0].tolist() == [[0, 2, 2, 0, -2, -2, 126, 127]]
+    assert torch.equal(as_8bit(x), y) and torch.equal(as_8bit(x.double()), y.double())
     L, H, n, D = 2, 3, 40, 8
     k, v = torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g)
     score = torch.rand(L, H, n, generator=g)
