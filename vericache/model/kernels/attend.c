@@ -121,7 +121,8 @@ static inline vf hsum(vf *a) {
  * NV = 0: any D, in scalar loops. BF: each block's bfloat16 keys and values are widened once
  * into wb (2 BLOCK D floats), which every row then reads: widening is exact, so a row's
  * sums are those of widening as it reads, without widening a block again for each of the
- * GQA group's rows (a bfloat16 step read its KV at half float32's rate). */
+ * GQA group's rows (a draft step's layer, 16 x 2000 keys, 3 rows a KV head, 2 threads, on
+ * an AVX2 EPYC: 2.92 ms widening as it read, 1.90 ms widened once). */
 static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
