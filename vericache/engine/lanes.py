@@ -112,7 +112,6 @@ class LaneRunner:
         self._cancelled: set[str] = set()
         self._wake = threading.Event()
         self._running: dict[Future, Job] = {}
-        self._threads = torch.get_num_threads()  # the lanes share them (`_loop` sets it again)
         self._overlapped: dict[Job, bool] = {}  # running verify job -> a draft job overlapped it
         self._ending: dict[str, str | None] = {}  # ends waiting for an ahead job on the rid
         # rid -> why: its ahead job found the drafter unavailable (or past its deadline); its
@@ -153,7 +152,7 @@ class LaneRunner:
     def _loop(self, should_stop: Callable[[], bool], strict: bool) -> None:
         # the lanes compute with this thread's intra-op thread count (a new thread would
         # start from OpenMP's default, ignoring e.g. `vericache bench --threads`)
-        self._threads = threads = torch.get_num_threads()
+        self._threads = threads = torch.get_num_threads()  # the lanes' jobs share them
         pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"vericache-{lane}",
                                           initializer=torch.set_num_threads, initargs=(threads,))
                  for lane in LANES}

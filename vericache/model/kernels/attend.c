@@ -249,13 +249,14 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
         {
             float *s = malloc(sizeof(float) * BLOCK);
             float *wb = BF ? malloc(sizeof(float) * 2 * BLOCK * (size_t)D) : NULL;
-            if (!s || (BF && !wb)) {
+            const int ok = s && (!BF || wb);
+            if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < units; u++) {
-                if (!s || (BF && !wb)) continue;
+                if (!ok) continue;
                 const int64_t t = t0 + u / parts, p = u % parts;
                 const int64_t j_lo = p * PART_KEYS, j_hi = j_lo + PART_KEYS;
                 float *acc = scratch + u * stride;
