@@ -1,6 +1,7 @@
 """The offloaded full-KV tier: outputs identical to resident decoding, every byte counted."""
 
 import pytest
+import torch
 
 from vericache.engine.generation import GenParams
 from vericache.engine.kvtier import make_tier
@@ -267,5 +268,59 @@ def test_a_cpu_cache_is_adopted_and_the_link_still_carries_it():
         [s] = tier.open([host], [1])
         s.k[1]  # the pass's gate of the last layer: every layer has landed
         assert torch.equal(s.view()[0], before)
+    finally:
+        tier.close()
+
+
+def test_a_released_requests_host_memory_holds_the_next_ones_kv(lm, prompts, ids, reference):
+    """The verifier hands a finished request's host copy back to the tier, and the next
+    request's full KV is written into that memory: no fresh pages. What the first request
+    left there changes nothing: both outputs are those of resident full decoding."""
+    tier = make_tier("offloaded", link_gbps=200.0)
+    backends = LocalBackends(lm, tier=tier)
+    given: list[tuple[int, int]] = []  # (data_ptr, bytes free in the tier before) per cache
+    take = tier.host_cache
+
+    def spy(*a, **kw):
+        before = tier.host_bytes_free
+        c = take(*a, **kw)
+        given.append((c.k.data_ptr(), before))
+        return c
+
+    tier.host_cache = spy
+    # another, longer prompt first: its KV is what the second request's memory then holds
+    other = prompts["long"][40:790]
+    p = GenParams(mode="vericache", max_tokens=N, ignore_eos=True, draft_len=6)
+    try:
+        first = generate(lm, other, p, backends)
+        held = tier.host_bytes_free
+        second = generate(lm, ids, p, backends)
+    finally:
+        tier.close()
+    assert first.token_ids == generate(lm, other, GenParams(mode="full", max_tokens=N,
+                                                            ignore_eos=True)).token_ids
+    assert second.token_ids == reference.token_ids
+    per_tok = lm.runner.kv_bytes_per_token()
+    assert len(given) == 2 and given[0][1] == 0  # the first request's cache was new
+    assert held >= (len(other) + p.extra_capacity) * per_tok  # released into the tier
+    assert given[1] == (given[0][0], held)  # the second request took that memory
+    assert tier.host_bytes_free == held  # and gave it back
+
+
+def test_preallocated_host_memory_is_handed_out_smallest_fit_first():
+    tier = make_tier("offloaded")
+    try:
+        tier.preallocate(1, 64, 2, 2, 8, torch.float32)
+        tier.preallocate(1, 32, 2, 2, 8, torch.float32)
+        assert tier.host_bytes_free == 2 * 2 * 2 * 8 * 4 * (64 + 32)
+        small = tier.host_cache(20, 2, 2, 8, torch.float32)
+        assert small.capacity == 32 and small.length == 0
+        assert tier.host_cache(40, 2, 2, 8, torch.float32).capacity == 64
+        assert tier.host_cache(40, 2, 2, 8, torch.float32).capacity == 40  # none left: a new one
+        assert tier.host_cache(8, 2, 2, 4, torch.float32).k.shape == (2, 2, 8, 4)  # other shape
+        assert tier.host_bytes_free == 0
+        small.length = 5
+        tier.recycle(small)
+        assert tier.host_cache(32, 2, 2, 8, torch.float32) is small and small.length == 0
     finally:
         tier.close()

@@ -19,7 +19,10 @@ full KV) and, where the full KV is offloaded, its link are the same for every va
 The prompts' prefill is computed once, before the variants, into an in-memory prefix cache
 that every variant (and the reference) loads from: the variants differ in decoding, and an
 8k prefill per request per variant would dominate a CPU run. Each request still holds (and
-each offloaded verification loads) its own whole full KV.
+each offloaded verification loads) its own whole full KV. An offloaded variant's tier has
+its host memory in place before the timed run (`OffloadedTier.preallocate`: one host cache
+per request), as the resident variants' caches come from the runner's pooled arenas: a
+server that has run a while holds both, and neither run pays the OS for fresh pages.
 
 remote-prefix: the shared prefix's full and compressed chunks sit in a store (published by
 an earlier request); the decoding node reaches it over a slow link (`drafter_link_gbps`), a
@@ -231,7 +234,12 @@ def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, sto
     """One long-context variant over every prompt at once; returns its raw record."""
     tier_name = "resident" if variant in ("full_resident", "lossy") else "offloaded"
     tier = make_tier(tier_name, cfg.link_gbps or None, lm.runner.device)
-    budget = cfg.kv_budget(max(len(p.ids) for p in prompts), lm.runner.kv_bytes_per_token())
+    longest = max(len(p.ids) for p in prompts)
+    budget = cfg.kv_budget(longest, lm.runner.kv_bytes_per_token())
+    if tier is not None:  # its host memory in place before the run, as a server's that has run
+        r = lm.runner
+        tier.preallocate(len(prompts), longest + cfg.params("full").extra_capacity,
+                         r.num_layers, r.num_kv_heads, r.head_dim, r.dtype)
 
     def reset_tier() -> None:  # the calibration's loads are not the run's
         if tier is not None:

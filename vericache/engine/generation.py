@@ -57,6 +57,11 @@ class GenParams:
     exact: str = "fast"  # bitwise: full-KV passes invariant: verify = steps, bit for bit (EXACT)
     sampling: Processing = field(init=False, repr=False, compare=False)  # from the fields above
 
+    @property
+    def extra_capacity(self) -> int:
+        """Cache slots a request of these settings reserves past its prompt."""
+        return self.max_tokens + self.draft_len + 2
+
     def __post_init__(self):
         if self.mode not in MODES:
             raise InvalidArgument(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}", "mode")
@@ -200,7 +205,7 @@ class Generation:
     @property
     def extra_capacity(self) -> int:
         """Cache slots to reserve past the prompt."""
-        return self.params.max_tokens + self.params.draft_len + 2
+        return self.params.extra_capacity
 
     def _emit(self, tokens: list[int], kinds: list[str],
               logprobs: list[TokenLogprob] | None = None) -> list[int]:

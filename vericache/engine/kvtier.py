@@ -196,6 +196,66 @@ class OffloadedTier:
         self._inflight = threading.Semaphore(1)  # offloads queued or copying (see `offload`)
         # host copy -> its offload (an entry leaves with its host copy)
         self._landing: weakref.WeakKeyDictionary[KVCache, Future] = weakref.WeakKeyDictionary()
+        self._free: list[KVCache] = []  # released host copies, for later requests (`host_cache`)
+
+    def host_cache(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> KVCache:
+        """An empty host-memory cache with room for `capacity` tokens: the released one
+        (`recycle`, `preallocate`) of that shape with the least room that fits, else a new
+        one (pinned when the working copies live on a GPU).
+
+        The tier's host memory is kept as LMCache's local CPU buffer and vLLM's CPU swap space
+        are: memory that held one request's full KV holds a later one's, instead of going back
+        to the OS and being faulted in again. Writing fresh pages is what a prefill's new cache
+        cost here: on a 2-vCPU VM, beside the loader's copies, about 115k page faults and
+        0.95 s of system time per 8k admission (docs/performance.md, twenty-first session)."""
+        with self._lock:
+            fits = [c for c in self._free if c.capacity >= capacity and c.k.dtype == dtype
+                    and (c.k.shape[0], c.k.shape[1], c.k.shape[3]) == (num_layers, num_kv_heads, head_dim)]
+            if fits:
+                c = min(fits, key=lambda c: c.capacity)
+                self._free.remove(c)
+                return c
+        return self._new_host(capacity, num_layers, num_kv_heads, head_dim, dtype)
+
+    def _new_host(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> KVCache:
+        c = KVCache(num_layers, num_kv_heads, head_dim, capacity, dtype, "cpu")
+        if self.device.type == "cuda":
+            c.k, c.v = c.k.pin_memory(), c.v.pin_memory()
+        return c
+
+    def recycle(self, host: KVCache) -> None:
+        """Keep a released request's host copy for a later request (`host_cache`), once its
+        offload has landed (one that failed is dropped). The caller must hold no other use of
+        it: the verifier calls this when it frees the request's session."""
+        try:
+            self.landed(host)
+        except Unavailable:
+            return
+        with self._lock:
+            self._landing.pop(host, None)
+            host.length = 0
+            self._free.append(host)
+
+    def preallocate(self, count: int, capacity: int, num_layers: int, num_kv_heads: int,
+                    head_dim: int, dtype: torch.dtype) -> None:
+        """Allocate and touch `count` new host caches of `capacity` tokens for `host_cache` to
+        hand out: the tier's host memory in place before requests come, as a server that has
+        run a while holds it (`vericache bench --scenario long-context` does this before its
+        offloaded variants' timed runs)."""
+        made = [self._new_host(capacity, num_layers, num_kv_heads, head_dim, dtype)
+                for _ in range(count)]
+        for c in made:
+            c.k.zero_()
+            c.v.zero_()
+            self.recycle(c)
+
+    @property
+    def host_bytes_free(self) -> int:
+        """Bytes of the host caches kept for later requests."""
+        with self._lock:
+            return sum(2 * c.k.numel() * c.k.element_size() for c in self._free)
 
     def offload(self, cache: KVCache) -> KVCache:
         """Move a prefilled full KV into the tier: returns its host copy at once, while a
@@ -212,10 +272,8 @@ class OffloadedTier:
         if cache.k.device.type == "cpu" and self.device.type == "cpu":
             host = cache
         else:
-            host = KVCache(cache.num_layers, cache.k.shape[1], cache.k.shape[3], cache.capacity,
-                           cache.k.dtype, "cpu")
-            if self.device.type == "cuda":
-                host.k, host.v = host.k.pin_memory(), host.v.pin_memory()
+            host = self.host_cache(cache.capacity, cache.num_layers, cache.k.shape[1],
+                                   cache.k.shape[3], cache.k.dtype)
             host.length = cache.length
         self._inflight.acquire()
         try:

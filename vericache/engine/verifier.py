@@ -182,16 +182,20 @@ class Verifier:
         qwin = selection.window if selection is not None else 0
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
+        new_cache = None if arena is None else partial(self.runner.new_cache, arena=arena)
+        if self.tier is not None:  # an offloaded full KV: a CPU runner's cache is its host copy
+            new_cache = self._host_cache if self.runner.device.type == "cpu" else None
         cached = None
         if pc is not None:
             try:
                 cached = pc.load_full(prompt_ids, compressor.spec if compressor else None, ts,
-                                      extra_capacity, stats, None if self.tier or arena is None
-                                      else partial(self.runner.new_cache, arena=arena))
+                                      extra_capacity, stats, new_cache)
             except Unavailable as e:  # the store is a cache: without it, compute the prompt
                 log.warning("%s: prefix store unavailable (%s); prefilling without it", rid, e)
                 stats.store_errors += 1
         first_chunk = cached.length // chunk_size if cached is not None else 0
+        if cached is None and self.tier is not None and new_cache is not None:
+            cached = new_cache(len(prompt_ids) + extra_capacity)  # empty: prefill fills it
         window = compressor.observation_window if compressor else 0
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,
                       question_window=qwin, arena=None if self.tier else arena)
@@ -248,6 +252,11 @@ class Verifier:
                                            top_logprobs, gen, record,
                                            len(prompt_ids) + extra_capacity)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
+
+    def _host_cache(self, capacity: int) -> KVCache:
+        """An empty cache for an offloaded request's full KV, from the tier's host memory."""
+        r = self.runner
+        return self.tier.host_cache(capacity, r.num_layers, r.num_kv_heads, r.head_dim, r.dtype)
 
     def prepare_draft(self, rid: str) -> TransferStats:
         """What the request's prefill left for its drafter (`draft_later`), done now: its
@@ -349,9 +358,11 @@ class Verifier:
     def release(self, rid: str) -> None:
         """Free the request's session; its exact tail, if a drafter never read it, leaves the
         store off this thread (a store that does not answer must not hold the caller)."""
-        self.sessions.pop(rid, None)
+        s = self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
         self._deferred.pop(rid, None)
+        if s is not None and self.tier is not None and self.runner.device.type == "cpu":
+            self.tier.recycle(s.cache)  # its host memory holds a later request's KV
         tail = self._tails.pop(rid, None)
         if tail is not None:
             self._dropper.submit(_drop_quietly, self.store, tail)
