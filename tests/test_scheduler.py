@@ -39,26 +39,55 @@ def test_staggered_one_group_verifies_while_the_other_drafts():
     assert (p1.lane, p2.lane) == ("admit", "draft") and s.group("a") != s.group("b")
     s.done(p1)
     s.done(p2)
-    # admission first: both lanes admit while requests wait, then the drafter lane drafts
-    p3, p4 = s.schedule()
-    assert (p3, p4) == (Job("prefill", ("c",), "admit"), Job("prefill", ("d",), "draft"))
-    s.done(p3)
-    s.done(p4)
-    assert sorted(s.group(r) for r in "abcd") == [0, 0, 1, 1]
-    (d1,) = s.schedule()  # nothing to verify yet: the verifier lane idles
-    assert d1 == Job("draft", ("a", "c"))
+    # the verifier would idle (nothing verifies or is ready to): the drafter lane drafts for
+    # the first group's admitted request while the admission lane admits the next
+    p3, d0 = s.schedule()
+    assert (p3, d0) == (Job("prefill", ("c",), "admit"), Job("draft", ("a",)))
+    s.done(d0)
+    # a verifies; with the verifier busy, the drafter lane admits before drafting b
+    v0, p4 = s.schedule()
+    assert (v0, p4) == (Job("verify", ("a",)), Job("prefill", ("d",), "draft"))
+    for j in (p3, p4, v0):
+        s.done(j)
+    assert [s.group(r) for r in "abcd"] == [0, 1, 0, 1]
+    (d1,) = s.schedule()  # all admitted, nothing to verify: the next group drafts
+    assert d1 == Job("draft", ("b", "d"))
     s.done(d1)
     jobs = s.schedule()
     assert sorted(j.kind for j in jobs) == ["draft", "verify"]
     v = next(j for j in jobs if j.kind == "verify")
     d2 = next(j for j in jobs if j.kind == "draft")
-    assert v.rids == d1.rids and not set(v.rids) & set(d2.rids)
+    assert v.rids == d1.rids and d2.rids == ("a", "c")
     assert all(s.state(r) == VERIFYING for r in v.rids)
     assert all(s.state(r) == DRAFTING for r in d2.rids)
-    s.done(v)  # the first group drafts again while the second verifies
+    s.done(v)  # the first group verifies while the second drafts again
     s.done(d2)
     jobs = s.schedule()
-    assert {j.kind: j.rids for j in jobs} == {"verify": d2.rids, "draft": ("a", "c")}
+    assert {j.kind: j.rids for j in jobs} == {"verify": d2.rids, "draft": ("b", "d")}
+
+
+def test_staggered_drafter_lane_admits_first_while_the_verifier_has_work():
+    """A free drafter lane takes a waiting request's prefill before drafting, unless the
+    verifier would idle: then it drafts, and the verifier's link starts early."""
+    s = Scheduler("staggered", groups=2)
+    for rid in "abcdef":
+        s.add(rid)
+    p1, p2 = s.schedule()
+    s.done(p1)
+    s.done(p2)
+    p3, d = s.schedule()  # a, b ready to draft; nothing to verify: draft
+    assert d.kind == "draft" and p3.kind == "prefill"
+    s.done(d)
+    v, p4 = s.schedule()  # the verifier has work: the drafter lane admits
+    assert v.kind == "verify" and p4 == Job("prefill", ("d",), "draft")
+    s.done(p4)
+    (p5,) = s.schedule()  # still verifying, requests wait: admit again, draft later
+    assert p5 == Job("prefill", ("e",), "draft")
+    s.done(p5)
+    s.done(v)
+    s.done(p3)
+    jobs = s.schedule()  # the verifier idles again: one lane admits, the other drafts
+    assert sorted(j.kind for j in jobs) == ["draft", "prefill"]
 
 
 def test_verify_budget_splits_a_verify_job():

@@ -21,7 +21,12 @@ Modes:
   drafts ahead: a draft job costs k steps whatever its batch (each step reads the weights),
   so drafting for the few requests admitted so far while the rest wait multiplied the
   drafting (21 draft jobs against lockstep's 4 for 16 requests, 42 s against 12;
-  docs/performance.md, seventeenth session). The verifier lane only verifies: with an
+  docs/performance.md, seventeenth session). Except when the verifier would idle: when the
+  verifier lane is free and no request is verifying or ready to, the drafter lane drafts for
+  the requests ready to draft before it takes another prefill, so the verifier (and an
+  offloaded full KV's link) starts with the first admitted requests instead of after the
+  last (twenty-first session: the 16 x 8k scenario's link had sat idle for the first 19 s
+  of a 52 s run, while 16 admissions went through). The verifier lane only verifies: with an
   offloaded full KV it is mostly waiting on its link, and a prefill it ran held every
   verification (and the link) behind its compute, while the admission lane's prefill
   computes during those waits (nineteenth session, 16 x 8k: staggered went from 1.20x to
@@ -237,11 +242,12 @@ class Scheduler:
     def _draft_job(self) -> Job | None:
         if self.schedule_mode == "lockstep" and self._in(VERIFYING, READY_VERIFY, PREFILL):
             return None
-        if self.schedule_mode == "staggered":  # admission first (see the module docstring)
+        waiting = self._in(READY_DRAFT)
+        # admission first, unless the verifier would idle (see the module docstring)
+        if self.schedule_mode == "staggered" and not (waiting and self._verifier_starved()):
             job = self._prefill_job(DRAFT_LANE)
             if job is not None:
                 return job
-        waiting = self._in(READY_DRAFT)
         for g in self._groups_in_order():
             if any(r.group == g for r in waiting):
                 self._next_group = (g + 1) % self.groups
@@ -251,6 +257,11 @@ class Scheduler:
         # nothing to draft or admit: draft ahead
         ahead = [r.rid for r in self._in(VERIFYING, READY_VERIFY) if not r.ahead]
         return Job("ahead", tuple(ahead)) if ahead else None
+
+    def _verifier_starved(self) -> bool:
+        """The verifier lane is free and no request is verifying or ready to: its next work
+        waits on a draft job."""
+        return self._busy[VERIFY_LANE] is None and not self._in(READY_VERIFY, VERIFYING)
 
     def _plain_to_wait_for(self, ready: list[_Req]) -> bool:
         """Staggered: `ready` are all plain, and other plain requests will be ready to verify
