@@ -6,9 +6,11 @@ throughput, τ, each lane's busy seconds per job kind (prefill, draft, ahead, ve
 offloaded tier's link figures. `--admit N` also profiles N admissions alone (cProfile of
 `LocalBackends.admit`: the prefix load, the prompt's last tokens, selection, the offload)
 and prints the top functions. It times `LaneRunner._execute` from outside, so it runs on
-any commit of the engine (before `busy_by_job` was in the scenario JSON too). Outputs are
-not checked against full decoding here: run `vericache bench --scenario long-context` for
-that.
+any commit of the engine (before `busy_by_job` was in the scenario JSON too). Each job kind
+also gets the CPU time and page faults of its lane's own thread (getrusage RUSAGE_THREAD;
+the OpenMP workers a job fans out to, the tier's loader and storer are not in it), and each
+variant the whole process's; `--timeline` prints every job's start and end. Outputs are not
+checked against full decoding here: run `vericache bench --scenario long-context` for that.
 
     PYTHONPATH=. .venv/bin/python benchmarks/lane_profile.py --concurrency 16 \\
         --context-tokens 8000 --variants vericache_lockstep,vericache_staggered --admit 2
@@ -20,6 +22,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import resource
 import time
 from collections import defaultdict
 
@@ -40,6 +43,8 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=4.0)
     ap.add_argument("--admit", type=int, default=0, metavar="N",
                     help="also profile N admissions alone (cProfile)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print each job: lane, kind, requests, start and end (seconds)")
     a = ap.parse_args()
 
     import vericache.engine.lanes as lanes
@@ -53,17 +58,24 @@ def main() -> int:
     from vericache.model import load_model
     from vericache.store.memory import MemoryStore
 
-    spent: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    # (lane, kind) -> [seconds, jobs, thread user s, thread system s, thread page faults]
+    spent: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0, 0.0, 0.0, 0])
+    timeline: list[tuple[str, str, int, float, float]] = []
     execute = lanes.LaneRunner._execute
 
     def timed(self, job, *args):
-        t0 = time.perf_counter()
+        t0, u0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD)
         try:
             return execute(self, job, *args)
         finally:
+            t1, u1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD)
             s = spent[(job.lane, job.kind)]
-            s[0] += time.perf_counter() - t0
+            s[0] += t1 - t0
             s[1] += 1
+            s[2] += u1.ru_utime - u0.ru_utime
+            s[3] += u1.ru_stime - u0.ru_stime
+            s[4] += u1.ru_minflt - u0.ru_minflt
+            timeline.append((job.lane, job.kind, len(job.rids), t0, t1))
 
     lanes.LaneRunner._execute = timed
     lm = load_model()
@@ -102,7 +114,10 @@ def main() -> int:
 
     for v in a.variants.split(","):
         spent.clear()
+        timeline.clear()
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
         raw = run_long_context_variant(lm, prompts, cfg, v, store)
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
         drop_new_keys(store, published)
         gens, tr = raw["gens"], raw["trace"]
         tokens = sum(len(g.output_ids) for g in gens)
@@ -110,8 +125,15 @@ def main() -> int:
         rounds = [n for g in gens for n in g.stats.round_emitted]
         print(f"{v}: {tokens / wall:.3f} tok/s, wall {wall:.1f} s, tau "
               f"{sum(rounds) / max(1, len(rounds)):.2f}, most admitted {tr.max_active}")
-        for (lane, kind), (sec, n) in sorted(spent.items()):
-            print(f"  {lane:6s} {kind:8s} {sec:8.2f} s in {n} jobs")
+        print(f"  process (its tier's preallocation included): user {u1.ru_utime - u0.ru_utime:.1f} s, "
+              f"system {u1.ru_stime - u0.ru_stime:.1f} s, {u1.ru_minflt - u0.ru_minflt} page faults")
+        for (lane, kind), (sec, n, user, system, faults) in sorted(spent.items()):
+            print(f"  {lane:6s} {kind:8s} {sec:8.2f} s in {n} jobs; its thread: user {user:.1f} s, "
+                  f"system {system:.1f} s, {faults} page faults")
+        if a.timeline and timeline:
+            base = min(t[3] for t in timeline)
+            for lane, kind, n, t0, t1 in sorted(timeline, key=lambda t: t[3]):
+                print(f"  job {lane:6s} {kind:8s} {n:2d} requests {t0 - base:7.2f} {t1 - base:7.2f} s")
         st = raw["tier_stats"]
         if st is not None:
             print(f"  link: loaded {st.bytes_loaded / 1e9:.2f} GB, stored {st.bytes_stored / 1e9:.2f} GB, "
