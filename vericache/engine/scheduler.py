@@ -25,8 +25,9 @@ Modes:
   verifier lane is free and no request is verifying or ready to, the drafter lane drafts for
   the requests ready to draft before it takes another prefill, so the verifier (and an
   offloaded full KV's link) starts with the first admitted requests instead of after the
-  last (twenty-first session: the 16 x 8k scenario's link had sat idle for the first 19 s
-  of a 52 s run, while 16 admissions went through). The verifier lane only verifies: with an
+  last (twenty-first session: the 16 x 8k scenario's link had sat idle for the first 24 s
+  of a 52 s run, through the 16 admissions and the first draft job). The verifier lane only
+  verifies: with an
   offloaded full KV it is mostly waiting on its link, and a prefill it ran held every
   verification (and the link) behind its compute, while the admission lane's prefill
   computes during those waits (nineteenth session, 16 x 8k: staggered went from 1.20x to
