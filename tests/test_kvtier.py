@@ -324,3 +324,50 @@ def test_preallocated_host_memory_is_handed_out_smallest_fit_first():
         assert tier.host_cache(32, 2, 2, 8, torch.float32) is small and small.length == 0
     finally:
         tier.close()
+
+
+def test_recycling_a_copy_in_flight_does_not_wait_for_it(monkeypatch):
+    """A request released while its offload still copies: `recycle` returns at once, and
+    the memory is kept for a later request only once the copy has landed; the memory of a
+    copy that failed is not kept."""
+    import threading
+
+    from vericache.model.kvcache import KVCache
+
+    tier = make_tier("offloaded")
+    go, real = threading.Event(), tier.link.copy
+    fail = {"stores": 0}  # how many of the next store copies raise
+
+    def held_store(dst, src, direction="load"):
+        if direction == "store":
+            go.wait()
+            if fail["stores"]:
+                fail["stores"] -= 1
+                raise RuntimeError("simulated store failure")
+        return real(dst, src, direction)
+
+    def cache() -> KVCache:
+        c = KVCache(2, 1, 4, 8, torch.float32, "cpu")
+        c.length = 3
+        return c
+
+    monkeypatch.setattr(tier.link, "copy", held_store)
+    try:
+        host = tier.offload(cache())
+        done = threading.Event()
+        threading.Thread(target=lambda: (tier.recycle(host), done.set())).start()
+        assert done.wait(5) and tier.host_bytes_free == 0  # returned; the copy is still held
+        go.set()
+        tier.landed(tier.offload(cache()))  # the storer is serial: the first copy landed too
+        assert tier.host_bytes_free == 2 * 2 * 1 * 8 * 4 * 4
+        assert tier.host_cache(8, 2, 1, 4, torch.float32) is host and host.length == 0
+        go.clear()
+        fail["stores"] = 1
+        broken = tier.offload(cache())
+        tier.recycle(broken)
+        go.set()
+        tier.landed(tier.offload(cache()))
+        assert fail["stores"] == 0 and tier.host_bytes_free == 0  # failed: not kept
+    finally:
+        go.set()
+        tier.close()

@@ -226,15 +226,21 @@ class OffloadedTier:
         return c
 
     def recycle(self, host: KVCache) -> None:
-        """Keep a released request's host copy for a later request (`host_cache`), once its
-        offload has landed (one that failed is dropped). The caller must hold no other use of
-        it: the verifier calls this when it frees the request's session."""
-        try:
-            self.landed(host)
-        except Unavailable:
-            return
+        """Keep a released request's host copy for a later request (`host_cache`) once its
+        offload has landed; one that failed is dropped. It does not wait: a copy still in
+        flight is kept when it lands (the verifier releases under its service's model lock).
+        The caller must hold no other use of it: the verifier calls this when it frees the
+        request's session. The tier so keeps at most the host memory it held at once."""
         with self._lock:
-            self._landing.pop(host, None)
+            fut = self._landing.pop(host, None)
+        if fut is None:
+            self._keep(host)
+        else:
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                                  else self._keep(host))
+
+    def _keep(self, host: KVCache) -> None:
+        with self._lock:
             host.length = 0
             self._free.append(host)
 
