@@ -322,6 +322,9 @@ def test_preallocated_host_memory_is_handed_out_smallest_fit_first():
         small.length = 5
         tier.recycle(small)
         assert tier.host_cache(32, 2, 2, 8, torch.float32) is small and small.length == 0
+        tier.recycle(small)
+        big = tier.host_cache(100, 2, 2, 8, torch.float32)  # none fits: a new one replaces it
+        assert big.capacity == 100 and tier.host_bytes_free == 0
     finally:
         tier.close()
 

@@ -216,6 +216,8 @@ class OffloadedTier:
                 c = min(fits, key=lambda c: c.capacity)
                 self._free.remove(c)
                 return c
+            if self._free:  # the new cache replaces a kept one that does not fit (see `recycle`)
+                self._free.remove(min(self._free, key=lambda c: c.capacity))
         return self._new_host(capacity, num_layers, num_kv_heads, head_dim, dtype)
 
     def _new_host(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -230,7 +232,8 @@ class OffloadedTier:
         offload has landed; one that failed is dropped. It does not wait: a copy still in
         flight is kept when it lands (the verifier releases under its service's model lock).
         The caller must hold no other use of it: the verifier calls this when it frees the
-        request's session. The tier so keeps at most the host memory it held at once."""
+        request's session. A new cache replaces a kept one (`host_cache`), so the tier never
+        holds more host caches, in use and kept, than it had in use at once."""
         with self._lock:
             fut = self._landing.pop(host, None)
         if fut is None:
