@@ -182,9 +182,10 @@ class Verifier:
         qwin = selection.window if selection is not None else 0
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
-        new_cache = None if arena is None else partial(self.runner.new_cache, arena=arena)
-        if self.tier is not None:  # an offloaded full KV: a CPU runner's cache is its host copy
-            new_cache = self._host_cache if self.runner.device.type == "cpu" else None
+        if self.tier is not None:
+            new_cache = self._host_cache if self._in_tier_memory else None
+        else:
+            new_cache = None if arena is None else partial(self.runner.new_cache, arena=arena)
         cached = None
         if pc is not None:
             try:
@@ -194,7 +195,7 @@ class Verifier:
                 log.warning("%s: prefix store unavailable (%s); prefilling without it", rid, e)
                 stats.store_errors += 1
         first_chunk = cached.length // chunk_size if cached is not None else 0
-        if cached is None and self.tier is not None and new_cache is not None:
+        if cached is None and self._in_tier_memory:
             cached = new_cache(len(prompt_ids) + extra_capacity)  # empty: prefill fills it
         window = compressor.observation_window if compressor else 0
         pre = prefill(self.runner, prompt_ids, extra_capacity, chunk_size, window, cache=cached,
@@ -252,6 +253,12 @@ class Verifier:
                                            top_logprobs, gen, record,
                                            len(prompt_ids) + extra_capacity)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
+
+    @property
+    def _in_tier_memory(self) -> bool:
+        """An offloaded full KV is computed in the tier's host memory: a CPU runner's cache
+        is its own host copy (`OffloadedTier.offload` adopts it)."""
+        return self.tier is not None and self.runner.device.type == "cpu"
 
     def _host_cache(self, capacity: int) -> KVCache:
         """An empty cache for an offloaded request's full KV, from the tier's host memory."""
@@ -361,7 +368,7 @@ class Verifier:
         s = self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
         self._deferred.pop(rid, None)
-        if s is not None and self.tier is not None and self.runner.device.type == "cpu":
+        if s is not None and self._in_tier_memory:
             self.tier.recycle(s.cache)  # its host memory holds a later request's KV
         tail = self._tails.pop(rid, None)
         if tail is not None:
