@@ -93,8 +93,9 @@ class Compressor(Named, ABC):
     def draft_kv(self, chunks: list[CompressedChunk], tail_k: torch.Tensor,
                  tail_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's initial KV: the chunks decompressed in order, then the exact tail
-        ([layers, Hkv, n, D] each)."""
-        parts = [self.decompress(c) for c in chunks] + [(tail_k, tail_v)]
+        ([layers, Hkv, n, D] each, in host memory as the chunks are: a device tail is copied;
+        the drafter moves the whole onto its own device)."""
+        parts = [self.decompress(c) for c in chunks] + [(tail_k.cpu(), tail_v.cpu())]
         return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
     def draft_positions(self, chunks: list[CompressedChunk], tail_start: int, tail_len: int,

@@ -105,11 +105,15 @@ def drafter_tokens(compressor: Compressor, prompt_len: int, chunk_size: int) -> 
 def compress_prompt(compressor: Compressor, pre: Prefilled, prompt_len: int,
                     chunk_size: int = 256, first_chunk: int = 0) -> list[CompressedChunk]:
     """Compress every chunk before the exact tail, from `first_chunk` on (the earlier ones
-    came from the store already compressed)."""
+    came from the store already compressed). Compressed chunks live in host memory, as the
+    store and a remote drafter hold them: a device cache's chunks are copied to the host
+    first (on CPU the views are the cache's own)."""
     chunks = []
     for i in range(first_chunk, tail_start(compressor, prompt_len, chunk_size) // chunk_size):
         k, v = pre.cache.view(i * chunk_size, (i + 1) * chunk_size)
-        chunks.append(compressor.compress(KVSpan(k, v, i * chunk_size, pre.obs_q.get(i))))
+        q = pre.obs_q.get(i)
+        chunks.append(compressor.compress(KVSpan(k.cpu(), v.cpu(), i * chunk_size,
+                                                 None if q is None else q.cpu())))
     return chunks
 
 

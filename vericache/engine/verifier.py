@@ -334,7 +334,7 @@ class Verifier:
             if s.sampling.greedy:
                 a, bonus = greedy_accept(drafts, x.argmax(dim=-1).tolist())
             else:
-                p = target(x, s.sampling)
+                p = target(x, s.sampling).cpu()  # (beside the drafts' q, on the host)
                 a, bonus = speculative_accept(drafts, q if k else p[:0], p, s.gen)
             emitted = drafts[:a] + [bonus]
             if s.history is not None:

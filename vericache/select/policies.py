@@ -56,7 +56,7 @@ class Question(SelectionPolicy):
         n = int(window_pos.max()) + 1
         rows = []
         for layer, q in enumerate(window_q):
-            votes = window_votes(q, k_full[layer, :, :n].cpu(), window_pos)
+            votes = window_votes(q.cpu(), k_full[layer, :, :n].cpu(), window_pos.cpu())
             rows.append(votes[:, :state.region_end] / q.shape[1])
         return torch.stack(rows)
 

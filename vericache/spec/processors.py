@@ -213,5 +213,5 @@ def choose(logits: torch.Tensor, p: Processing, history: TokenHistory | None,
     x = constrain(x, allowed)
     if p.greedy:
         return int(torch.argmax(x[0])), None
-    probs = target(x, p)[0]
+    probs = target(x, p)[0].cpu()  # (drawn on the host: the request's generator lives there)
     return int(torch.multinomial(probs, 1, generator=gen)), probs
