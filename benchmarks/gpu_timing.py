@@ -125,9 +125,22 @@ def measure_point(runner, batch: int, context: int, ratio: float, k: int, repeat
     short = _caches(runner, batch, max(1, int(context / ratio)), k + 1)
     t_draft = _timed(lambda: _pass(runner, short, 1, g), dev, repeats)
     del short
+    kv = context * runner.kv_bytes_per_token()
+    weights = weight_bytes(runner)
+    # what a full step must read (every weight once, every cache once), over its time
     return {"batch": batch, "context": context, "ratio": ratio, "k": k,
             "full_step_s": t_full, "verify_pass_s": t_verify, "draft_step_s": t_draft,
-            "full_kv_bytes_per_request": context * runner.kv_bytes_per_token()}
+            "full_kv_bytes_per_request": kv,
+            "full_step_read_gb_s": (weights + batch * kv) / t_full / 1e9}
+
+
+def read_rate(device: torch.device, nbytes: int, repeats: int) -> float:
+    """The device's memory rate in GB/s, counting bytes read and written, of a plain
+    device-to-device copy (the peak a memory-bound step is held against)."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), device, repeats)
+    return 2 * nbytes / t / 1e9
 
 
 def copy_rate(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -216,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
            "shape": a.shape, "dtype": str(dtype).removeprefix("torch."),
            "weight_bytes": weights, "kv_bytes_per_token": kvt, "build_s": built_s,
            "h2d_gb_s": copy_rate(dev, 1 << 30 if dev.type == "cuda" else 64 << 20, a.repeats),
+           "memory_gb_s": read_rate(dev, 4 << 30 if dev.type == "cuda" else 64 << 20, a.repeats),
+           "torch": torch.__version__,
            "points": points, "skipped": skipped, "overlap": ov}
     a.json.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"gpu_timing: {len(points)} points ({len(skipped)} skipped for memory), "
-          f"h2d {doc['h2d_gb_s']:.1f} GB/s, overlap hidden "
+          f"h2d {doc['h2d_gb_s']:.1f} GB/s, memory {doc['memory_gb_s']:.0f} GB/s, overlap hidden "
           f"{'-' if ov is None else format(ov['hidden'], '.2f')}; wrote {a.json}")
     return 0
 

@@ -1,6 +1,7 @@
 """The GPU check's CPU dry run (`DEVICE=cpu benchmarks/gpu_check.sh`): a toy random-weight
 Llama on CPU, timed at each batch and context, and projected with the τ of this repository's
-latest long-context run; and the measured projection's limits."""
+latest long-context run; its identity check (vericache = full for every compressor, both
+`exact` modes); and the measured projection's limits."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def dry_run(tmp_path_factory):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return (json.loads((out / "gpu_times.json").read_text()),
-            json.loads((out / "projection.json").read_text()))
+            json.loads((out / "projection.json").read_text()),
+            json.loads((out / "gpu_identity.json").read_text()))
 
 
 def test_times_cover_the_grid_with_the_models_sizes(dry_run):
@@ -33,7 +35,7 @@ def test_times_cover_the_grid_with_the_models_sizes(dry_run):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_timing import SHAPES
 
-    times, _ = dry_run
+    times, _, _ = dry_run
     assert [(p["batch"], p["context"]) for p in times["points"]] == [
         (2, 256), (2, 1024), (4, 256), (4, 1024)]
     cfg = LlamaConfig(**SHAPES["tiny"], tie_word_embeddings=False)
@@ -49,7 +51,7 @@ def test_times_cover_the_grid_with_the_models_sizes(dry_run):
 
 
 def test_projection_uses_the_measured_times(dry_run):
-    times, proj = dry_run
+    times, proj, _ = dry_run
     run = json.loads(RUN.read_text())
     vc = [r for r in run["variants"] if r["variant"] == run["summary"]["vericache_variant"]][0]
     assert len(proj["measured"]) == len(times["points"])
@@ -61,6 +63,17 @@ def test_projection_uses_the_measured_times(dry_run):
         assert q["vericache_staggered_tps"] >= q["vericache_lockstep_tps"]
         assert q["throughput_ratio_vs_full_resident"] * q["full_resident_tps"] == pytest.approx(
             q["vericache_staggered_tps"])
+
+
+def test_identity_covers_every_compressor_in_both_modes(dry_run):
+    from vericache.compress.registry import compressor_names
+
+    rows = dry_run[2]["rows"]
+    cases = {r["case"] for r in rows if r["case"].startswith("vericache=")}
+    want = {(c, e) for c in compressor_names() for e in ("fast", "bitwise")}
+    assert {(c.split("=", 1)[1].split(":")[0].rsplit("/", 1)[0], c.rsplit("/", 1)[1])
+            for c in cases} == want
+    assert all(r["identical"] and "error" not in r for r in rows), rows
 
 
 def test_measured_projection_limits():
