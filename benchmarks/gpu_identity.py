@@ -28,25 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def build(name: str, folder: Path, prompt: int, new: int) -> None:
-    """test_architectures.build's model of `name`, with room for `prompt + new` positions."""
-    import test_architectures as ta
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    cls, over = ta.ARCHS[name]
-    cfg = getattr(transformers, cls)(**{**ta.COMMON, **over,
-                                        "max_position_embeddings": prompt + new + 64})
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if "norm" in pname:
-                p.copy_(p + 0.3 * torch.randn_like(p))
-    hf.save_pretrained(folder)
-    ta._tokenizer().save_pretrained(folder)
-
-
 def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draft_len: int,
              chunk: int) -> list[dict]:
     import test_architectures as ta
@@ -59,7 +40,7 @@ def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draf
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        build(name, Path(d), prompt_len, new)
+        ta.build(name, d, max_position_embeddings=prompt_len + new + 64)
         lm = load_model(d, dtype=dtype, device=device)
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(3, ta.VOCAB, (prompt_len,), generator=g).tolist()

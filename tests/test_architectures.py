@@ -75,14 +75,15 @@ def _tokenizer():
                                    eos_token="t1", bos_token="t2")
 
 
-def build(name: str, folder) -> None:
+def build(name: str, folder, **config) -> None:
     """Save a tiny random model of `name` (every norm weight randomised too, so a wrong norm
-    offset or a missing q/k norm shows) with a word-level tokenizer."""
+    offset or a missing q/k norm shows) with a word-level tokenizer; `config` overrides its
+    config's fields (benchmarks/gpu_identity.py: a longer context)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     cls, over = ARCHS[name]
-    cfg = getattr(transformers, cls)(**{**COMMON, **over})
+    cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
