@@ -28,6 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
+def _failed(row: dict, e: Exception) -> dict:
+    """Mark a case failed with its error and traceback (reported; the run goes on)."""
+    row.update(identical=False, error=f"{type(e).__name__}: {e}",
+               traceback=traceback.format_exc()[-2000:])
+    return row
+
+
 def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draft_len: int,
              chunk: int) -> list[dict]:
     import test_architectures as ta
@@ -81,8 +88,7 @@ def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draf
                                                         chunk_size=chunk))
                     row["full_bitwise=full_fast"] = bw.token_ids == full.token_ids
             except Exception as e:  # noqa: BLE001 (a case's failure is reported, the run goes on)
-                row.update(identical=False, error=f"{type(e).__name__}: {e}",
-                           traceback=traceback.format_exc()[-2000:])
+                _failed(row, e)
             rows.append(row)
         # sampling is exact in distribution, not token for token: a case passes when both
         # modes run to max_tokens (their draws are made on the host, by the request's seed)
@@ -95,8 +101,7 @@ def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draf
                    for m in ("full", "vericache")]
             row["identical"] = all(len(r.token_ids) == new for r in got)
         except Exception as e:  # noqa: BLE001
-            row.update(identical=False, error=f"{type(e).__name__}: {e}",
-                       traceback=traceback.format_exc()[-2000:])
+            _failed(row, e)
         rows.append(row)
     return rows
 
@@ -121,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 got = run_arch(name, dtype, a.device, a.prompt, a.new, a.draft_len, a.chunk)
             except Exception as e:  # noqa: BLE001
-                got = [{"arch": name, "dtype": dtype, "case": "build/full", "identical": False,
-                        "error": f"{type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc()[-2000:]}]
+                got = [_failed({"arch": name, "dtype": dtype, "case": "build/full"}, e)]
             for r in got:
                 print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
             rows += got
