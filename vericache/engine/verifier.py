@@ -182,10 +182,11 @@ class Verifier:
         qwin = selection.window if selection is not None else 0
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace) if self.store else None
-        if self.tier is not None:
-            new_cache = self._host_cache if self._in_tier_memory else None
-        else:
-            new_cache = None if arena is None else partial(self.runner.new_cache, arena=arena)
+        new_cache = None
+        if self._in_tier_memory:
+            new_cache = self._host_cache
+        elif self.tier is None and arena is not None:
+            new_cache = partial(self.runner.new_cache, arena=arena)
         cached = None
         if pc is not None:
             try:
@@ -368,8 +369,9 @@ class Verifier:
         s = self.sessions.pop(rid, None)
         self._exact.pop(rid, None)
         self._deferred.pop(rid, None)
-        if s is not None and self._in_tier_memory:
-            self.tier.recycle(s.cache)  # its host memory holds a later request's KV
+        if s is not None and self.tier is not None:
+            # its host copy (offload's, or a CPU runner's own cache) holds a later request's KV
+            self.tier.recycle(s.cache)
         tail = self._tails.pop(rid, None)
         if tail is not None:
             self._dropper.submit(_drop_quietly, self.store, tail)
