@@ -12,7 +12,7 @@ from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument, UnknownName
 from vericache.select import SelectionDelta, SelectionState, make_selection, selection_names
-from vericache.select.base import SINKS, move_towards, pooled, target_mask
+from vericache.select.base import SINKS, move_towards, pooled, target_mask, upgrade_towards
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.memory import MemoryStore
 
@@ -71,6 +71,28 @@ def test_bounded_move_takes_the_best_first():
         if move_towards(st, score, 1, 2, k, v) is None:
             break
     assert torch.equal(st.held_mask(), target_mask(score, 12, 1))
+
+
+def test_salient_set_grows_best_first_to_its_budget_and_never_shrinks():
+    """A salient set (KIVI) starts empty; each move writes the best-scored positions not yet
+    held over their own slots (slot = position), within `fill`, `limit` and the budget."""
+    st = SelectionState.empty_salient(2, 3, 10, 40)
+    assert not st.held_mask().any()
+    score = torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(4))
+    k, v = _full()
+    d = upgrade_towards(st, score, 1, None, k, v, fill=5)
+    assert (st.held_mask().sum(-1) == 5).all()
+    assert torch.equal(d.slots, d.positions)  # over their own slots
+    assert torch.equal(d.k, torch.gather(k, 2, d.positions[..., None].expand(-1, -1, -1, 8)))
+    first = st.held_mask().clone()
+    assert first[..., :SINKS].all()  # sinks first
+    d = upgrade_towards(st, score, 1, 2, k, v)  # at most 2 a row
+    assert int((d.slots >= 0).sum(-1).max()) == 2 and (st.held_mask().sum(-1) == 7).all()
+    assert (st.held_mask() & first).sum() == first.sum()  # nothing leaves
+    while upgrade_towards(st, score, 1, 2, k, v) is not None:
+        pass
+    assert torch.equal(st.held_mask(), target_mask(score, 10, 1))  # the budget's best
+    assert upgrade_towards(st, torch.rand(2, 3, 40), 1, None, k, v) is None  # full: nothing moves
 
 
 def test_question_first_move_bounded_by_first():
@@ -277,12 +299,41 @@ def test_question_window_over_cached_chunks_recomputes_nothing(lm, prompts):
         ver.release(rid)
 
 
-@pytest.mark.parametrize("spec", ["identity", "kivi"])
-def test_nothing_to_move_when_every_token_is_kept(lm, prompts, spec):
+@pytest.mark.parametrize("spec", ["identity", "kivi:salient=0"])
+def test_nothing_to_move_when_every_token_is_kept_as_it_is(lm, prompts, spec):
     ver = Verifier(lm.runner)
     ver.prefill("k", prompts["long"][:600], 8, 256, make_compressor(spec),
                 selection=make_selection("verify"))
     assert ver.selection("k") is None and ver.take_deltas("k") == []
+
+
+@pytest.mark.parametrize("policy,filled", [("question:bits=32", 1.0), ("verify:bits=32", 0.5)])
+def test_kivi_policy_holds_its_best_scored_tokens_precisely(lm, prompts, policy, filled):
+    """Over KIVI (every token kept, 2-bit) a policy moves precision: after prefill the
+    drafter's slots of the salient positions hold the full KV's own values (bits=32), the
+    rest KIVI's; question fills the budget (one region token in 8), verify half of it."""
+    ids = prompts["long"][:1100]
+    comp = make_compressor("kivi:bits=2")
+    ver = Verifier(lm.runner)
+    out = ver.prefill("s", ids, 8, 256, comp, selection=make_selection(policy))
+    rec = ver.selection("s")
+    ts = out.tail_start
+    assert rec.state.salient and rec.state.budget == ts // 8
+    held = rec.state.held_mask()
+    assert (held.sum(-1) == int(rec.state.budget * filled)).all()
+    assert torch.equal(held, target_mask(rec.policy.pooled(rec.state.score),
+                                         int(rec.state.budget * filled), 1))
+    k, v = comp.draft_kv(out.chunks, *ver.cache("s").view(ts, len(ids)))
+    dr = Drafter(lm.runner, lm.eos_token_ids)
+    dr.attach("s", k, v, [out.first_token], len(ids), 8, region=ts)
+    for delta in ver.take_deltas("s"):
+        dr.apply_delta("s", delta)
+    full, c = ver.cache("s").k[:, :, :ts], dr.sessions["s"].cache.k[:, :, :ts]
+    exact = (c.float() == full.to(c.dtype).float()).all(-1)
+    assert exact[held].all()  # salient: the full KV's values (in the drafter's dtype)
+    assert exact[~held].float().mean() < 0.05  # the rest: KIVI's 2-bit values
+    ver.release("s")
+    dr.release("s")
 
 
 N = 32
@@ -307,7 +358,7 @@ VERIFY = "verify:every=2,tokens=16"
 @pytest.mark.slow
 @pytest.mark.parametrize("selection,spec,k", [
     ("static", "snapkv", 16), (VERIFY, "snapkv", 4), (VERIFY, "snapkv-kivi:bits=2", 16),
-    (VERIFY, "streamingllm", 4)])
+    (VERIFY, "streamingllm", 4), (VERIFY, "kivi:bits=2", 16)])
 def test_every_policy_identical_to_full_on_the_long_prompt(lm, prompts, long_reference, store,
                                                            spec, k, selection):
     """(`question`, the default, runs in test_identity for every compressor, k and prompt.)

@@ -18,6 +18,10 @@ Methods, when they are called and how often:
   Only then can a selection policy (`vericache.select`) move the drafter's set.
 - `requantize(k, v)`: tokens a selection policy moves into the drafter's set pass through it,
   so they are stored as lossy as the compressor stores the rest. Default: unchanged.
+- `salient_budget(region)`: for a compressor that keeps every token at a low precision (KIVI),
+  how many of the region's tokens per layer and KV head a selection policy may hold at its
+  move's precision instead (8 bits by default), the best-scored ones. Default 0: none (a
+  token-dropping compressor's policy moves tokens in and out instead).
 
 A new compressor subclasses `Compressor`, implements `compress` and `decompress`, and is
 registered by name in `vericache/compress/registry.py`; scheduling and verification do not
@@ -89,6 +93,10 @@ class Compressor(Named, ABC):
     def requantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Entering tokens' (k, v) [layers, Hkv, r, D] as the drafter would hold them."""
         return k, v
+
+    def salient_budget(self, region: int) -> int:
+        """Region tokens per layer and KV head a policy may hold more precisely (module doc)."""
+        return 0
 
     def draft_kv(self, chunks: list[CompressedChunk], tail_k: torch.Tensor,
                  tail_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,12 @@ Keys are quantized in groups of `group` consecutive tokens per channel; values i
 `group` channels per token; each group stores an fp16 scale and minimum, codes are packed
 `8 // bits` to a byte. The last `residual` tokens of a prompt stay exact (the exact tail),
 as do the drafter's own new tokens.
+
+Salient tokens: KIVI keeps every token, so a selection policy (`vericache.select`) has
+nothing to move in or out; it moves precision instead. Up to one region token in `salient`
+per layer and KV head, the best-scored by the policy, is written over its 2-bit (or 4-bit)
+values at the move's precision (8 bits by default), as mixed-precision caches keep salient
+tokens finer (ZipCache, MiKV). `salient=0` turns that off.
 """
 
 from __future__ import annotations
@@ -48,14 +54,23 @@ def quantize_groups(x: torch.Tensor, bits: int, dim: int) -> dict[str, torch.Ten
 class KIVI(Compressor):
     name = "kivi"
 
-    def __init__(self, bits: int = 2, group: int = 32, residual: int = 64):
+    def __init__(self, bits: int = 2, group: int = 32, residual: int = 64, salient: int = 8):
         if int(bits) not in (2, 4):
             raise InvalidArgument(f"kivi bits must be 2 or 4 (got {bits})", param="bits")
+        if int(salient) < 0:
+            raise InvalidArgument(f"kivi salient must be >= 0 (got {salient})", param="salient")
         self.bits, self.group, self.residual = int(bits), int(group), int(residual)
-        super().__init__(bits=self.bits, group=self.group, residual=self.residual)
+        self.salient = int(salient)
+        # the chunks do not depend on `salient`: a default shows not in the spec (the store's
+        # keys), so chunks stored before it existed are found
+        extra = {} if self.salient == 8 else {"salient": self.salient}
+        super().__init__(bits=self.bits, group=self.group, residual=self.residual, **extra)
 
     def exact_tail(self, prompt_len: int) -> int:
         return self.residual
+
+    def salient_budget(self, region: int) -> int:
+        return region // self.salient if self.salient else 0
 
     def quantize(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """k, v: [L, H, n, D] -> packed tensors. Tokens are padded to a multiple of `group`."""

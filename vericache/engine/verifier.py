@@ -176,7 +176,8 @@ class Verifier:
                  seed, namespace, save_tail, selection, top_logprobs, draft_later,
                  arena=None) -> PrefillOut:
         ts = tail_start(compressor, len(prompt_ids), chunk_size) if compressor else 0
-        if selection is not None and (compressor is None or not compressor.drops_tokens
+        salient = compressor.salient_budget(ts) if compressor is not None else 0
+        if selection is not None and (compressor is None or not (compressor.drops_tokens or salient)
                                       or not selection.moves or ts == 0):
             selection = None
         qwin = selection.window if selection is not None else 0
@@ -222,7 +223,8 @@ class Verifier:
                 log.warning("%s: prefix store unavailable (%s); prefix not saved", rid, e)
                 stats.store_errors += 1
         n = len(prompt_ids)
-        chunk_kept = [compressor.kept_positions(c) for c in chunks] if selection is not None else []
+        chunk_kept = ([compressor.kept_positions(c) for c in chunks]
+                      if selection is not None and compressor.drops_tokens else [])
         window_q, window_pos = pre.window_q, pre.window_pos
 
         def drafter_part(cache: KVCache, stats: TransferStats) -> SelectionRecord | None:
@@ -235,9 +237,13 @@ class Verifier:
             t = time.perf_counter()
             # the base set: stored chunks before those computed here (a cached prefix may
             # reach past the compressed region, into the exact tail), then the new ones
-            stored = min(first_chunk, ts // chunk_size)
-            kept = pc.load_kept_positions(prompt_ids, compressor, stored, stats) if stored else []
-            state = SelectionState(torch.cat(kept + chunk_kept, dim=2), ts)
+            if compressor.drops_tokens:
+                stored = min(first_chunk, ts // chunk_size)
+                kept = pc.load_kept_positions(prompt_ids, compressor, stored, stats) if stored else []
+                state = SelectionState(torch.cat(kept + chunk_kept, dim=2), ts)
+            else:  # every token kept, quantized: the policy moves precision (a salient set)
+                state = SelectionState.empty_salient(self.runner.num_layers,
+                                                     self.runner.num_kv_heads, salient, ts)
             record = SelectionRecord(selection, state, compressor)
             record.add(selection.after_prefill(state, list(window_q.unbind(0)), window_pos,
                                                *cache.view(0, n)))

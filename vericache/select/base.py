@@ -9,6 +9,11 @@ Words (used across `vericache.select`, the verifier and the drafter):
   taken in order, so the verifier, which made (or read) the chunks, knows the drafter's layout.
 - kept set: what the drafter holds now, per layer and KV head: `positions[l, h, slot]`. Its
   size per row (the budget, m) never changes: a move swaps tokens, slot for slot.
+- salient set: over a compressor that keeps every token (KIVI), the region tokens the drafter
+  holds at a move's precision over their quantized values (`Compressor.salient_budget`, m per
+  row). It starts empty (`positions` -1: a free entry of the record) and only grows: a move
+  (`upgrade_towards`) writes a token over its own slot (the drafter's slot i holds position i
+  there), so none has to go back to its quantized values.
 - delta: one move of the kept set: per row, the slots to overwrite and the positions (with
   their exact K/V, re-quantized as the compressor stores them) that enter. The verifier
   computes it (it holds the full KV); the drafter only writes it (`Drafter.apply_delta`).
@@ -138,22 +143,31 @@ class SelectionState:
     """The verifier's record of one request's drafter set (see the module words)."""
 
     positions: torch.Tensor  # [L, Hkv, m] int64: the position each region slot holds
+    # (a salient set: the salient positions, -1 for entries not used yet)
     region_end: int  # tail_start: candidates are positions [0, region_end)
     score: torch.Tensor | None = None  # [L, Hkv, region_end] float32: the policy's running score
     rounds: int = 0  # verify rounds since the last move
     moves: int = 0  # deltas made
     moved_tokens: int = 0  # entries moved, over layers and KV heads
+    salient: bool = False  # a salient set (module words), not a kept set
+
+    @classmethod
+    def empty_salient(cls, layers: int, heads: int, budget: int, region_end: int) -> "SelectionState":
+        return cls(torch.full((layers, heads, budget), -1, dtype=torch.long), region_end,
+                   salient=True)
 
     @property
     def budget(self) -> int:
         return self.positions.shape[-1]
 
     def held_mask(self) -> torch.Tensor:
-        """[L, Hkv, region_end] bool: True where the drafter holds the position."""
+        """[L, Hkv, region_end] bool: True where the drafter holds the position (a salient
+        set: holds it precisely)."""
         L, H, _ = self.positions.shape
-        mask = torch.zeros(L, H, self.region_end, dtype=torch.bool)
-        mask.scatter_(2, self.positions, True)
-        return mask
+        mask = torch.zeros(L, H, self.region_end + 1, dtype=torch.bool)
+        # a free entry (-1) marks the extra last column, dropped
+        mask.scatter_(2, torch.where(self.positions < 0, self.region_end, self.positions), True)
+        return mask[..., :self.region_end]
 
 
 def pooled(score: torch.Tensor, pool: int, avg: bool = False) -> torch.Tensor:
@@ -235,6 +249,55 @@ def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: i
     state.moves += 1
     state.moved_tokens += int(valid.sum())
     return SelectionDelta(slots, e_pos, k, v, bits)
+
+
+def upgrade_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: int | None,
+                    k_full: torch.Tensor, v_full: torch.Tensor, bits: int = 32,
+                    fill: int | None = None) -> SelectionDelta | None:
+    """`move_towards` for a salient set (module words): the best-scored positions of `score`
+    ([L, H, region_end], pooled over `pool`; sinks first) not yet salient enter over their own
+    slots, at most `limit` per row (None: no bound) and until `fill` entries of the record per
+    row are used (None: the budget). Nothing leaves. Updates `state.positions`; None when
+    nothing moves."""
+    L, H, n = score.shape
+    used = (state.positions >= 0).sum(-1)  # [L, H]
+    room = (min(fill, state.budget) if fill is not None else state.budget) - used
+    r = int(room.max())
+    if limit is not None:
+        r = min(r, limit)
+    if r <= 0:
+        return None
+    s = pooled(score, pool).clone()
+    s[..., :SINKS] = float("inf")
+    s[state.held_mask()] = float("-inf")
+    e_val, e_pos = s.topk(min(r, n), dim=-1)  # best first
+    r = e_pos.shape[-1]
+    valid = (e_val > float("-inf")) & (torch.arange(r) < room[..., None])
+    if not bool(valid.any()):
+        return None
+    # the record's free entries, first ones first
+    free = torch.sort((state.positions >= 0).to(torch.int8), dim=-1, stable=True).indices[..., :r]
+    rows = valid.nonzero(as_tuple=True)
+    state.positions[rows[0], rows[1], free[valid]] = e_pos[valid]
+    e_pos = torch.where(valid, e_pos, e_pos[..., :1].expand_as(e_pos))
+    idx = e_pos.unsqueeze(-1).expand(L, H, r, k_full.shape[-1])
+    k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
+    v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
+    if bits == 8:
+        k, v = as_8bit(k), as_8bit(v)
+    state.moves += 1
+    state.moved_tokens += int(valid.sum())
+    return SelectionDelta(torch.where(valid, e_pos, torch.full_like(e_pos, -1)), e_pos, k, v, bits)
+
+
+def move(state: SelectionState, score: torch.Tensor, pool: int, limit: int | None,
+         k_full: torch.Tensor, v_full: torch.Tensor, bits: int = 32,
+         fill: int | None = None) -> SelectionDelta | None:
+    """A policy's move of either kind of set: `upgrade_towards` for a salient set (`fill`
+    bounds it), else `move_towards`."""
+    if state.salient:
+        return upgrade_towards(state, score, pool, limit, k_full, v_full, bits, fill)
+    return move_towards(state, score, pool, limit, k_full, v_full, bits)
 
 
 BITS = (32, 8)  # how a delta's entering K/V move: the model's dtype, or 8 bits (`to_8bit`)

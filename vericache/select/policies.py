@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vericache.errors import InvalidArgument
-from vericache.select.base import (BITS, SelectionPolicy, SelectionState, move_towards, pooled,
+from vericache.select.base import (BITS, SelectionPolicy, SelectionState, move, pooled,
                                    window_votes)
 
 
@@ -63,8 +63,12 @@ class Question(SelectionPolicy):
     def after_prefill(self, state, window_q, window_pos, k_full, v_full):
         score = self.question_score(state, window_q, window_pos, k_full)
         state.score = score
-        return move_towards(state, self.pooled(score), 1, self.first or None, k_full, v_full,
-                            self.bits)
+        return move(state, self.pooled(score), 1, self.first or None, k_full, v_full, self.bits,
+                    self.prefill_fill(state))
+
+    def prefill_fill(self, state: SelectionState) -> int | None:
+        """A salient set's entries the move after prefill may fill (None: all of them)."""
+        return None
 
     def pooled(self, score: torch.Tensor) -> torch.Tensor:
         """The score a move ranks by: pooled over `pool` neighbours, by max (or mean: avg=1)."""
@@ -76,7 +80,8 @@ class Verify(Question):
     any lossy cache): each verify pass's attention over the full KV is folded into a decayed
     score per position; every `every` rounds, or after a round that accepted under half its
     drafts, the kept set moves towards the score's top by at most `tokens` per layer and KV
-    head (`first` and `bits` as for `question`)."""
+    head (`first` and `bits` as for `question`). A salient set (KIVI: it only grows) fills
+    half its budget after prefill and the rest from these moves."""
 
     name = "verify"
     needs_votes = True
@@ -99,5 +104,7 @@ class Verify(Question):
         if state.rounds < self.every and not (drafted and 2 * accepted < drafted):
             return None
         state.rounds = 0
-        return move_towards(state, self.pooled(state.score), 1, self.tokens, k_full, v_full,
-                            self.bits)
+        return move(state, self.pooled(state.score), 1, self.tokens, k_full, v_full, self.bits)
+
+    def prefill_fill(self, state: SelectionState) -> int | None:
+        return state.budget // 2 if state.salient else None
