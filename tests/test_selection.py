@@ -89,8 +89,10 @@ def test_salient_set_grows_best_first_to_its_budget_and_never_shrinks():
     d = upgrade_towards(st, score, 1, 2, k, v)  # at most 2 a row
     assert int((d.slots >= 0).sum(-1).max()) == 2 and (st.held_mask().sum(-1) == 7).all()
     assert (st.held_mask() & first).sum() == first.sum()  # nothing leaves
+    assert not st.full
     while upgrade_towards(st, score, 1, 2, k, v) is not None:
         pass
+    assert st.full and not _state().full  # (a kept set is never "full": it swaps)
     assert torch.equal(st.held_mask(), target_mask(score, 10, 1))  # the budget's best
     assert upgrade_towards(st, torch.rand(2, 3, 40), 1, None, k, v) is None  # full: nothing moves
 
@@ -332,6 +334,18 @@ def test_kivi_policy_holds_its_best_scored_tokens_precisely(lm, prompts, policy,
     exact = (c.float() == full.to(c.dtype).float()).all(-1)
     assert exact[held].all()  # salient: the full KV's values (in the drafter's dtype)
     assert exact[~held].float().mean() < 0.05  # the rest: KIVI's 2-bit values
+    if filled < 1:  # verify: passes fold votes into the score until the set is full, not after
+        st = rec.state
+        before = st.score.clone()
+        ver.verify([("s", [out.first_token] * 3, None)])
+        assert not torch.equal(st.score, before)
+        full_kv = ver.cache("s").view(0, ts)
+        while upgrade_towards(st, st.score, 1, None, *full_kv) is not None:
+            pass
+        assert st.full
+        before = st.score.clone()
+        ver.verify([("s", [out.first_token] * 3, None)])
+        assert torch.equal(st.score, before)
     ver.release("s")
     dr.release("s")
 

@@ -329,7 +329,9 @@ class Verifier:
         for s, c, (_, drafts, _) in zip(sess, caches, batch):
             toks = s.pending + list(drafts)
             pos0 = c.length
-            votes = bool(drafts) and s.selection is not None and s.selection.policy.needs_votes
+            # (a full salient set cannot move: its passes take the fast path, no votes)
+            votes = (bool(drafts) and s.selection is not None and s.selection.policy.needs_votes
+                     and not s.selection.state.full)
             items.append(SeqBatchItem(torch.tensor(toks), torch.arange(pos0, pos0 + len(toks)),
                                       c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)

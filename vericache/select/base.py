@@ -160,6 +160,11 @@ class SelectionState:
     def budget(self) -> int:
         return self.positions.shape[-1]
 
+    @property
+    def full(self) -> bool:
+        """A salient set whose every entry is used: no move can change it."""
+        return self.salient and bool((self.positions >= 0).all())
+
     def held_mask(self) -> torch.Tensor:
         """[L, Hkv, region_end] bool: True where the drafter holds the position (a salient
         set: holds it precisely)."""

@@ -81,7 +81,8 @@ class Verify(Question):
     score per position; every `every` rounds, or after a round that accepted under half its
     drafts, the kept set moves towards the score's top by at most `tokens` per layer and KV
     head (`first` and `bits` as for `question`). A salient set (KIVI: it only grows) fills
-    half its budget after prefill and the rest from these moves."""
+    half its budget after prefill and the rest from these moves; once it is full the verifier
+    asks for no more votes (`SelectionState.full`)."""
 
     name = "verify"
     needs_votes = True
