@@ -197,12 +197,15 @@ def test_long_prompt_goes_through_the_store_and_is_reused(lm, client, stack):
     assert _metric(after, "vericache_kvstore_hits_total") > _metric(before, "vericache_kvstore_hits_total")
 
 
-def test_verify_selection_moves_the_drafters_set_between_rounds(lm, client, stack):
+@pytest.mark.parametrize("compressor", ["snapkv", "kivi:bits=2"])
+def test_verify_selection_moves_the_drafters_set_between_rounds(lm, client, stack, compressor):
     """`verify`: the verifier's re-selections after verify passes reach the drafter through the
-    kvstore on Commit; the answer stays full greedy."""
+    kvstore on Commit; the answer stays full greedy. (Over KIVI the moves raise tokens to 8
+    bits: its salient set, filled by half at attach and by the moves after.)"""
     ids = long_code_prompt(lm, 1100)
     r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=N,
                                   extra_body={"vericache": {"selection": "verify:every=1,tokens=8",
+                                                            "compressor": compressor,
                                                             "draft_len": 4, "adaptive": False}})
     assert r.choices[0].text == _ref(lm, ids)
     u = r.usage.model_extra or {}
