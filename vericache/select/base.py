@@ -214,6 +214,16 @@ def target_mask(score: torch.Tensor, budget: int, pool: int) -> torch.Tensor:
     return mask.scatter_(2, idx, True)
 
 
+def _entering(e_pos: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, n: int,
+              bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V of positions e_pos [L, H, r] (< n) from the full KV, on the host, as a move
+    carries them (`to_8bit` values at bits 8)."""
+    idx = e_pos.unsqueeze(-1).expand(*e_pos.shape, k_full.shape[-1])
+    k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
+    v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
+    return (as_8bit(k), as_8bit(v)) if bits == 8 else (k, v)
+
+
 def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: int | None,
                  k_full: torch.Tensor, v_full: torch.Tensor, bits: int = 32) -> SelectionDelta | None:
     """The delta that moves `state`'s kept set towards the top of `score` ([L, H, region_end])
@@ -243,11 +253,7 @@ def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: i
     first = e_pos[..., :1].expand_as(e_pos)
     e_pos = torch.where(valid, e_pos, first)
     slots = torch.where(valid, slots, torch.full_like(slots, -1))
-    idx = e_pos.unsqueeze(-1).expand(L, H, r, k_full.shape[-1])
-    k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
-    v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
-    if bits == 8:
-        k, v = as_8bit(k), as_8bit(v)
+    k, v = _entering(e_pos, k_full, v_full, n, bits)
     # the verifier's record follows the drafter
     rows = valid.nonzero(as_tuple=True)
     state.positions[rows[0], rows[1], slots[valid]] = e_pos[valid]
@@ -264,7 +270,7 @@ def upgrade_towards(state: SelectionState, score: torch.Tensor, pool: int, limit
     slots, at most `limit` per row (None: no bound) and until `fill` entries of the record per
     row are used (None: the budget). Nothing leaves. Updates `state.positions`; None when
     nothing moves."""
-    L, H, n = score.shape
+    n = score.shape[-1]
     used = (state.positions >= 0).sum(-1)  # [L, H]
     room = (min(fill, state.budget) if fill is not None else state.budget) - used
     r = int(room.max())
@@ -285,11 +291,7 @@ def upgrade_towards(state: SelectionState, score: torch.Tensor, pool: int, limit
     rows = valid.nonzero(as_tuple=True)
     state.positions[rows[0], rows[1], free[valid]] = e_pos[valid]
     e_pos = torch.where(valid, e_pos, e_pos[..., :1].expand_as(e_pos))
-    idx = e_pos.unsqueeze(-1).expand(L, H, r, k_full.shape[-1])
-    k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
-    v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
-    if bits == 8:
-        k, v = as_8bit(k), as_8bit(v)
+    k, v = _entering(e_pos, k_full, v_full, n, bits)
     state.moves += 1
     state.moved_tokens += int(valid.sum())
     return SelectionDelta(torch.where(valid, e_pos, torch.full_like(e_pos, -1)), e_pos, k, v, bits)
