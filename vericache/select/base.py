@@ -205,10 +205,16 @@ def window_votes(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch
     return torch.softmax(scores, dim=-1).sum(dim=1)
 
 
-def target_mask(score: torch.Tensor, budget: int, pool: int) -> torch.Tensor:
-    """[L, H, n] bool: the top `budget` positions of the pooled score per row, sinks always in."""
+def _ranked(score: torch.Tensor, pool: int) -> torch.Tensor:
+    """The score a move ranks positions by: pooled, sinks first (a new tensor)."""
     s = pooled(score, pool).clone()
     s[..., :SINKS] = float("inf")
+    return s
+
+
+def target_mask(score: torch.Tensor, budget: int, pool: int) -> torch.Tensor:
+    """[L, H, n] bool: the top `budget` positions of the pooled score per row, sinks always in."""
+    s = _ranked(score, pool)
     idx = s.topk(min(budget, s.shape[-1]), dim=-1).indices
     mask = torch.zeros_like(s, dtype=torch.bool)
     return mask.scatter_(2, idx, True)
@@ -278,8 +284,7 @@ def upgrade_towards(state: SelectionState, score: torch.Tensor, pool: int, limit
         r = min(r, limit)
     if r <= 0:
         return None
-    s = pooled(score, pool).clone()
-    s[..., :SINKS] = float("inf")
+    s = _ranked(score, pool)
     s[state.held_mask()] = float("-inf")
     e_val, e_pos = s.topk(min(r, n), dim=-1)  # best first
     r = e_pos.shape[-1]
