@@ -7,6 +7,8 @@ from vericache.engine.generation import GenParams
 from vericache.engine.kvtier import make_tier
 from vericache.engine.local import generate
 from vericache.engine.rounds import LocalBackends
+from vericache.engine.verifier import Finish, Verifier
+from vericache.spec.costmodel import CostModel
 
 N = 24
 
@@ -374,3 +376,69 @@ def test_recycling_a_copy_in_flight_does_not_wait_for_it(monkeypatch):
     finally:
         go.set()
         tier.close()
+
+
+def _priced(context: int, load_s: float, step_s: float) -> CostModel:
+    """A cost model that has seen one-token passes of `context` tokens take `step_s`, their
+    KV loaded beside the compute in `load_s` (MIN_FIT of them: its verify fit is ready)."""
+    costs = CostModel()
+    for _ in range(6):
+        costs.observe_verify(1, context, context, step_s, load_s=load_s)
+    return costs
+
+
+def test_a_held_copy_takes_the_plain_steps_that_finish_a_request_without_a_load(lm, ids, reference):
+    """Verifier level: a pass asked to finish (`Finish`) keeps its loaded working copy only
+    when the tokens left are few enough; the plain passes on the held copy load nothing, and
+    the tokens are full greedy's."""
+    ref = reference.token_ids
+    tier = make_tier("offloaded", link_gbps=200.0)
+    ver = Verifier(lm.runner, tier=tier)
+    try:
+        first = ver.prefill("r", ids, N + 8, 256).first_token
+        assert first == ref[0]
+        # too many left (24 - 1 - 5 = 18 > 10): the copy goes, the next pass loads
+        v = ver.verify([("r", ref[1:5], None)], finish={"r": Finish(N - 1, 10)})[0]
+        assert (v.accepted, v.bonus, v.held) == (4, ref[5], False)
+        assert tier.stats.loads == 1
+        v = ver.verify([("r", ref[6:8], None)], finish={"r": Finish(N - 6, 20)})[0]
+        assert (v.accepted, v.bonus, v.held) == (2, ref[8], True)  # 15 left: held
+        assert tier.stats.loads == 2
+        out, left = [], N - 9
+        while left:
+            v = ver.verify([("r", [], None)], finish={"r": Finish(left, 20)} if left > 1 else None)[0]
+            out.append(v.bonus)
+            left -= 1
+            assert v.held == (left > 0)
+        assert out == ref[9:]
+        assert tier.stats.loads == 2  # the 15 plain steps loaded nothing
+        assert ver.sessions["r"].held is None
+    finally:
+        ver.release("r")
+        tier.close()
+
+
+@pytest.mark.parametrize("mode", ["full", "vericache"])
+def test_requests_finish_on_the_loaded_copy_when_a_load_costs_more(lm, ids, reference, mode):
+    """Engine level: where the cost model prices a load above the plain steps left, a
+    request's verification holds its copy and the request ends on plain steps in the same
+    verify job (`finish_held`), the offloaded full-KV baseline by the same rule: one load
+    in all, and the output is full greedy's. Where loads are cheap nothing is held."""
+    ctx = len(ids)
+    for load_s, loads in ((10.0, 1), (0.0, None)):
+        tier = make_tier("offloaded", link_gbps=200.0)
+        costs = _priced(ctx, load_s, 0.02) if load_s else CostModel()
+        try:
+            res = generate(lm, ids, GenParams(mode=mode, max_tokens=N, ignore_eos=True, draft_len=6,
+                                              adaptive=False), LocalBackends(lm, tier=tier), costs)
+        finally:
+            tier.close()
+        assert res.token_ids == reference.token_ids
+        s = res.stats
+        assert 1 + sum(s.round_emitted) + s.held_steps == N  # the prefill's token, rounds, steps
+        assert tier.stats.loads == s.rounds
+        if loads is None:
+            assert s.held_steps == 0
+        else:
+            assert s.rounds == loads and s.held_steps == N - 1 - s.round_emitted[0] > 0
+            assert costs.finish_within(ctx) > N

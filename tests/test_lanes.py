@@ -209,11 +209,11 @@ def test_the_engine_fails_only_the_requests_of_a_failed_job(lm, cases):
     class Flaky(LocalBackends):
         fail_next = True
 
-        def verify(self, batch):
+        def verify(self, batch, finish=None):
             if self.fail_next and any(g.params.namespace == "doomed" for g, _ in batch):
                 self.fail_next = False
                 raise Unavailable("verifier lost")
-            return super().verify(batch)
+            return super().verify(batch, finish)
 
     ids, refs = cases
     b = Flaky(lm)

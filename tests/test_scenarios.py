@@ -196,6 +196,21 @@ def test_long_context_through_the_services(tmp_path, services, lm):
     # and the refresh did travel: without it the drafter's KV, hence its rounds, differ
     assert runs["remote-no-refresh"].stats.round_emitted != runs["remote"].stats.round_emitted
 
+    # where a load costs more than the plain steps left, the service's verification holds its
+    # loaded copy (`Finish` over gRPC) and the request ends on plain steps: one load, the same
+    # tokens; each Verify answer carries the tier's seconds back to the gateway's cost model
+    from vericache.spec.costmodel import CostModel
+    costs = CostModel()
+    for _ in range(6):  # one-token passes priced at 0.02 s beside a 10 s load
+        costs.observe_verify(1, len(ids), len(ids), 0.02, load_s=10.0)
+    b = RemoteBackends(dra.address, ver.address, lm.runner.vocab_size)
+    held = generate(lm, ids, GenParams(max_tokens=24, compressor="streamingllm", ratio=4, draft_len=8,
+                                       chunk_size=16, ignore_eos=True, namespace="held",
+                                       adaptive=False), b, costs)
+    assert held.token_ids == runs["local"].token_ids
+    assert held.stats.rounds == 1 and held.stats.held_steps == 24 - 1 - held.stats.round_emitted[0] > 0
+    assert b.tier_counters()[1] > 0
+
     # the drafter's set moves the same way over the services (deltas through the kvstore) as
     # in-process: `verify` re-selects after every round, and the rounds match
     ids = long_code_prompt(lm, 400)

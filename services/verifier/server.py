@@ -12,7 +12,7 @@ from services.common.modelsvc import ModelService, SessionServicer
 from vericache._proto import load
 from vericache.compress import make_compressor
 from vericache.engine.generation import EXACT
-from vericache.engine.verifier import Verifier
+from vericache.engine.verifier import Finish, Verifier
 from vericache.select import make_selection
 from vericache.spec.grammar import Grammars
 from vericache.store.codec import encode_deltas, encode_full, probs_from_bytes
@@ -99,9 +99,13 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
             drafts = token_list(it.draft_tokens, self.vocab, "draft_tokens", allow_empty=True)
             batch.append((it.request_id, drafts, probs_from_bytes(it.draft_probs, len(drafts), self.vocab)))
         refresh = [it.request_id for it in req.items if it.refresh_draft]
+        finish = {it.request_id: Finish(it.finish_remaining, it.finish_within)
+                  for it in req.items if it.finish_remaining and it.finish_within}
         t = time.perf_counter()
         with self.svc.lock:
-            res = self.core.verify(batch, refresh)
+            tier0 = self._tier_seconds()
+            res = self.core.verify(batch, refresh, finish)
+            tier1 = self._tier_seconds()
             spans = {rid: self.core.take_exact(rid) for rid in refresh}
             deltas = {rid: self.core.take_deltas(rid) for rid, _, _ in batch}
         for rid, sp in spans.items():  # outside the lock: the store's link may be slow
@@ -116,5 +120,12 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
         return pb.VerifyResponse(results=[
             pb.VerifyResult(accepted=v.accepted, bonus=v.bonus, selection_deltas=moved[rid],
                             selection=self._selection_stats(rid),
-                            logprobs=[logprob_message(pb, lp) for lp in v.logprobs or []])
-            for (rid, _, _), v in zip(batch, res)], seconds=time.perf_counter() - t)
+                            logprobs=[logprob_message(pb, lp) for lp in v.logprobs or []],
+                            held=v.held)
+            for (rid, _, _), v in zip(batch, res)], seconds=time.perf_counter() - t,
+            load_seconds=tier1[0] - tier0[0], stall_seconds=tier1[1] - tier0[1])
+
+    def _tier_seconds(self) -> tuple[float, float]:
+        """The offloaded tier's (loader, stall) seconds so far; (0, 0) when resident."""
+        tier = self.core.tier
+        return (0.0, 0.0) if tier is None else (tier.stats.transfer_s, tier.stats.stall_s)

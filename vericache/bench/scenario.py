@@ -11,7 +11,9 @@ full KV) and, where the full KV is offloaded, its link are the same for every va
 - full_resident: full-KV greedy decoding, KV resident; the budget bounds how many requests
   are admitted at once.
 - full_offloaded: full-KV greedy decoding with the KV in the offloaded tier: every step
-  loads it over the link (layer by layer, overlapped with compute).
+  loads it over the link (layer by layer, overlapped with compute), but for a request's
+  last steps once they cost less than a load: those run on the copy the step before loaded
+  (the rule VeriCache's verifications follow, `vericache.engine.verifier.Finish`).
 - lossy: decoding over the compressed KV only (the baseline that drifts).
 - vericache_lockstep / vericache_staggered: draft over the compressed KV, verify over the
   offloaded full KV; all draft then all verify, or one group verifies while another drafts
@@ -99,9 +101,11 @@ class ScenarioConfig:
     # selection policies: the first is the headline (and lossy's); each other one runs the
     # `schedule` variant again, named "vericache_<schedule>:<policy>"
     selections: list[str] = field(default_factory=lambda: ["question"])
-    # each adaptive vericache variant calibrates its cost model through its own backends (and
-    # tier or links) before its timed run, as `vericache serve` does at start-up; False: it
-    # starts cold and explores its first rounds
+    # each adaptive vericache variant, and each variant over the offloaded tier (the cost
+    # model prices when a loaded copy finishes a request: `vericache.engine.verifier.Finish`),
+    # calibrates its cost model through its own backends (and tier or links) before its timed
+    # run, as `vericache serve` does at start-up; False: it starts cold and explores (and
+    # finishes no request on a loaded copy until its fit has seen enough passes)
     calibrate: bool = True
     # ... and then serves this many requests about another document (untimed; `run_scenario`'s
     # `warm_prompts`), so that it plans the timed run from the acceptance a server that has
@@ -182,9 +186,10 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
          budget: int | None, namespace: str = "", after_calibration: Callable[[], None] | None = None,
          warm_prompts=()) -> dict:
     """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`).
-    An adaptive vericache variant first calibrates its cost model over them (untimed, as a
-    server's start-up; `cfg.calibrate`) and serves `warm_prompts` (untimed, as a server's
-    earlier traffic; `cfg.warm_requests` of them), then `after_calibration` resets the
+    An adaptive vericache variant, and any variant over the offloaded `tier`, first calibrates
+    its cost model over them (untimed, as a server's start-up; `cfg.calibrate`); an adaptive
+    one then serves `warm_prompts` (untimed, as a server's earlier traffic;
+    `cfg.warm_requests` of them); then `after_calibration` resets the
     caller's transfer counters (its tier's or its links'), so they count the run alone."""
     mode = variant.split("_")[0]
     schedule = "staggered" if variant.partition(":")[0].endswith("staggered") else "lockstep"
@@ -203,10 +208,13 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
                             draft_ahead=cfg.draft_ahead and schedule == "staggered",
                             costs=costs, total_budget=budget)
     try:
-        if mode == "vericache" and params.adaptive:
+        # the cost model prices k (adaptive) and, over an offloaded tier, when a loaded copy
+        # finishes a request (`vericache.engine.verifier.Finish`, the full-KV baseline's too)
+        adaptive = mode == "vericache" and params.adaptive
+        if adaptive or (mode != "lossy" and tier is not None):
             if cfg.calibrate:
                 calibration = calibrate(backends, lm, costs, params)
-            if warm_prompts:
+            if warm_prompts and adaptive:
                 t0 = time.perf_counter()
                 earlier = [Generation(lm, p.ids, params, request_id=f"{prefix}{variant}-warm-{i}")
                            for i, p in enumerate(warm_prompts)]

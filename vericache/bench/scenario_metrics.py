@@ -3,9 +3,10 @@
 Per variant: throughput (emitted tokens over the wall time from the first admission to the
 last token), TTFT (mean over requests, from the run's start: queueing under the memory
 budget counts), time per output token (mean over requests of (finish − first token) /
-(tokens − 1)), τ (tokens per round over all rounds), bytes of full KV moved over the link per
-emitted token (verify loads and write-backs; the prefill's offload is reported apart), and how
-much of the link's transfer time was hidden:
+(tokens − 1)), τ (tokens per round over all rounds; the plain steps that finish a request on
+a verification's held copy, `held_steps`, are not rounds: they load nothing), bytes of full KV
+moved over the link per emitted token (verify loads and write-backs; the prefill's offload is
+reported apart) and the loads, and how much of the link's transfer time was hidden:
 - by layer prefetch: transfer time during which the forward pass did not wait;
 - by staggering: the forward pass's waits that fell while the drafter lane was busy;
 - transfer_hidden_share: the sum of the two, over the transfer time.
@@ -74,6 +75,8 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "wall_s": _r(wall), "throughput_tps": _r(tokens / wall if wall > 0 else None, 3),
         "ttft_mean_s": _r(mean(ttft)), "tpot_mean_s": _r(mean(tpot)),
         "tau_mean": _r(mean(rounds)), "tau_hist": tau_hist(rounds),
+        # plain steps on a verification's loaded copy that finished requests (no load each)
+        "held_steps": sum(g.stats.held_steps for g in gens),
         # a model-free n-gram (prompt lookup) drafter's τ on the same outputs, same k
         "ngram_tau": _r(mean([n for g, ref in zip(gens, reference)
                               for n in ngram_rounds(g.prompt, ref, g.params.draft_len)]))
@@ -118,7 +121,7 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         by_prefetch = max(0.0, st.transfer_s - st.stall_s)
         row.update({
             "kv_bytes_moved": moved, "kv_bytes_moved_per_token": _r(moved / tokens if tokens else None, 0),
-            "prefill_offload_bytes": prompt_bytes, "transfer_s": _r(st.transfer_s),
+            "prefill_offload_bytes": prompt_bytes, "loads": st.loads, "transfer_s": _r(st.transfer_s),
             "stall_s": _r(st.stall_s), "hidden_by_prefetch_s": _r(by_prefetch),
             "hidden_by_staggering_s": _r(by_stagger),
             "transfer_hidden_share": _r(_ratio(by_prefetch + by_stagger, st.transfer_s)),

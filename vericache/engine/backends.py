@@ -3,7 +3,8 @@
 A backend pair serves requests (`Generation`s) by id:
 - `admit`: prefill on the verifier (full KV, compressed chunks) and attach on the drafter;
   returns the first token as a `Verdict` with no drafts (and its logprob when asked for);
-- `draft` and `verify`: batched across requests, one call per phase of a round;
+- `draft` and `verify`: batched across requests, one call per phase of a round (and, where
+  a verify pass held a request's loaded full KV, one per plain step that finishes it);
 - `draft_ahead`: while a request's drafts are in verification, draft past them on the guess
   that all are accepted (the staggered schedule's idle drafter lane); returns tokens drafted;
 - `commit`: tell the drafter a verification's outcome;
@@ -25,7 +26,7 @@ from abc import ABC, abstractmethod
 
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.verifier import Verdict
+from vericache.engine.verifier import Finish, Verdict
 
 
 class Backends(ABC):
@@ -42,9 +43,11 @@ class Backends(ABC):
         """Draft up to k more past each request's drafts in verification; tokens drafted."""
 
     @abstractmethod
-    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
+    def verify(self, batch: list[tuple[Generation, DraftOut]],
+               finish: dict[str, Finish] | None = None) -> list[Verdict]:
         """(accepted drafts, bonus token, logprobs when asked) per request, from one pass over
-        the full KV."""
+        the full KV; `finish`: the requests whose loaded full KV the pass holds when few
+        tokens are left (`vericache.engine.verifier.Finish`; `Verdict.held`)."""
 
     @abstractmethod
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:

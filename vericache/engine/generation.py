@@ -117,6 +117,7 @@ class GenStats:
     select_moves: int = 0  # deltas applied to the drafter's set
     select_moved_tokens: int = 0  # tokens moved in, over layers and KV heads
     select_delta_bytes: int = 0  # bytes of those deltas (K/V + slots + positions)
+    held_steps: int = 0  # plain steps on a verification's loaded full KV (`on_held_step`)
     drafter_lost: str = ""  # why the drafter stopped serving a vericache request (see lose_drafter)
 
     def record_selection(self, seconds: float, moves: int, moved_tokens: int, delta_bytes: int) -> None:
@@ -269,6 +270,13 @@ class Generation:
         self.draftlen.update(len(drafted), accepted)
         return self._emit(list(drafted[:accepted]) + [bonus],
                           ["draft"] * accepted + ["bonus" if drafted else "plain"], logprobs)
+
+    def on_held_step(self, token: int, logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """A plain full-KV decode step on the working copy a verification loaded and held
+        (`vericache.engine.verifier.Finish`): not a round (it loaded nothing), so τ and the
+        k histogram do not count it; `held_steps` does."""
+        self.stats.held_steps += 1
+        return self._emit([token], ["plain"], logprobs)
 
     def lose_drafter(self, reason: str) -> bool:
         """The drafter can no longer serve this request (its service died or restarted, or

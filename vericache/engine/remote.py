@@ -33,7 +33,7 @@ from vericache._proto import load
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.verifier import Verdict
+from vericache.engine.verifier import Finish, Verdict
 from vericache.errors import DeadlineExceeded, NotFound, Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
 from vericache.spec.logprobs import TokenLogprob
@@ -113,6 +113,7 @@ class RemoteBackends(Backends):
         # its deadline (the drafter may then hold a session for it, freed before the next)
         self._prepared: dict[str, bool] = {}
         self._drafter_down_until = 0.0  # monotonic time: no Attach is tried before it
+        self._tier_s = [0.0, 0.0]  # the verifier's (stall, load) seconds over our passes
 
     def admit(self, g: Generation) -> Verdict:
         p = g.params
@@ -237,18 +238,29 @@ class RemoteBackends(Backends):
         except (Unavailable, NotFound):
             return 0  # a guess lost; the next Draft or Commit finds the drafter gone
 
-    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
+    def verify(self, batch: list[tuple[Generation, DraftOut]],
+               finish: dict[str, Finish] | None = None) -> list[Verdict]:
+        finish = finish or {}
         res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
             vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
-                           refresh_draft=g.refreshes_draft and bool(d.tokens))
+                           refresh_draft=g.refreshes_draft and bool(d.tokens),
+                           finish_remaining=finish[g.rid].remaining if g.rid in finish else 0,
+                           finish_within=finish[g.rid].within if g.rid in finish else 0)
             for g, d in batch]), self.timeout, "verifier Verify")
+        self._tier_s[0] += res.stall_seconds
+        self._tier_s[1] += res.load_seconds
         for (g, d), r in zip(batch, res.results):
             self._refresh[g.rid] = g.refreshes_draft and bool(d.tokens)
             self._moved[g.rid] = r.selection_deltas > 0
             _record_selection(g, r.selection)
         return [Verdict(r.accepted, r.bonus, [_logprob(m) for m in r.logprobs]
-                        if g.params.logprobs is not None else None)
+                        if g.params.logprobs is not None else None, held=r.held)
                 for (g, _), r in zip(batch, res.results)]
+
+    def tier_counters(self) -> tuple[float, float]:
+        """The verifier service's (stall, load) seconds over this client's passes, from each
+        VerifyResponse: the gateway's cost model prices its loads as in process."""
+        return self._tier_s[0], self._tier_s[1]
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         if g.stats.drafter_lost:

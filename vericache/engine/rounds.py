@@ -12,7 +12,7 @@ from functools import partial
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import Drafter, DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.verifier import Verdict, Verifier
+from vericache.engine.verifier import Finish, Verdict, Verifier
 from vericache.spec.costmodel import CostModel
 from vericache.spec.grammar import Grammars
 from vericache.store.codec import decode_deltas, encode_deltas
@@ -176,9 +176,11 @@ class LocalBackends(Backends):
         st = self.tier.stats
         return st.stall_s, st.transfer_s
 
-    def verify(self, batch: list[tuple[Generation, DraftOut]]) -> list[Verdict]:
+    def verify(self, batch: list[tuple[Generation, DraftOut]],
+               finish: dict[str, Finish] | None = None) -> list[Verdict]:
         return self.verifier.verify([(g.rid, d.tokens, d.q) for g, d in batch],
-                                    refresh=[g.rid for g, d in batch if g.refreshes_draft and d.tokens])
+                                    refresh=[g.rid for g, d in batch if g.refreshes_draft and d.tokens],
+                                    finish=finish)
 
     def commit(self, g: Generation, accepted: int, bonus: int | None) -> None:
         if g.rid in self._attaching:  # no drafter yet: a plain decode step; feed it later
@@ -273,9 +275,11 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
     verifying = [g for g in gens if g.params.mode != "lossy"]
     empty = DraftOut([], None)
     shape = [(len(drafts.get(g.rid, empty).tokens) + 1, g.context) for g in verifying]
+    finish = _finish_plan(verifying, costs)
     tier0 = backends.tier_counters()
     t1 = time.perf_counter()
-    results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying]) if verifying else []
+    results = backends.verify([(g, drafts.get(g.rid, empty)) for g in verifying],
+                              finish) if verifying else []
     t2 = time.perf_counter()
     tier1 = backends.tier_counters()
     # a request's first pass after its prefill also moves its cache into the batch's pool
@@ -301,11 +305,46 @@ def verify_phase(backends: Backends, gens: list[Generation], drafts: dict[str, D
     if outcomes is None:
         commit_outcomes(backends, verifying, pending, costs,
                         {g.rid for g in verifying if drafts.get(g.rid, empty).tokens})
+    finish_held(backends, [g for g, v in zip(verifying, results) if v.held], out, costs)
     for g in gens:
         if g.params.mode == "lossy":
             _commit(backends, g, 1, None, outcomes)
             out[g.rid] = g.on_lossy(drafts[g.rid].tokens[0])
     return out
+
+
+def _finish_plan(gens: list[Generation], costs: CostModel | None) -> dict[str, Finish]:
+    """Which requests' verify passes hold their loaded full KV when few tokens are left
+    (`vericache.engine.verifier.Finish`): where the full KV is loaded for each pass (the cost
+    model has priced a load) and plain steps on the loaded copy cost less than loading it
+    again, for every request that uses the full KV (`full` too: the offloaded baseline gets
+    the same rule)."""
+    if costs is None:
+        return {}
+    plan = {}
+    for g in gens:
+        within = costs.finish_within(g.context)
+        if within > 0 and g.stop.remaining > 1:
+            plan[g.rid] = Finish(g.stop.remaining, within)
+    return plan
+
+
+def finish_held(backends: Backends, held: list[Generation], out: dict[str, list[int]],
+                costs: CostModel | None = None) -> None:
+    """Plain decode steps on the working copies the verify pass held (`Verdict.held`), until
+    each request ends: the tokens it emits extend `out`. A request holds only while tokens are
+    left, and its last step leaves none, so each ends here (at max_tokens, or earlier at a
+    stop); its drafter, released with it, is never told these tokens."""
+    empty = DraftOut([], None)
+    while held := [g for g in held if not g.finished]:
+        t0 = time.perf_counter()
+        results = backends.verify([(g, empty) for g in held], _finish_plan(held, costs))
+        if costs is not None:  # one-row passes that loaded nothing: a plain step's compute
+            ctx = sum(g.context for g in held)
+            costs.observe_verify(len(held), ctx, ctx, time.perf_counter() - t0)
+        for g, v in zip(held, results):
+            out[g.rid] += g.on_held_step(v.bonus, v.logprobs)
+        held = [g for g, v in zip(held, results) if v.held]
 
 
 def _commit(backends, g: Generation, accepted: int, bonus: int | None, outcomes) -> None:

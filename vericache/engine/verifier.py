@@ -12,7 +12,9 @@ Methods and when they are called:
   and the matcher then takes only the emitted tokens);
   accepts by `vericache.spec.accept`; crops the cache to the accepted tokens. Returns a
   `Verdict` per request: (accepted, bonus) and, when the request asked, the raw logprobs of
-  the emitted tokens (`vericache.spec.logprobs`).
+  the emitted tokens (`vericache.spec.logprobs`). With an offloaded tier, `finish` asks the
+  verifier to hold a request's loaded working copy when few tokens are left (`Finish`): its
+  next passes, plain decode steps in the same verify job, then load nothing.
 - `prepare_draft(rid)`: for a request prefilled with `draft_later`, right before its drafter
   attaches: what prefill left for the drafter (the exact tail into the store, the
   selection's first moves), so a request that never drafts never pays for them.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,6 +89,27 @@ class VerifySession:
     selection: SelectionRecord | None = None
     limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
     bitwise: bool = False  # its passes are invariant ones (GenParams.exact == "bitwise")
+    held: object | None = None  # offloaded tier: the working copy its last pass kept (`Finish`)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Finish a request on the full KV its verification loaded, not on another load.
+
+    With an offloaded tier every verification loads the request's whole full KV over the link.
+    When the tokens left after a pass are few, another round (drafts, then a load for them)
+    costs more than plain decode steps on the working copy already loaded: the pass keeps the
+    copy (`Verdict.held`) if 0 < `remaining` - emitted <= `within`, and the request's next
+    passes, plain steps (no drafts) in the same verify job, run on it and load nothing. Plain
+    steps are full-KV decoding, so the output is what it was. `remaining`: tokens the request
+    may still emit, this pass's among them; `within`: the most steps that cost less than a
+    load (`CostModel.finish_within`)."""
+
+    remaining: int
+    within: int
+
+    def holds(self, emitted: int) -> bool:
+        return 0 < self.remaining - emitted <= self.within
 
 
 @dataclass
@@ -98,6 +121,7 @@ class Verdict:
     accepted: int
     bonus: int
     logprobs: list[TokenLogprob] | None = None
+    held: bool = False  # the pass kept its loaded working copy for the next (`Finish`)
 
 
 @dataclass
@@ -310,21 +334,36 @@ class Verifier:
         return KVSpan(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), lo)
 
     def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]],
-               refresh: Collection[str] = ()) -> list[Verdict]:
+               refresh: Collection[str] = (), finish: Mapping[str, Finish] | None = None) -> list[Verdict]:
         """For each (rid, drafts, q): one pass over the full KV, accept, crop. For the rids in
-        `refresh`, the exact KV of the tokens verified is kept for `take_exact`."""
+        `refresh`, the exact KV of the tokens verified is kept for `take_exact`. `finish`
+        (offloaded tier): rids whose loaded working copy is held after the pass when few
+        tokens are left (`Finish`); a request with a held copy passes on it, loading nothing."""
         if not batch:
             return []
+        finish = finish or {}
         sess = [self._get(rid) for rid, _, _ in batch]
         for s, (rid, drafts, _) in zip(sess, batch):
             if s.cache.length + len(s.pending) + len(drafts) > s.limit:
                 raise InvalidArgument(f"request {rid}: {len(drafts)} drafts would take its KV past "
                                       f"the {s.limit} tokens reserved (prompt + extra_capacity)",
                                       "draft_tokens")
+        for s, (_, drafts, _) in zip(sess, batch):  # a held copy takes plain steps only
+            if s.held is not None and s.held.length + len(s.pending) + len(drafts) > s.held.k_buf.shape[2]:
+                s.held = None
         before = {rid: self._get(rid).cache.length for rid in refresh}
-        caches = [s.cache for s in sess]
+        caches = [s.held or s.cache for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
-            caches = self.tier.open(caches, [len(s.pending) + len(d) for s, (_, d, _) in zip(sess, batch)])
+            load = [i for i, s in enumerate(sess) if s.held is None]
+            if load:
+                # room for the steps a held copy may take after this pass (`Finish.within`)
+                extras = [len(sess[i].pending) + len(batch[i][1])
+                          + (finish[batch[i][0]].within if batch[i][0] in finish else 0) for i in load]
+                opened = self.tier.open([sess[i].cache for i in load],
+                                        [min(e, sess[i].limit - sess[i].cache.length)
+                                         for i, e in zip(load, extras)])
+                for i, c in zip(load, opened):
+                    caches[i] = c
         items = []
         for s, c, (_, drafts, _) in zip(sess, caches, batch):
             toks = s.pending + list(drafts)
@@ -336,7 +375,7 @@ class Verifier:
                                       c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)
         out = []
-        for s, c, it, (_, drafts, q), lg in zip(sess, caches, items, batch, logits):
+        for s, c, it, (rid, drafts, q), lg in zip(sess, caches, items, batch, logits):
             k, drafts = len(drafts), list(drafts)
             allowed = s.grammar.row_masks(drafts) if s.grammar is not None else None
             x = process(lg, s.sampling, s.history, drafts, allowed)  # [k + 1, V] processed logits
@@ -358,9 +397,11 @@ class Verifier:
             c.crop(c.length - k + a)
             if c is not s.cache:
                 self.tier.write_back(c)
+            fin = finish.get(rid)
+            s.held = c if c is not s.cache and fin is not None and fin.holds(len(emitted)) else None
             s.pending = [bonus]
             out.append(Verdict(a, bonus, None if s.top_logprobs is None
-                               else token_logprobs(lg, emitted, s.top_logprobs)))
+                               else token_logprobs(lg, emitted, s.top_logprobs), held=s.held is not None))
         for rid, since in before.items():
             self._exact[rid] = self._verified_span(rid, since)
         return out

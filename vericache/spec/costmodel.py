@@ -439,6 +439,18 @@ class CostModel:
             t = max(t, self.load_s_per_token * ctx_sum)
         return t
 
+    def finish_within(self, context: int) -> int:
+        """Where every verify pass loads the full KV (an offloaded tier): how many plain steps
+        on a pass's loaded copy of a `context`-token request cost less than loading it again
+        for another round (`vericache.engine.verifier.Finish`): the load's predicted seconds
+        over a one-token pass's compute. 0 while no load has been seen (a resident full KV)
+        or the verify fit has not seen MIN_FIT passes."""
+        with self._lock:
+            if self.load_s_per_token is None or not self.verify.ready():
+                return 0
+            step = self.verify.predict(_verify_x(1, context, context), _verify_bucket(1, context))
+            return int(self.load_s_per_token * context / max(step, self.verify.floor, 1e-6))
+
     def observe_round(self, emitted: int, seconds: float, profiles: list[tuple[int, int]]) -> None:
         """A group's round emitted `emitted` tokens in `seconds`; (drafted, accepted) per request."""
         with self._lock:
