@@ -531,3 +531,24 @@ def test_the_engine_feeds_the_commit_price(lm, prompts):
     _, snaps = _engine_rounds(lm, prompts["long"][:300], (0, 4))
     assert snaps[0]["commit_s"] == 0.0  # a plain step commits nothing to price
     assert snaps[1]["commit_s"] > 0.0
+
+
+def test_finishing_is_priced_by_the_held_steps_once_seen():
+    """`finish_within`: 0 without a load (resident), then the load over a one-row pass's
+    compute, then over the held steps' own price once MIN_FIT of them were seen (cheaper on a
+    CPU, where a loaded pass computes beside its loader)."""
+    from vericache.spec.costmodel import MIN_FIT
+
+    m = CostModel()
+    for _ in range(MIN_FIT):  # resident one-row 8k passes: nothing to hold
+        m.observe_verify(1, 8000, 8000, 0.06)
+    assert m.finish_within(8000) == 0
+    m = CostModel()
+    for _ in range(MIN_FIT):  # loaded: 0.8 s a load beside 0.16 s of compute
+        m.observe_verify(1, 8000, 8000, 0.8, stall_s=0.64, load_s=0.8)
+    assert m.finish_within(8000) == 5  # 0.8 / 0.16
+    for i in range(MIN_FIT - 1):
+        m.observe_held(2, 16000, 0.12)  # 0.06 s a request
+    assert m.finish_within(8000) == 5
+    m.observe_held(2, 16000, 0.12)
+    assert m.finish_within(8000) == 13  # 0.8 / 0.06

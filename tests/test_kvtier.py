@@ -437,6 +437,7 @@ def test_requests_finish_on_the_loaded_copy_when_a_load_costs_more(lm, ids, refe
         s = res.stats
         assert 1 + sum(s.round_emitted) + s.held_steps == N  # the prefill's token, rounds, steps
         assert tier.stats.loads == s.rounds
+        assert res.usage["held_steps"] == s.held_steps
         if loads is None:
             assert s.held_steps == 0
         else:

@@ -376,6 +376,9 @@ class UsageInfo(BaseModel):
     plain_rounds: int = Field(0, description="rounds the cost model made plain full-KV decode "
                                              "steps (k = 0), in vericache mode")
     draft_len_mean: float = Field(0.0, description="drafts verified per round, on average")
+    held_steps: int = Field(0, description="plain full-KV decode steps that finished the request "
+                                           "on the full KV its last verification loaded (an "
+                                           "offloaded tier), with no load of their own")
 
 
 def merge_usage(usages: list[UsageInfo]) -> UsageInfo:
@@ -398,7 +401,8 @@ def merge_usage(usages: list[UsageInfo]) -> UsageInfo:
         selection_moved_tokens=sum(u.selection_moved_tokens for u in usages),
         exact=usages[0].exact,
         plain_rounds=sum(u.plain_rounds for u in usages),
-        draft_len_mean=drafted / rounds if rounds else 0.0)
+        draft_len_mean=drafted / rounds if rounds else 0.0,
+        held_steps=sum(u.held_steps for u in usages))
 
 
 class ToolCallFunction(BaseModel):

@@ -211,7 +211,7 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
         # the cost model prices k (adaptive) and, over an offloaded tier, when a loaded copy
         # finishes a request (`vericache.engine.verifier.Finish`, the full-KV baseline's too)
         adaptive = mode == "vericache" and params.adaptive
-        if adaptive or (mode != "lossy" and tier is not None):
+        if adaptive or (mode != "lossy" and tier_name == "offloaded"):
             if cfg.calibrate:
                 calibration = calibrate(backends, lm, costs, params)
             if warm_prompts and adaptive:

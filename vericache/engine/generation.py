@@ -310,4 +310,5 @@ class Generation:
                                  else 0),
                 # why a vericache request finished on plain steps without its drafter (None: it did not)
                 "drafter_lost": s.drafter_lost or None,
+                "held_steps": s.held_steps,
                 "draft_len_mean": round(s.drafted / s.rounds, 3) if s.rounds else 0.0}

@@ -339,9 +339,8 @@ def finish_held(backends: Backends, held: list[Generation], out: dict[str, list[
     while held := [g for g in held if not g.finished]:
         t0 = time.perf_counter()
         results = backends.verify([(g, empty) for g in held], _finish_plan(held, costs))
-        if costs is not None:  # one-row passes that loaded nothing: a plain step's compute
-            ctx = sum(g.context for g in held)
-            costs.observe_verify(len(held), ctx, ctx, time.perf_counter() - t0)
+        if costs is not None:  # one-row passes that loaded nothing: what finishing costs
+            costs.observe_held(len(held), sum(g.context for g in held), time.perf_counter() - t0)
         for g, v in zip(held, results):
             out[g.rid] += g.on_held_step(v.bonus, v.logprobs)
         held = [g for g, v in zip(held, results) if v.held]

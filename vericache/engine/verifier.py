@@ -352,7 +352,7 @@ class Verifier:
             if s.held is not None and s.held.length + len(s.pending) + len(drafts) > s.held.k_buf.shape[2]:
                 s.held = None
         before = {rid: self._get(rid).cache.length for rid in refresh}
-        caches = [s.held or s.cache for s in sess]
+        caches = [s.cache if s.held is None else s.held for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
             load = [i for i, s in enumerate(sess) if s.held is None]
             if load:

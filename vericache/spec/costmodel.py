@@ -268,6 +268,10 @@ def _draft_x(batch: int, ctx_sum: float) -> np.ndarray:
     return np.array([1.0, batch, float(batch > 1), ctx_sum / 1e4])
 
 
+def _held_x(ctx: float) -> np.ndarray:
+    return np.array([1.0, ctx / 1e4])
+
+
 def _verify_bucket(tokens: int, ctx_sum: float) -> tuple:
     return tokens, round(ctx_sum, -3)
 
@@ -367,6 +371,8 @@ class CostModel:
         self.verify = LinearFit(5, recency)  # a verify pass's compute (its whole time when resident)
         self.draft = LinearFit(4, recency)
         self.load_s_per_token: float | None = None  # offloaded tier: seconds per context token loaded
+        # a plain step on a held copy, per request (`observe_held`): no load beside it
+        self.held = LinearFit(2, recency)
         self.commit = RunningMean(recency)  # seconds to commit a drafting request's outcome
         self.start = RunningMean(recency)  # seconds to start a drafter, per context token
         self._lock = threading.Lock()
@@ -411,6 +417,17 @@ class CostModel:
                                 _verify_bucket(tokens, ctx_sum))
             log.debug("verify pass: %d tokens, context %d: %.4f s", tokens, ctx_sum, seconds)
 
+    def observe_held(self, batch: int, ctx_sum: float, seconds: float) -> None:
+        """Plain steps of `batch` requests on the working copies their verification held
+        (`vericache.engine.verifier.Finish`) took `seconds`. Kept apart from the verify fit:
+        a loaded pass computes beside its load (on a CPU the loader's copies take the same
+        cores and memory: a one-row 8k pass's compute was priced at 0.12-0.16 s there, a held
+        step takes about 0.06), and what finishing pays is the held step's own price."""
+        if batch >= 1:
+            with self._lock:
+                ctx = ctx_sum / batch
+                self.held.observe(_held_x(ctx), seconds / batch, 1, round(ctx, -3))
+
     def observe_commit(self, requests: int, seconds: float) -> None:
         """The outcomes of a round in which `requests` requests drafted were committed to
         their drafters in `seconds`."""
@@ -443,13 +460,17 @@ class CostModel:
         """Where every verify pass loads the full KV (an offloaded tier): how many plain steps
         on a pass's loaded copy of a `context`-token request cost less than loading it again
         for another round (`vericache.engine.verifier.Finish`): the load's predicted seconds
-        over a one-token pass's compute. 0 while no load has been seen (a resident full KV)
-        or the verify fit has not seen MIN_FIT passes."""
+        over a held step's (`observe_held`; until MIN_FIT were seen, a one-token pass's
+        compute, the dearer price). 0 while no load has been seen (a resident full KV) or the
+        verify fit has not seen MIN_FIT passes."""
         with self._lock:
             if self.load_s_per_token is None or not self.verify.ready():
                 return 0
-            step = self.verify.predict(_verify_x(1, context, context), _verify_bucket(1, context))
-            return int(self.load_s_per_token * context / max(step, self.verify.floor, 1e-6))
+            if self.held.ready():
+                step = self.held.predict(_held_x(context), round(context, -3))
+            else:
+                step = self.verify.predict(_verify_x(1, context, context), _verify_bucket(1, context))
+            return int(self.load_s_per_token * context / max(step, 1e-6))
 
     def observe_round(self, emitted: int, seconds: float, profiles: list[tuple[int, int]]) -> None:
         """A group's round emitted `emitted` tokens in `seconds`; (drafted, accepted) per request."""
@@ -639,5 +660,6 @@ class CostModel:
                     "calibration": self.calibration,
                     "verify_theta": self.verify.theta.tolist(),
                     "load_s_per_token": self.load_s_per_token,
+                    "held_theta": self.held.theta.tolist(),
                     "commit_s": self.commit.value, "start_s_per_token": self.start.value,
                     "draft_theta": self.draft.theta.tolist()}
