@@ -42,7 +42,7 @@ import torch
 from vericache.compress.base import CompressedChunk, Compressor, KVSpan
 from vericache.engine.budget import Ledger
 from vericache.engine.prefill import compress_prompt, prefill, tail_start
-from vericache.engine.kvtier import OffloadedTier
+from vericache.engine.kvtier import OffloadedTier, StreamedKV
 from vericache.errors import InvalidArgument, NotFound, Unavailable, VeriCacheError
 from vericache.store.base import ChunkStore
 from vericache.store.prefix import PrefixCache, TransferStats
@@ -89,7 +89,7 @@ class VerifySession:
     selection: SelectionRecord | None = None
     limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
     bitwise: bool = False  # its passes are invariant ones (GenParams.exact == "bitwise")
-    held: object | None = None  # offloaded tier: the working copy its last pass kept (`Finish`)
+    held: StreamedKV | None = None  # offloaded tier: the working copy its last pass kept (`Finish`)
 
 
 @dataclass(frozen=True)
