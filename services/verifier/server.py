@@ -103,9 +103,9 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                   for it in req.items if it.finish_remaining and it.finish_within}
         t = time.perf_counter()
         with self.svc.lock:
-            tier0 = self._tier_seconds()
+            tier0 = self._tier_counters()
             res = self.core.verify(batch, refresh, finish)
-            tier1 = self._tier_seconds()
+            tier1 = self._tier_counters()
             spans = {rid: self.core.take_exact(rid) for rid in refresh}
             deltas = {rid: self.core.take_deltas(rid) for rid, _, _ in batch}
         for rid, sp in spans.items():  # outside the lock: the store's link may be slow
@@ -123,9 +123,8 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
                             logprobs=[logprob_message(pb, lp) for lp in v.logprobs or []],
                             held=v.held)
             for (rid, _, _), v in zip(batch, res)], seconds=time.perf_counter() - t,
-            load_seconds=tier1[0] - tier0[0], stall_seconds=tier1[1] - tier0[1])
+            stall_seconds=tier1[0] - tier0[0], load_seconds=tier1[1] - tier0[1])
 
-    def _tier_seconds(self) -> tuple[float, float]:
-        """The offloaded tier's (loader, stall) seconds so far; (0, 0) when resident."""
-        tier = self.core.tier
-        return (0.0, 0.0) if tier is None else (tier.stats.transfer_s, tier.stats.stall_s)
+    def _tier_counters(self) -> tuple[float, float]:
+        """The offloaded tier's (stall, load) seconds so far; (0, 0) when resident."""
+        return (0.0, 0.0) if self.core.tier is None else self.core.tier.counters()

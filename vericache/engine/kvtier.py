@@ -260,6 +260,12 @@ class OffloadedTier:
             c.v.zero_()
             self.recycle(c)
 
+    def counters(self) -> tuple[float, float]:
+        """(seconds verify passes waited for layers, seconds the loader moved them) so far:
+        what the cost model prices a pass's load by (`Backends.tier_counters`)."""
+        with self._lock:
+            return self.stats.stall_s, self.stats.transfer_s
+
     @property
     def host_bytes_free(self) -> int:
         """Bytes of the host caches kept for later requests."""

@@ -171,10 +171,7 @@ class LocalBackends(Backends):
         return {"drafter": len(self.drafter.sessions), "verifier": len(self.verifier.sessions)}
 
     def tier_counters(self) -> tuple[float, float]:
-        if self.tier is None:
-            return 0.0, 0.0
-        st = self.tier.stats
-        return st.stall_s, st.transfer_s
+        return (0.0, 0.0) if self.tier is None else self.tier.counters()
 
     def verify(self, batch: list[tuple[Generation, DraftOut]],
                finish: dict[str, Finish] | None = None) -> list[Verdict]:
