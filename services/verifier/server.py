@@ -99,8 +99,7 @@ class VerifierServicer(SessionServicer, pb_grpc.VerifierServicer):
             drafts = token_list(it.draft_tokens, self.vocab, "draft_tokens", allow_empty=True)
             batch.append((it.request_id, drafts, probs_from_bytes(it.draft_probs, len(drafts), self.vocab)))
         refresh = [it.request_id for it in req.items if it.refresh_draft]
-        finish = {it.request_id: Finish(it.finish_remaining, it.finish_within)
-                  for it in req.items if it.finish_remaining and it.finish_within}
+        finish = {it.request_id: Finish(it.finish_remaining, it.finish_within) for it in req.items}
         t = time.perf_counter()
         with self.svc.lock:
             tier0 = self._tier_counters()

@@ -170,9 +170,14 @@ class StreamedKV:
         end = self.length if end is None else end
         return self.k_buf[:, :, start:end], self.v_buf[:, :, start:end]
 
+    @property
+    def capacity(self) -> int:
+        """Tokens the working copy has room for."""
+        return self.k_buf.shape[2]
+
     def reserve(self, extra: int) -> None:
-        if self.length + extra > self.k_buf.shape[2]:
-            raise ValueError(f"working copy holds {self.k_buf.shape[2]} tokens; "
+        if self.length + extra > self.capacity:
+            raise ValueError(f"working copy holds {self.capacity} tokens; "
                              f"{self.length + extra} needed")
 
     def crop(self, length: int) -> None:

@@ -33,7 +33,7 @@ from vericache._proto import load
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
-from vericache.engine.verifier import Finish, Verdict
+from vericache.engine.verifier import NO_FINISH, Finish, Verdict
 from vericache.errors import DeadlineExceeded, NotFound, Unavailable, VeriCacheError
 from vericache.grpc_token import with_token
 from vericache.spec.logprobs import TokenLogprob
@@ -240,13 +240,14 @@ class RemoteBackends(Backends):
 
     def verify(self, batch: list[tuple[Generation, DraftOut]],
                finish: dict[str, Finish] | None = None) -> list[Verdict]:
-        finish = finish or {}
-        res = call(self.verifier.Verify, vpb.VerifyRequest(items=[
-            vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens, draft_probs=probs_to_bytes(d.q),
-                           refresh_draft=g.refreshes_draft and bool(d.tokens),
-                           finish_remaining=finish[g.rid].remaining if g.rid in finish else 0,
-                           finish_within=finish[g.rid].within if g.rid in finish else 0)
-            for g, d in batch]), self.timeout, "verifier Verify")
+        items = []
+        for g, d in batch:
+            f = (finish or {}).get(g.rid, NO_FINISH)
+            items.append(vpb.VerifyItem(request_id=g.rid, draft_tokens=d.tokens,
+                                        draft_probs=probs_to_bytes(d.q),
+                                        refresh_draft=g.refreshes_draft and bool(d.tokens),
+                                        finish_remaining=f.remaining, finish_within=f.within))
+        res = call(self.verifier.Verify, vpb.VerifyRequest(items=items), self.timeout, "verifier Verify")
         self._tier_s[0] += res.stall_seconds
         self._tier_s[1] += res.load_seconds
         for (g, d), r in zip(batch, res.results):

@@ -112,6 +112,9 @@ class Finish:
         return 0 < self.remaining - emitted <= self.within
 
 
+NO_FINISH = Finish(0, 0)  # a request not asked to finish: it never holds
+
+
 @dataclass
 class Verdict:
     """What the verifier decided after a pass: `accepted` drafts, then its `bonus` token
@@ -341,7 +344,7 @@ class Verifier:
         tokens are left (`Finish`); a request with a held copy passes on it, loading nothing."""
         if not batch:
             return []
-        finish = finish or {}
+        fin = [(finish or {}).get(rid, NO_FINISH) for rid, _, _ in batch]
         sess = [self._get(rid) for rid, _, _ in batch]
         for s, (rid, drafts, _) in zip(sess, batch):
             if s.cache.length + len(s.pending) + len(drafts) > s.limit:
@@ -349,19 +352,17 @@ class Verifier:
                                       f"the {s.limit} tokens reserved (prompt + extra_capacity)",
                                       "draft_tokens")
         for s, (_, drafts, _) in zip(sess, batch):  # a held copy takes plain steps only
-            if s.held is not None and s.held.length + len(s.pending) + len(drafts) > s.held.k_buf.shape[2]:
+            if s.held is not None and s.held.length + len(s.pending) + len(drafts) > s.held.capacity:
                 s.held = None
         before = {rid: self._get(rid).cache.length for rid in refresh}
         caches = [s.cache if s.held is None else s.held for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
             load = [i for i, s in enumerate(sess) if s.held is None]
             if load:
-                # room for the steps a held copy may take after this pass (`Finish.within`)
-                extras = [len(sess[i].pending) + len(batch[i][1])
-                          + (finish[batch[i][0]].within if batch[i][0] in finish else 0) for i in load]
-                opened = self.tier.open([sess[i].cache for i in load],
-                                        [min(e, sess[i].limit - sess[i].cache.length)
-                                         for i, e in zip(load, extras)])
+                # with room for the steps a held copy may take after this pass (`Finish.within`)
+                opened = self.tier.open([sess[i].cache for i in load], [
+                    min(len(sess[i].pending) + len(batch[i][1]) + fin[i].within,
+                        sess[i].limit - sess[i].cache.length) for i in load])
                 for i, c in zip(load, opened):
                     caches[i] = c
         items = []
@@ -375,7 +376,7 @@ class Verifier:
                                       c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)
         out = []
-        for s, c, it, (rid, drafts, q), lg in zip(sess, caches, items, batch, logits):
+        for s, c, it, f, (_, drafts, q), lg in zip(sess, caches, items, fin, batch, logits):
             k, drafts = len(drafts), list(drafts)
             allowed = s.grammar.row_masks(drafts) if s.grammar is not None else None
             x = process(lg, s.sampling, s.history, drafts, allowed)  # [k + 1, V] processed logits
@@ -397,8 +398,7 @@ class Verifier:
             c.crop(c.length - k + a)
             if c is not s.cache:
                 self.tier.write_back(c)
-            fin = finish.get(rid)
-            s.held = c if c is not s.cache and fin is not None and fin.holds(len(emitted)) else None
+            s.held = c if c is not s.cache and f.holds(len(emitted)) else None
             s.pending = [bonus]
             out.append(Verdict(a, bonus, None if s.top_logprobs is None
                                else token_logprobs(lg, emitted, s.top_logprobs), held=s.held is not None))
