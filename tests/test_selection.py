@@ -12,7 +12,8 @@ from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument, UnknownName
 from vericache.select import SelectionDelta, SelectionState, make_selection, selection_names
-from vericache.select.base import SINKS, move_towards, pooled, target_mask, upgrade_towards
+from vericache.select.base import (SINKS, _take, move_towards, pooled, target_mask, upgrade_towards,
+                                   window_votes)
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.memory import MemoryStore
 
@@ -119,6 +120,35 @@ def test_question_first_move_bounded_by_first():
     entered = st_b.held_mask() & ~_state(m=12).held_mask()
     assert not (entered & ~st_full.held_mask()).any()
     assert (st_b.held_mask().sum(-1) == 12).all()
+
+
+def test_entering_tokens_are_taken_from_any_cache_view():
+    """A move's entering K/V (`_take`) are the tokens a gather picks, from a cache's view
+    ([:, :, :n] of room for more), a pool's slot (layers strided over the slots) and a view
+    whose tokens are not rows of the storage (the gather then)."""
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(4, 3, 2, 50, 8, generator=g)  # [L, slots, H, cap, D]
+    plain = torch.randn(4, 2, 50, 8, generator=g)
+    for t in (pool[:, 1, :, :37], plain[:, :, :37], plain[:, :, :8, :6].transpose(2, 3)):
+        pos = torch.randint(0, t.shape[2], (4, 2, 9), generator=g)
+        want = torch.gather(t, 2, pos.unsqueeze(-1).expand(4, 2, 9, t.shape[3]))
+        assert torch.equal(_take(t, pos), want)
+
+
+def test_window_votes_are_the_softmax_rows_summed():
+    """The question score of one layer: each key's attention mass summed over the window's
+    queries and a KV group's query heads, no query seeing past its position (each row sums
+    to 1, so the votes sum to G w per KV head)."""
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(6, 5, 16, generator=g), torch.randn(2, 40, 16, generator=g)
+    q_pos = torch.arange(35, 40)
+    s = torch.einsum("hgwd,hnd->hgwn", q.view(2, 3, 5, 16), k) * 16 ** -0.5
+    s = s.masked_fill(torch.arange(40)[None, None, None, :] > q_pos[None, None, :, None],
+                      float("-inf"))
+    want = torch.softmax(s, -1).sum((1, 2))
+    got = window_votes(q, k, q_pos)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got.sum(-1), torch.full((2,), 15.0))
 
 
 def test_pooling_by_max_or_mean():

@@ -193,16 +193,23 @@ def window_votes(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch
     """Attention mass each key gets from a window of queries, summed over the window and the
     query heads of each KV group (classic SnapKV scoring, one layer).
     q: [Hq, w, D] post-RoPE; k: [Hkv, n, D]; q_pos: [w] positions of the queries (< n).
-    Returns [Hkv, n] float32 (each query row contributes a total of 1)."""
+    Returns [Hkv, n] float32 (each query row contributes a total of 1).
+    The rows' exponentials are summed weighted by their inverse sums (one product), not
+    normalised row by row first: one pass over the [Hkv, G w, n] scores fewer, and no second
+    tensor of their size (an 8k question score, 32 queries, SmolLM2's 30 layers from memory
+    on 2 threads of an AVX-512 EPYC: 176-206 ms as softmax then sum, 138-157 ms so; the two
+    agree to 1e-8)."""
     hq, w, d = q.shape
     hkv, n, _ = k.shape
     g = hq // hkv
     qg = q.float().reshape(hkv, g * w, d)
-    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * d ** -0.5  # [Hkv, G w, n]
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(d ** -0.5)  # [Hkv, G w, n]
     lo = int(q_pos.min()) + 1  # no query sees past its position: only columns >= lo mask
     future = torch.arange(lo, n)[None, :] > q_pos.repeat(g)[:, None]  # rows: (g, w)
     scores[..., lo:].masked_fill_(future, float("-inf"))
-    return torch.softmax(scores, dim=-1).sum(dim=1)
+    e = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    inv = e.sum(-1).reciprocal_()  # [Hkv, G w]
+    return torch.matmul(inv[:, None, :], e)[:, 0]
 
 
 def _ranked(score: torch.Tensor, pool: int) -> torch.Tensor:
@@ -220,13 +227,28 @@ def target_mask(score: torch.Tensor, budget: int, pool: int) -> torch.Tensor:
     return mask.scatter_(2, idx, True)
 
 
+def _take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """t[l, h, pos[l, h, i]] for t [L, H, N, D] (a cache's view: unit stride within a token)
+    and pos [L, H, r] (< N): [L, H, r, D] on the host. The tokens are rows of D of t's storage
+    (row l s0 + h s1 + p, strides in tokens), taken by one index_select, not by a gather
+    whose index, expanded over D, is r D int64s a row to build and read (1500 tokens a row
+    of an 8k cache's view, SmolLM2's shape, 2 threads of an AVX-512 EPYC: 33 ms, this 14)."""
+    L, H, r = pos.shape
+    D = t.shape[3]
+    s0, s1, s2, s3 = t.stride()
+    if s3 != 1 or s0 % s2 or s1 % s2:
+        return torch.gather(t, 2, pos.unsqueeze(-1).expand(L, H, r, D).to(t.device)).cpu()
+    a, b = s0 // s2, s1 // s2
+    rows = t.as_strided(((L - 1) * a + (H - 1) * b + t.shape[2], D), (s2, 1))
+    idx = (torch.arange(L)[:, None, None] * a + torch.arange(H)[None, :, None] * b + pos)
+    return rows.index_select(0, idx.reshape(-1).to(t.device)).view(L, H, r, D).cpu()
+
+
 def _entering(e_pos: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, n: int,
               bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V of positions e_pos [L, H, r] (< n) from the full KV, on the host, as a move
     carries them (`to_8bit` values at bits 8)."""
-    idx = e_pos.unsqueeze(-1).expand(*e_pos.shape, k_full.shape[-1])
-    k = torch.gather(k_full[:, :, :n], 2, idx.to(k_full.device)).cpu()
-    v = torch.gather(v_full[:, :, :n], 2, idx.to(v_full.device)).cpu()
+    k, v = _take(k_full[:, :, :n], e_pos), _take(v_full[:, :, :n], e_pos)
     return (as_8bit(k), as_8bit(v)) if bits == 8 else (k, v)
 
 
