@@ -35,11 +35,10 @@ from vericache.store.memory import MemoryStore
 
 def draft_step(runner: Runner, batch: int, tokens: int, repeats: int) -> float:
     """The best seconds of one draft step of `batch` rows over caches of `tokens` tokens."""
-    caches = [runner.new_cache(tokens + 8, positions=True, arena=("profile", tokens),
-                               dtype=runner.draft_dtype)
+    caches = [runner.new_cache(tokens + 8, positions=True, dtype=runner.draft_dtype)
               for _ in range(batch)]
     best = float("inf")
-    for _ in range(repeats + 1):  # the first warms
+    for _ in range(repeats + 1):  # the first warms (and moves the caches into one pool)
         for c in caches:
             c.length = tokens
         items = [SeqBatchItem(torch.tensor([5]), torch.tensor([tokens]), c) for c in caches]
