@@ -19,11 +19,11 @@ import time
 import torch
 
 from vericache.bench.prompts import shared_document_prompts
+from vericache.bench.scenario import fill_prefix_cache
 from vericache.compress.registry import make_compressor
 from vericache.engine.generation import Generation, GenParams
 from vericache.engine.kvtier import make_tier
 from vericache.engine.rounds import LocalBackends
-from vericache.engine.verifier import Verifier
 from vericache.model.loader import load_model
 from vericache.store.memory import MemoryStore
 
@@ -43,10 +43,7 @@ def main() -> None:
     prompts = shared_document_prompts(lm.tokenizer, 3, args.context_tokens)
     store = MemoryStore()
     comp = make_compressor(args.compressor, args.ratio)
-    ver = Verifier(lm.runner, store, lm.model_id)
-    for i, p in enumerate(prompts):  # the prefix cache, as the scenario fills it
-        ver.prefill(f"warm-{i}", p.ids, 1, 256, comp)
-        ver.release(f"warm-{i}")
+    fill_prefix_cache(lm, store, [(f"warm-{i}", p.ids) for i, p in enumerate(prompts)], comp)
     tier = make_tier("offloaded", args.link_gbps)
     b = LocalBackends(lm, store, tier)
     params = GenParams(max_tokens=32, mode="vericache", compressor=args.compressor, ratio=args.ratio,

@@ -49,12 +49,12 @@ def main() -> int:
 
     import vericache.engine.lanes as lanes
     from vericache.bench.prompts import shared_document_prompts
-    from vericache.bench.scenario import ScenarioConfig, drop_new_keys, run_long_context_variant
+    from vericache.bench.scenario import (ScenarioConfig, drop_new_keys, fill_prefix_cache,
+                                          run_long_context_variant)
     from vericache.compress.registry import make_compressor
     from vericache.engine.generation import Generation
     from vericache.engine.kvtier import make_tier
     from vericache.engine.rounds import LocalBackends
-    from vericache.engine.verifier import Verifier
     from vericache.model import load_model
     from vericache.store.memory import MemoryStore
 
@@ -85,12 +85,9 @@ def main() -> int:
                          adaptive=False, kv_budget_caches=a.kv_budget_caches,
                          link_gbps=a.link_gbps, selections=[a.selection])
     store = MemoryStore()
-    comp = make_compressor(a.compressor, a.ratio)
-    ver = Verifier(lm.runner, store, lm.model_id)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        ver.prefill(f"warm-{i}", p.ids, 1, 256, comp)
-        ver.release(f"warm-{i}")
+    fill_prefix_cache(lm, store, [(f"warm-{i}", p.ids) for i, p in enumerate(prompts)],
+                      make_compressor(a.compressor, a.ratio))
     print(f"shared prefill: {time.perf_counter() - t0:.1f} s", flush=True)
     published = set(store.keys())
 

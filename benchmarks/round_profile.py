@@ -23,11 +23,11 @@ import time
 import torch
 
 from vericache.bench.prompts import shared_document_prompts
+from vericache.bench.scenario import fill_prefix_cache
 from vericache.compress.registry import make_compressor
 from vericache.engine.generation import Generation, GenParams
 from vericache.engine.kvtier import make_tier
 from vericache.engine.rounds import LocalBackends, draft_phase, start, verify_phase
-from vericache.engine.verifier import Verifier
 from vericache.model.loader import load_model
 from vericache.model.runner import Runner, SeqBatchItem
 from vericache.store.memory import MemoryStore
@@ -52,11 +52,8 @@ def verify_job(lm, prompts, tier_name: str, gbps: float, k: int, repeats: int) -
     """The best seconds of one verify job over every prompt's request (k fixed drafts each,
     question selection), and the tokens its last run emitted."""
     store = MemoryStore()
-    comp = make_compressor("snapkv", 4.0)
-    ver = Verifier(lm.runner, store, lm.model_id)
-    for i, p in enumerate(prompts):  # the prefix cache, as the scenario fills it
-        ver.prefill(f"warm-{i}", p.ids, 1, 256, comp)
-        ver.release(f"warm-{i}")
+    fill_prefix_cache(lm, store, [(f"warm-{i}", p.ids) for i, p in enumerate(prompts)],
+                      make_compressor("snapkv", 4.0))
     tier = make_tier(tier_name, gbps)
     b = LocalBackends(lm, store, tier)
     params = GenParams(max_tokens=(repeats + 1) * (k + 1) + 1, mode="vericache", compressor="snapkv",

@@ -342,6 +342,18 @@ def _services_warm(lm, cfg: ScenarioConfig, warm: list[tuple[str, list[int]]], n
         b.close()
 
 
+def fill_prefix_cache(lm, store, warm: list[tuple[str, list[int]]], compressor,
+                      chunk_size: int = 256, on_step: Callable[[str], None] | None = None) -> None:
+    """Prefill each (request id, prompt) of `warm` once into `store`'s prefix cache (full KV
+    and `compressor`'s chunks), as earlier traffic would have, then release it."""
+    ver = Verifier(lm.runner, store, lm.model_id)
+    for rid, ids in warm:
+        if on_step is not None:
+            on_step(f"prefill {rid} ({len(ids)} tokens) into the prefix cache")
+        ver.prefill(rid, ids, 1, chunk_size, compressor)
+        ver.release(rid)
+
+
 def common_prefix(prompts) -> int:
     ids = [p.ids for p in prompts]
     n = min(len(x) for x in ids)
@@ -372,17 +384,13 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
                               "prompts given", "warm_requests")
     step = on_step or (lambda label: None)
     store = MemoryStore()
-    comp = make_compressor(cfg.compressor, cfg.ratio)
-    ver = Verifier(lm.runner, store, lm.model_id)
     shared = common_prefix(prompts)
     if cfg.scenario == "long-context":  # every prompt's prefill, once
         warm = [(f"warm-{i}", p.ids) for i, p in enumerate(prompts)]
     else:  # an earlier request published the shared prefix
         warm = [("publish", prompts[0].ids[:shared])]
-    for rid, ids in warm:
-        step(f"prefill {rid} ({len(ids)} tokens) into the prefix cache")
-        ver.prefill(rid, ids, 1, cfg.chunk_size, comp)
-        ver.release(rid)
+    fill_prefix_cache(lm, store, warm, make_compressor(cfg.compressor, cfg.ratio),
+                      cfg.chunk_size, step)
     published = set(store.keys())
     reference = []
     for p in prompts:
