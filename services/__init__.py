@@ -2,3 +2,5 @@
 
 No algorithm lives here: servicers translate messages to core calls and back.
 """
+
+import vericache  # noqa: F401,E402  (first: its allocator defaults precede any torch allocation)

@@ -3,7 +3,11 @@
   rows;
 - the skinny product equals a float64 product, and a row's bits do not depend on the rows
   beside it or on the threads;
-- the runner's fast path gives the same logits with them as with torch's own."""
+- the runner's fast path gives the same logits with them as with torch's own;
+- torch's large buffers get huge pages once vericache is imported."""
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -396,3 +400,38 @@ def test_the_drafters_kv_dtype_rule(monkeypatch):
     monkeypatch.setenv("VERICACHE_DRAFT_KV_DTYPE", "fp8")
     with pytest.raises(InvalidArgument, match="auto, model, bfloat16"):
         draft_kv_dtype("cpu", torch.float32)
+
+
+_HUGE_PROBE = """
+import os, vericache, torch
+x = torch.ones(96 << 18)  # 96 MB, filled: its pages are faulted in
+rollup = open("/proc/self/smaps_rollup").read()
+huge = [int(line.split()[1]) for line in rollup.splitlines() if line.startswith("AnonHugePages")]
+print(os.environ["THP_MEM_ALLOC_ENABLE"], huge[0])
+"""
+
+
+def test_importing_vericache_gives_torchs_large_buffers_huge_pages():
+    """`import vericache` sets THP_MEM_ALLOC_ENABLE=1 unless the user set it, before torch's
+    first allocation: with the kernel's transparent huge pages on request (`madvise`, the
+    common default) a 96 MB tensor then lies in 2 MB pages, and with the user's 0 it does not
+    (`always`: both do; `never`: neither)."""
+    import subprocess
+    import sys
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    mode = mode[mode.index("[") + 1: mode.index("]")]
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    runs = {}
+    for setting in (None, "0"):
+        e = env if setting is None else {**env, "THP_MEM_ALLOC_ENABLE": setting}
+        out = subprocess.run([sys.executable, "-c", _HUGE_PROBE], env=e, capture_output=True,
+                             text=True, check=True).stdout.split()
+        runs[setting] = (out[0], int(out[1]))
+    assert runs[None][0] == "1" and runs["0"][0] == "0"  # the default, and the user's choice kept
+    if mode == "never":
+        assert runs[None][1] == 0
+    else:
+        assert runs[None][1] >= 64 << 10  # kB: most of the 96 MB in huge pages
+    if mode == "madvise":
+        assert runs["0"][1] < 8 << 10
