@@ -2,7 +2,7 @@
 - the batch attention equals SDPA with the same masks on ragged batches, windows and padding
   rows;
 - the skinny product equals a float64 product, and a row's bits do not depend on the rows
-  beside it or on the threads;
+  beside it or on the threads, over float32 weights and a drafter's bfloat16 copy;
 - the runner's fast path gives the same logits with them as with torch's own;
 - torch's large buffers get huge pages once vericache is imported."""
 
@@ -89,6 +89,8 @@ def test_kernel_reads_bfloat16_as_its_float32_widening(attend, D, window, thread
     """A drafter's bfloat16 cache: the kernel's output is its output over the same keys and
     values widened to float32 (the sums are float32 in both) to float32 rounding, on strided
     pool slots, with windows and padding rows, and its bits do not depend on the threads.
+    Where the CPU dots bfloat16 pairs (`bf16_dot`: AVX512-BF16, a head size a multiple of
+    32), the query it scores by is its own rounded to bfloat16.
     Not bit for bit with the float32 build: the two are separate instantiations, and under
     -ffast-math the compiler may order or fuse their sums differently (it did on one of this
     project's machines); nothing needs more, since a draft is only a proposal."""
@@ -101,14 +103,23 @@ def test_kernel_reads_bfloat16_as_its_float32_widening(attend, D, window, thread
     hi[3] = 0  # a padding sequence
     lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
     out = attend(q, k, v, lo, hi, D ** -0.5, threads)
-    widened = attend(q, k.float(), v.float(), lo, hi, D ** -0.5, threads)
+    qs = q.bfloat16().float() if attend.bf16_dot and D % 32 == 0 else q
+    widened = attend(qs, k.float(), v.float(), lo, hi, D ** -0.5, threads)
     assert torch.allclose(out, widened, rtol=1e-5, atol=1e-6)
     assert bool((out[3] == 0).all())
     for other in {1, 2, 3} - {threads}:
         assert torch.equal(attend(q, k, v, lo, hi, D ** -0.5, other), out)
-    assert float((out - _reference(q, k.float(), v.float(), lo, hi, D ** -0.5)).abs().max()) < 2e-5
+    assert float((out - _reference(qs, k.float(), v.float(), lo, hi, D ** -0.5)).abs().max()) < 2e-5
     with pytest.raises(TypeError, match="bfloat16"):
         attend(q, k, v.float(), lo, hi, 1.0)
+
+
+def test_attention_dots_bfloat16_where_the_cpu_has_avx512_bf16(attend):
+    """The library is built for this CPU (-march=native): bfloat16 keys are dotted as pairs
+    exactly where /proc/cpuinfo lists AVX512-BF16."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("flags")).split()
+    assert attend.bf16_dot == ("avx512_bf16" in flags)
 
 
 def test_kernel_refuses_what_it_cannot_read(attend):
@@ -171,6 +182,41 @@ def test_linear_rows_are_invariant(linear):
     assert torch.equal(linear(x[20:31], w, b, 2), alone[20:31])
 
 
+def test_linear_dots_bfloat16_where_the_cpu_has_avx512_bf16(linear):
+    """The library is built for this CPU (-march=native): AVX512-BF16's dot products exactly
+    where /proc/cpuinfo lists them."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("flags")).split()
+    assert linear.bf16_dot == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (49, 1536), (1539, 577), (3, 40)])
+def test_linear_with_bfloat16_weights_equals_a_float64_product(linear, n, k):
+    """A drafter's product (`vc_linear_bf16w`): its bfloat16 weights times x, rounded to
+    bfloat16 where the CPU dots bfloat16 pairs (`bf16_dot`), else as it is; feature, column
+    (k % 32) and row tails, with and without bias."""
+    g = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 7, 33):
+        x = torch.randn(m, k, generator=g)
+        xs = x.bfloat16().double() if linear.bf16_dot else x.double()
+        for bias in (None, b):
+            out = linear(x, w, bias, 2)
+            ref = F.linear(xs, w.double(), None if bias is None else bias.double())
+            assert out.shape == (m, n)
+            assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5 * 4
+
+
+def test_linear_with_bfloat16_weights_rows_are_invariant(linear):
+    """As `test_linear_rows_are_invariant`, over bfloat16 weights."""
+    g = torch.Generator().manual_seed(8)
+    w, b = torch.randn(1031, 577, generator=g).bfloat16(), torch.randn(1031, generator=g)
+    x = torch.randn(38, 577, generator=g)
+    alone = torch.cat([linear(x[i: i + 1], w, b, 1) for i in range(38)])
+    for m, threads in ((38, 1), (38, 2), (5, 3), (17, 2)):
+        assert torch.equal(linear(x[:m], w, b, threads), alone[:m]), (m, threads)
+
+
 @pytest.mark.parametrize("n", [576, 64, 77])
 def test_rms_equals_torch(linear, n):
     g = torch.Generator().manual_seed(n)
@@ -203,6 +249,8 @@ def test_linear_refuses_what_it_cannot_read(linear):
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(TypeError, match="float32"):
         linear(x.double(), w.double())
+    with pytest.raises(TypeError, match="bfloat16 w"):
+        linear(x, w.half())
     with pytest.raises(ValueError, match="contiguous"):
         linear(x, torch.randn(8, 4).t())
     with pytest.raises(ValueError, match="columns"):
@@ -400,6 +448,56 @@ def test_the_drafters_kv_dtype_rule(monkeypatch):
     monkeypatch.setenv("VERICACHE_DRAFT_KV_DTYPE", "fp8")
     with pytest.raises(InvalidArgument, match="auto, model, bfloat16"):
         draft_kv_dtype("cpu", torch.float32)
+
+
+def test_the_drafters_weights_rule(monkeypatch):
+    """A float32 model whose drafter holds bfloat16 K/V, with the native product: a bfloat16
+    weight copy; no copy otherwise, or with VERICACHE_DRAFT_WEIGHTS=model; an unknown value
+    is refused, naming the choices."""
+    from vericache.errors import InvalidArgument
+    from vericache.model.kvcache import draft_weights_dtype
+
+    monkeypatch.delenv("VERICACHE_DRAFT_WEIGHTS", raising=False)
+    assert draft_weights_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
+    assert draft_weights_dtype(torch.float32, torch.bfloat16, kernel=False) is None
+    assert draft_weights_dtype(torch.float32, torch.float32) is None
+    assert draft_weights_dtype(torch.bfloat16, torch.bfloat16) is None
+    monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", "model")
+    assert draft_weights_dtype(torch.float32, torch.bfloat16) is None
+    monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", "int8")
+    with pytest.raises(InvalidArgument, match="auto, model"):
+        draft_weights_dtype(torch.float32, torch.bfloat16)
+
+
+def test_draft_passes_take_the_bfloat16_weight_copy(lm, prompts):
+    """A pass over a drafter's bfloat16 caches multiplies by the bfloat16 copy of every
+    product's weights (made at the first such pass: half the float32 matrices' bytes), and
+    its logits stay near the float32 weights' with the same greedy token; a pass over the
+    model's float32 caches (the verifier's) never touches the copy: the same bits with the
+    copy as without it."""
+    r = lm.runner
+    assert r.draft_weights == torch.bfloat16
+    mats = [getattr(lyr, n) for lyr in r.layers for n in ("w_qkv", "w_o", "w_gate_up", "w_down")]
+    ids = prompts["code"][:600]
+
+    def run(dtype):
+        c = r.new_cache(len(ids) + 8, dtype=dtype)
+        r.step(ids[:-5], 0, c, logits="none")
+        return r.step(ids[-5:], len(ids) - 5, c, logits="all")[0]
+
+    drafted = run(r.draft_dtype)
+    assert r.draft_weight_bytes() == sum(w.numel() for w in mats + [r.lm_head]) * 2
+    verified = run(r.dtype)
+    saved = r.draft_weights
+    r.draft_weights = None  # the model's own weights for every pass
+    try:
+        assert r._drafts([]) is False
+        assert torch.equal(run(r.dtype), verified)
+        drafted_f32 = run(r.draft_dtype)
+    finally:
+        r.draft_weights = saved
+    assert torch.equal(drafted.argmax(-1), drafted_f32.argmax(-1))
+    assert float((drafted - drafted_f32).abs().max()) < 0.05 * float(drafted_f32.abs().max())
 
 
 _HUGE_PROBE = """

@@ -415,6 +415,7 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
                     _services_warm(lm, cfg, warm, ns, step)
                 step(f"services: {v}" + (f" (run {rep + 1} of {cfg.repeats})" if cfg.repeats > 1 else ""))
                 raw = run_services_variant(lm, prompts, vcfg, v, tier, ns, warm_prompts)
+                # (the drafter service's weight copy is its own: not known here)
                 runs.setdefault(v, []).append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
     else:
         run_variant = (run_long_context_variant if cfg.scenario == "long-context"
@@ -424,7 +425,8 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
                 step(v + (f" (run {rep + 1} of {cfg.repeats})" if cfg.repeats > 1 else ""))
                 raw = run_variant(lm, prompts, vcfg, v, store, warm_prompts)
                 drop_new_keys(store, published)
-                runs.setdefault(v, []).append(variant_measures(raw, reference, lm.runner.kv_bytes_per_token()))
+                kv, dw = lm.runner.kv_bytes_per_token(), lm.runner.draft_weight_bytes()
+                runs.setdefault(v, []).append(variant_measures(raw, reference, kv, dw))
     rows = [median_run(r) for r in runs.values()]
     doc = {"scenario": cfg.scenario, "model": lm.name,
            "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],

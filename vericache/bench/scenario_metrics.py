@@ -47,8 +47,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -> dict:
-    """The variant's row of the report, from `vericache.bench.scenario.run_variant`'s record."""
+def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int,
+                     draft_weight_bytes: int | None = None) -> dict:
+    """The variant's row of the report, from `vericache.bench.scenario.run_variant`'s record.
+    `draft_weight_bytes`: the drafter's weight copy (`Runner.draft_weight_bytes`), memory a
+    variant that drafts holds beside its KV (None: not known here, as the drafter service's)."""
     gens, tr, st = raw["gens"], raw["trace"], raw["tier_stats"]
     tokens = sum(len(g.output_ids) for g in gens)
     wall = tr.end - tr.start
@@ -86,6 +89,8 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int) -
         "max_active": tr.max_active,
         # the most KV bytes the scheduler charged at once, per side (the budget bounds the sum)
         "kv_peak_draft_bytes": tr.peak_kv[0], "kv_peak_verify_bytes": tr.peak_kv[1],
+        # the drafter's bfloat16 weight copy, outside the KV budget (0: full, or no copy)
+        "draft_weight_bytes": draft_weight_bytes if raw["mode"] != "full" else 0,
         "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
         "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
         "admit_busy_s": _r(sum(b - a for a, b in tr.busy[ADMIT_LANE])),

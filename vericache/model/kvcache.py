@@ -37,6 +37,7 @@ import torch
 from vericache.errors import InvalidArgument
 
 DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
+DRAFT_WEIGHTS = ("auto", "model")
 
 
 def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
@@ -59,6 +60,26 @@ def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
                                 and torch.device(device).type == "cpu"):
         return torch.bfloat16
     return dtype
+
+
+def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,
+                        kernel: bool = True) -> torch.dtype | None:
+    """The dtype of the weight copy a drafter's passes multiply by, or None (the model's own
+    weights). A float32 model whose drafter holds bfloat16 K/V (`draft_kv_dtype`), with the
+    native product (`kernel`): bfloat16, `vericache.model.kernels.linear`'s `vc_linear_bf16w`
+    (half the bytes to read and, with AVX512-BF16, twice the products an instruction). The
+    copy costs half the model's float32 weights in memory (SmolLM2-135M: 270 MB), in the
+    process that drafts. The drafts change in their rounding and are verified in float32, so
+    outputs do not. `VERICACHE_DRAFT_WEIGHTS`: `auto` (that rule) or `model` (no copy)."""
+    choice = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto")
+    if choice not in DRAFT_WEIGHTS:
+        raise InvalidArgument("VERICACHE_DRAFT_WEIGHTS must be one of "
+                              f"{', '.join(DRAFT_WEIGHTS)} (got {choice!r})",
+                              "VERICACHE_DRAFT_WEIGHTS")
+    if (choice == "auto" and kernel and dtype == torch.float32
+            and draft_dtype == torch.bfloat16):
+        return torch.bfloat16
+    return None
 
 
 # a slot is handed out by `KVPool.claim` (a lane making a cache) and by `KVPool.hold` (a

@@ -15,7 +15,8 @@ over them, so that
   most KERNEL_ROWS rows a sequence) or torch SDPA with masks for the ragged lengths;
 - a drafter's caches may hold K/V in a narrower dtype than the model's (`draft_dtype`:
   bfloat16 for a float32 model on CPU, `vericache.model.kvcache.draft_kv_dtype`): written
-  rounded, read widened, every sum in the model's dtype. Items
+  rounded, read widened, every sum in the model's dtype; its passes' products take a
+  bfloat16 copy of the weights (`draft_weights`, `_draft_linear`). Items
   that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 
 from vericache.model import kernels
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
-from vericache.model.kvcache import KVCache, KVPool, draft_kv_dtype
+from vericache.model.kvcache import KVCache, KVPool, draft_kv_dtype, draft_weights_dtype
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # A CPU pass of fewer tokens than this (decode, draft and small verify steps) runs torch's
@@ -162,6 +163,13 @@ class Runner:
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
+        # the drafter's products: over a bfloat16 copy of the weights (`draft_weights`), made
+        # at the first draft pass, so a process that never drafts (the verifier) holds none
+        self.draft_weights = draft_weights_dtype(self.dtype, self.draft_dtype,
+                                                 self.linear_kernel is not None)
+        self._draft_w: dict[int, torch.Tensor] | None = None  # a weight's data_ptr -> its copy
+        self._draft_fused_w = None
+        self._draft_lock = threading.Lock()
         self.silu = w.activation == "silu"
         # the weights' pointers for `_fused` (None: the family's layers are not the pre-norm
         # block it runs, Gemma's extra norms and GeGLU, or a kernel is missing)
@@ -345,6 +353,47 @@ class Runner:
         done = dict(zip(map(id, fast), self._pass(fast))) if fast else {}
         done.update(zip(map(id, bit), self._invariant_pass(bit)))
         return [done[id(it)] for it in items]
+
+    def draft_weight_bytes(self) -> int:
+        """Bytes of the drafter's weight copy (`draft_weights`; 0 until a draft pass made it)."""
+        return sum(t.nbytes for t in (self._draft_w or {}).values())
+
+    def _draft_copy(self) -> dict[int, torch.Tensor]:
+        """The drafter's bfloat16 copies of the products' weights (every layer's and the LM
+        head), by the model weight's data_ptr; made once, at the first draft pass."""
+        with self._draft_lock:
+            if self._draft_w is None:
+                names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+                ws = [getattr(lyr, n) for lyr in self.layers for n in names] + [self.lm_head]
+                self._draft_w = {w.data_ptr(): w.to(torch.bfloat16).contiguous() for w in ws}
+            return self._draft_w
+
+    def _draft_fused(self) -> dict:
+        """`_fused_w` with the products' pointers to the drafter's copies (`_draft_copy`)."""
+        copies = self._draft_copy()
+        with self._draft_lock:
+            if self._draft_fused_w is None:
+                self._draft_fused_w = {**self._fused_w, **{
+                    name: kernels.pointers([copies[getattr(lyr, attr).data_ptr()]
+                                            for lyr in self.layers])
+                    for name, attr in (("w_qkv", "w_qkv"), ("w_o", "w_o"),
+                                       ("w_gu", "w_gate_up"), ("w_down", "w_down"))}}
+            return self._draft_fused_w
+
+    def _drafts(self, items: list[SeqBatchItem]) -> bool:
+        """Whether a pass is a drafter's, whose products take the bfloat16 weight copy
+        (`draft_weights`): every cache holds the drafter's narrower K/V."""
+        return self.draft_weights is not None and self.linear_kernel is not None and all(
+            getattr(getattr(it.cache, "k", None), "dtype", None) == self.draft_dtype
+            for it in items)
+
+    def _draft_linear(self, x: torch.Tensor, w: torch.Tensor,
+                      b: torch.Tensor | None = None) -> torch.Tensor:
+        """A draft pass's product: over w's bfloat16 copy up to LINEAR_ROWS rows (the native
+        kernel's `vc_linear_bf16w`), else `_linear`'s."""
+        if x.shape[0] <= LINEAR_ROWS:
+            return self.linear_kernel(x, self._draft_copy()[w.data_ptr()], b, self._threads())
+        return self._linear(x, w, b)
 
     def _native_block(self) -> bool:
         """Whether the native library runs this runner's layers whole (`_fused_w`: the
@@ -608,7 +657,8 @@ class Runner:
         masks = {i: self._masks(items[i], lens[i], pasts[i]) for i in explicit}
         captures = [(it, s0, L) for it, s0, L in zip(items, starts, lens) if it.capture_q is not None]
         one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
-        lin = self._block_linear if invariant else self._linear
+        drafts = not invariant and self._drafts(items)
+        lin = self._block_linear if invariant else self._draft_linear if drafts else self._linear
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -619,7 +669,7 @@ class Runner:
                  # `StreamedKV`) is read layer by layer, by the loop
                  and (plans[0].pool is not None or isinstance(plans[0].cache.k, torch.Tensor)))
         if fused:
-            self._fused(plans[0], h, ropes)
+            self._fused(plans[0], h, ropes, drafts)
         for li, lyr in enumerate([] if fused else self.layers):
             x = self._rms(h, lyr.ln_attn_in)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
@@ -667,7 +717,7 @@ class Runner:
             it.cache.length += L
         return self._logits(items, lens, h, lin)
 
-    def _fused(self, p: "_Plan", h: torch.Tensor, ropes: list) -> None:
+    def _fused(self, p: "_Plan", h: torch.Tensor, ropes: list, drafts: bool = False) -> None:
         """Every layer of a fast pass in one native call (`kernels.Linear.layers`), on h
         [T, H] in place: the pass's products, norms, RoPE, K/V writes and attention, each the
         kernel function the layer loop calls, in the same order, so a row gets the same bits
@@ -676,7 +726,8 @@ class Runner:
         them among the padded rows), served by the native kernels (decode, draft and verify
         steps of up to LINEAR_ROWS rows) over a family whose layers
         are the pre-norm SiLU block, q/k norms allowed (`_native_block`), and caches held
-        whole (not the offloaded tier's, whose layers land while the pass runs)."""
+        whole (not the offloaded tier's, whose layers land while the pass runs). `drafts`: a
+        drafter's pass, over the bfloat16 weight copy (`_draft_linear`'s products)."""
         T, n = h.shape[0], self.num_layers
         if p.pool is None:
             K, V, base = p.cache.k, p.cache.v, 0
@@ -694,7 +745,8 @@ class Runner:
         sin = kernels.pointers([ropes[lyr.rope][1] for lyr in self.layers])
         lo = kernels.pointers([p.ranges[lyr.window][0] for lyr in self.layers])
         hi = kernels.pointers([p.ranges[lyr.window][1] for lyr in self.layers])
-        arrays = {**self._fused_w, "cos": cos, "sin": sin, "ck": ck, "cv": cv, "lo": lo, "hi": hi}
+        weights = self._draft_fused() if drafts else self._fused_w
+        arrays = {**weights, "cos": cos, "sin": sin, "ck": ck, "cv": cv, "lo": lo, "hi": hi}
         args = kernels.Pass(
             T=T, H=self.hidden, hq=self.num_heads, hkv=self.num_kv_heads, D=self.head_dim,
             I=self.intermediate, R=ropes[0][0].shape[1], layers=n, B=p.B, lq=p.lq,
@@ -702,6 +754,7 @@ class Runner:
             sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
             pad=None if p.in_order else p.pad.data_ptr(),
             attend=self.attend_kernel.address[K.dtype], kv_bf16=int(K.dtype == torch.bfloat16),
+            w_bf16=int(drafts),
             **{name: ctypes.addressof(a) for name, a in arrays.items()})
         self.linear_kernel.layers(args)
 

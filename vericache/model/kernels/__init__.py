@@ -12,7 +12,9 @@ measures both against this machine's read bandwidth).
 `linear()`: the fast path's products of at most `runner.LINEAR_ROWS` rows (`linear.c`):
 each block of weight rows read once for every row, the output features split between the
 caller's OpenMP threads. At batch 1 the pass reads the weights; MKL's GEMV read them at
-16 GB/s on one thread of this EPYC and no faster on two, the kernel at 42 GB/s on two.
+16 GB/s on one thread of this EPYC and no faster on two, the kernel at 42 GB/s on two. Over
+bfloat16 weights (a drafter's copy, `Runner.draft_weights`) it reads half the bytes, and
+with AVX512-BF16 dots x rounded to bfloat16 with them (`Linear.bf16_dot`).
 
 The same library runs a fast pass's decoder layers in one call (`Linear.layers`, filled in
 by `Runner._fused`): norms, products, RoPE, the K/V writes, the attention (`attend.c`'s
@@ -101,8 +103,8 @@ def _build(name: str) -> Path:
 class Attend:
     """`attend(q, k, v, lo, hi, scale, threads)` -> out: q [B, H, R, D] float32 (any
     layout; made contiguous); k, v [B, H, N, D] views with unit stride within a key (a pool's
-    slots), both float32 or both bfloat16 (a drafter's cache: read as bfloat16, summed in
-    float32); lo, hi [B, R] int64: row r of sequence b attends over keys
+    slots), both float32 or both bfloat16 (a drafter's cache: widened, or its keys dotted
+    with the query rounded to bfloat16 where `bf16_dot`; summed in float32); lo, hi [B, R] int64: row r of sequence b attends over keys
     [lo, hi) (none: zeros). `threads` OpenMP threads split the B * H tasks, or each task's
     keys when the tasks are few (batch 1)."""
 
@@ -116,6 +118,9 @@ class Attend:
         # per K/V dtype, for `Linear.layers`
         self.address = {dtype: ctypes.cast(fn, ctypes.c_void_p).value
                         for dtype, fn in self._fns.items()}
+        # whether bfloat16 keys (head sizes a multiple of 32) meet the query rounded to
+        # bfloat16 in AVX512-BF16 dot products (else both are read as float32)
+        self.bf16_dot = bool(lib.vc_attend_bf16_dot())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                  hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
@@ -149,7 +154,7 @@ class Pass(ctypes.Structure):
                                      "qk_norm", "cos", "sin", "ck", "cv")]
                 + [(n, _I) for n in ("sb", "sh", "sn")]
                 + [(n, _P) for n in ("wslot", "wpos", "pad", "lo", "hi", "attend")]
-                + [("kv_bf16", _I)])
+                + [("kv_bf16", _I), ("w_bf16", _I)])
 
 
 def pointers(tensors) -> ctypes.Array:
@@ -171,6 +176,12 @@ class Linear:
         self._fn = lib.vc_linear_f32
         self._fn.argtypes = [p, p, p, p, i, i, i, i]
         self._fn.restype = None
+        self._fn_bf16w = lib.vc_linear_bf16w
+        self._fn_bf16w.argtypes = [p, p, p, p, i, i, i, i]
+        self._fn_bf16w.restype = ctypes.c_int
+        # whether bfloat16 weights meet x rounded to bfloat16 in AVX512-BF16 dot products
+        # (else x stays float32 and the weights are widened)
+        self.bf16_dot = bool(lib.vc_bf16_dot())
         self._rms = lib.vc_rms_f32
         self._rms.argtypes = [p, p, p, i, i, f]
         self._rms.restype = None
@@ -239,8 +250,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                  threads: int = 1) -> torch.Tensor:
-        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError("linear: float32 on CPU only")
+        """x w^T + b; w float32, or bfloat16 (a drafter's copy, `Runner.draft_weights`:
+        `vc_linear_bf16w`, where x is rounded to bfloat16 if `bf16_dot`)."""
+        if (x.dtype != torch.float32 or w.dtype not in (torch.float32, torch.bfloat16)
+                or x.device.type != "cpu"):
+            raise TypeError("linear: float32 x and float32 or bfloat16 w, on CPU only")
         if not w.is_contiguous() or (b is not None and not b.is_contiguous()):
             raise ValueError("linear: w and b must be contiguous")
         x = x.contiguous()
@@ -248,8 +262,12 @@ class Linear:
         if w.shape[1] != k:
             raise ValueError(f"linear: x has {k} columns, w {w.shape[1]}")
         y = x.new_empty(m, n)
-        self._fn(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                 m, n, k, threads)
+        args = (x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                m, n, k, threads)
+        if w.dtype == torch.float32:
+            self._fn(*args)
+        elif self._fn_bf16w(*args):
+            raise MemoryError("linear: out of memory for x in bfloat16")
         return y
 
 

@@ -8,8 +8,9 @@
  * it), with an online softmax per row (running max and sum), as in FlashAttention.
  *
  * q, out: [B, H, R, D] contiguous float32; k, v: float32 (`vc_attend_f32`) or bfloat16
- * (`vc_attend_bf16`: the drafter's caches, widened to float32 as they are read; the sums are
- * float32 either way) with element strides sb, sh, sn for b, h and the key, and 1 within a
+ * (`vc_attend_bf16`: the drafter's caches, widened to float32 as they are read, or, with
+ * AVX512-BF16, keys dotted as bfloat16 pairs with the query rounded to bfloat16: BF_DOT; the
+ * sums are float32 either way) with element strides sb, sh, sn for b, h and the key, and 1 within a
  * key (a pool's slots as they lie); lo, hi: [B, R] int64.
  * Each task's keys go in parts of PART_KEYS at fixed places (part p: keys [p PART_KEYS,
  * (p + 1) PART_KEYS)), each part with its own running max and sum, combined by them at the
@@ -42,6 +43,24 @@
 #endif
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
+
+/* BF_DOT: bfloat16 keys are scored by AVX512-BF16's vdpbf16ps (32 products a vector, summed
+ * in pairs into float32) against the row's query rounded to bfloat16, read where they lie;
+ * only the values are widened. A drafter's scores then differ from its float32 query's in
+ * the query's rounding, and its drafts are verified. Without AVX512-BF16 the keys are
+ * widened with the values and scored in float32. */
+#if defined(__AVX512BF16__) && W == 16
+#include <immintrin.h>
+#define BF_DOT 1
+#else
+#define BF_DOT 0
+#endif
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 static inline vf load(const float *p) {
     vf r;
@@ -127,7 +146,7 @@ static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
-     float *l, float *s, float *wb) {
+     float *l, float *s, float *wb, uint16_t *qh) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -143,18 +162,23 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
         }
     }
     memset(acc, 0, sizeof(float) * (size_t)(R * D));
+    /* keys scored as bfloat16 pairs: the rows' queries rounded once (qh [R, D]) */
+    const int dot = BF && BF_DOT && NV && D % 32 == 0;
+    if (dot)
+        for (int64_t i = 0; i < R * D; i++) qh[i] = bf16_round(qb[i]);
     for (int64_t j0 = first; j0 < last; j0 += BLOCK) {
         const int64_t j1 = j0 + BLOCK < last ? j0 + BLOCK : last;
-        /* where the rows read the block: key j's elements at kr + j * kn of kp, vp */
+        /* where the rows read the block: key j's elements at kr + j * kn of kp, its value's
+           at vr + j * vn of vp */
         const void *kp = k, *vp = v;
-        int64_t kr = kb, kn = sn;
+        int64_t kr = kb, kn = sn, vr = kb, vn = sn;
         if (BF) {
             float *wk = wb, *wv = wb + BLOCK * D;
             for (int64_t j = j0; j < j1; j++) {
                 const int64_t src = kb + j * sn, dst = (j - j0) * D;
                 int64_t d = 0;
                 for (; NV && d + W <= D; d += W) {
-                    store(wk + dst + d, kv_load(k, src + d, 1));
+                    if (!dot) store(wk + dst + d, kv_load(k, src + d, 1));
                     store(wv + dst + d, kv_load(v, src + d, 1));
                 }
                 for (; d < D; d++) {
@@ -162,10 +186,14 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                     wv[dst + d] = kv_get(v, src + d, 1);
                 }
             }
-            kp = wk;
+            if (!dot) {
+                kp = wk;
+                kr = -j0 * D;
+                kn = D;
+            }
             vp = wv;
-            kr = -j0 * D;
-            kn = D;
+            vr = -j0 * D;
+            vn = D;
         }
         for (int64_t r = 0; r < R; r++) {
             const int64_t a = lob[r] > j0 ? lob[r] : j0, e = hib[r] < j1 ? hib[r] : j1;
@@ -173,7 +201,33 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             const float *qr = qb + r * D;
             const int64_t n = e - a;
             int64_t i = 0;
-            if (NV) {
+#if BF_DOT
+            if (dot) {
+                __m512i qv[NV > 0 ? NV : 1]; /* NV / 2 vectors of 32 bfloat16 */
+                for (int c = 0; c < NV / 2; c++)
+                    qv[c] = _mm512_loadu_si512(qh + r * D + 32 * c);
+                for (; i + W <= n; i += W) {
+                    vf dots[W];
+                    for (int j = 0; j < W; j++) {
+                        const uint16_t *kj = (const uint16_t *)k + kr + (a + i + j) * kn;
+                        __m512 d = _mm512_setzero_ps();
+                        for (int c = 0; c < NV / 2; c++)
+                            d = _mm512_dpbf16_ps(d, (__m512bh)qv[c],
+                                                 (__m512bh)_mm512_loadu_si512(kj + 32 * c));
+                        memcpy(&dots[j], &d, sizeof d);
+                    }
+                    store(s + i, hsum(dots) * scale);
+                }
+                for (; i < n; i++) {
+                    const int64_t kj = kr + (a + i) * kn;
+                    float dot_i = 0.0f;
+                    for (int64_t d = 0; d < D; d++)
+                        dot_i += kv_get(qh + r * D, d, 1) * kv_get(k, kj + d, 1);
+                    s[i] = dot_i * scale;
+                }
+            }
+#endif
+            if (NV && !dot) {
                 vf qv[NV > 0 ? NV : 1];
                 for (int c = 0; c < NV; c++) qv[c] = load(qr + W * c);
                 for (; i + W <= n; i += W) {
@@ -187,11 +241,11 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                     store(s + i, hsum(dots) * scale);
                 }
             }
-            for (; i < n; i++) {
+            for (; !dot && i < n; i++) {
                 const int64_t kj = kr + (a + i) * kn;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < D; d++) dot += qr[d] * kv_get(kp, kj + d, 0);
-                s[i] = dot * scale;
+                float dot_i = 0.0f;
+                for (int64_t d = 0; d < D; d++) dot_i += qr[d] * kv_get(kp, kj + d, 0);
+                s[i] = dot_i * scale;
             }
             float mx = m[r];
             for (i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
@@ -206,7 +260,7 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 vf o[NV > 0 ? NV : 1];
                 for (int c = 0; c < NV; c++) o[c] = load(ar + W * c) * corr;
                 for (i = 0; i < n; i++) {
-                    const int64_t vj = kr + (a + i) * kn;
+                    const int64_t vj = vr + (a + i) * vn;
                     const float p = s[i];
                     for (int c = 0; c < NV; c++) o[c] += p * kv_load(vp, vj + W * c, 0);
                 }
@@ -214,7 +268,7 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             } else {
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
-                    const int64_t vj = kr + (a + i) * kn;
+                    const int64_t vj = vr + (a + i) * vn;
                     const float p = s[i];
                     for (int64_t d = 0; d < D; d++) ar[d] += p * kv_get(vp, vj + d, 0);
                 }
@@ -249,7 +303,8 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
         {
             float *s = malloc(sizeof(float) * BLOCK);
             float *wb = BF ? malloc(sizeof(float) * 2 * BLOCK * (size_t)D) : NULL;
-            const int ok = s && (!BF || wb);
+            uint16_t *qh = BF ? malloc(sizeof(uint16_t) * (size_t)(R * D)) : NULL;
+            const int ok = s && (!BF || (wb && qh));
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -264,16 +319,17 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 /* the common models' head sizes in vectors */
                 if (D == 64)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 64 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s, wb);
+                         acc, m, l, s, wb, qh);
                 else if (D == 128)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 128 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s, wb);
+                         acc, m, l, s, wb, qh);
                 else
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s, wb);
+                         acc, m, l, s, wb, qh);
             }
             free(s);
             free(wb);
+            free(qh);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < nt; i++) {
                 float *ob = out + (t0 + i) * R * D;
@@ -309,6 +365,10 @@ int vc_attend_f32(const float *q, const void *k, const void *v, int64_t sb, int6
                   int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
     return attend(q, k, v, sb, sh, sn, lo, hi, out, B, H, R, D, scale, threads, 0);
 }
+
+/* 1: bfloat16 keys of a head size that is a multiple of 32 are scored by vdpbf16ps against
+ * the query rounded to bfloat16 (BF_DOT) */
+int vc_attend_bf16_dot(void) { return BF_DOT; }
 
 int vc_attend_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                    int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
