@@ -44,7 +44,8 @@ def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
                    kernel: bool = True) -> torch.dtype:
     """The dtype of a drafter's K/V for a model of `dtype` on `device`: the model's, except a
     float32 model on CPU with the native attention (`kernel`), whose drafter holds bfloat16
-    (half the bytes; the kernel widens them as it reads, and every sum stays float32; the
+    (half the bytes; the kernel widens them as it reads, or with AVX512-BF16 dots the keys
+    as bfloat16 pairs with the query rounded to bfloat16, and every sum stays float32; the
     drafter is lossy already and its drafts are verified; the snapkv τ probes of
     docs/performance.md, seventeenth session, moved by +0.2 or not at all). Without the
     kernel, SDPA would widen a copy of every layer's K/V per step, so the model's dtype stays.
