@@ -192,17 +192,16 @@ def test_linear_dots_bfloat16_where_the_cpu_has_avx512_bf16(linear):
 
 @pytest.mark.parametrize("n,k", [(960, 576), (49, 1536), (1539, 577), (3, 40)])
 def test_linear_with_bfloat16_weights_equals_a_float64_product(linear, n, k):
-    """A drafter's product (`vc_linear_bf16w`): its bfloat16 weights times x, rounded to
-    bfloat16 where the CPU dots bfloat16 pairs (`bf16_dot`), else as it is; feature, column
-    (k % 32) and row tails, with and without bias."""
+    """A drafter's product (`vc_linear_bf16w`): its bfloat16 weights times x (split into two
+    bfloat16 parts where the CPU dots bfloat16 pairs, `bf16_dot`: 16 of its bits, within the
+    bound); feature, column (k % 32) and row tails, with and without bias."""
     g = torch.Generator().manual_seed(n * k)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
     for m in (1, 2, 3, 4, 7, 33):
         x = torch.randn(m, k, generator=g)
-        xs = x.bfloat16().double() if linear.bf16_dot else x.double()
         for bias in (None, b):
             out = linear(x, w, bias, 2)
-            ref = F.linear(xs, w.double(), None if bias is None else bias.double())
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
             assert out.shape == (m, n)
             assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5 * 4
 

@@ -68,7 +68,8 @@ def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,
     """The dtype of the weight copy a drafter's passes multiply by, or None (the model's own
     weights). A float32 model whose drafter holds bfloat16 K/V (`draft_kv_dtype`), with the
     native product (`kernel`): bfloat16, `vericache.model.kernels.linear`'s `vc_linear_bf16w`
-    (half the bytes to read and, with AVX512-BF16, twice the products an instruction). The
+    (half the bytes to read; with AVX512-BF16, bfloat16 dot products, x split into two
+    bfloat16 parts so that only the weights are rounded). The
     copy costs half the model's float32 weights in memory (SmolLM2-135M: 270 MB), in the
     process that drafts. The drafts change in their rounding and are verified in float32, so
     outputs do not. `VERICACHE_DRAFT_WEIGHTS`: `auto` (that rule) or `model` (no copy)."""

@@ -14,7 +14,7 @@ each block of weight rows read once for every row, the output features split bet
 caller's OpenMP threads. At batch 1 the pass reads the weights; MKL's GEMV read them at
 16 GB/s on one thread of this EPYC and no faster on two, the kernel at 42 GB/s on two. Over
 bfloat16 weights (a drafter's copy, `Runner.draft_weights`) it reads half the bytes, and
-with AVX512-BF16 dots x rounded to bfloat16 with them (`Linear.bf16_dot`).
+with AVX512-BF16 dots them with x split into two bfloat16 parts (`Linear.bf16_dot`).
 
 The same library runs a fast pass's decoder layers in one call (`Linear.layers`, filled in
 by `Runner._fused`): norms, products, RoPE, the K/V writes, the attention (`attend.c`'s
@@ -179,8 +179,8 @@ class Linear:
         self._fn_bf16w = lib.vc_linear_bf16w
         self._fn_bf16w.argtypes = [p, p, p, p, i, i, i, i]
         self._fn_bf16w.restype = ctypes.c_int
-        # whether bfloat16 weights meet x rounded to bfloat16 in AVX512-BF16 dot products
-        # (else x stays float32 and the weights are widened)
+        # whether bfloat16 weights meet x, split into two bfloat16 parts, in AVX512-BF16 dot
+        # products (else x stays float32 and the weights are widened)
         self.bf16_dot = bool(lib.vc_bf16_dot())
         self._rms = lib.vc_rms_f32
         self._rms.argtypes = [p, p, p, i, i, f]
@@ -251,7 +251,7 @@ class Linear:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                  threads: int = 1) -> torch.Tensor:
         """x w^T + b; w float32, or bfloat16 (a drafter's copy, `Runner.draft_weights`:
-        `vc_linear_bf16w`, where x is rounded to bfloat16 if `bf16_dot`)."""
+        `vc_linear_bf16w`, where x is split into two bfloat16 parts if `bf16_dot`)."""
         if (x.dtype != torch.float32 or w.dtype not in (torch.float32, torch.bfloat16)
                 or x.device.type != "cpu"):
             raise TypeError("linear: float32 x and float32 or bfloat16 w, on CPU only")

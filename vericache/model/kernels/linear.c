@@ -111,14 +111,18 @@ void vc_linear_f32(const float *x, const float *w, const float *b, float *y, int
 
 /* y = x w^T (+ b) with bfloat16 weights w [n, k] (a drafter's copy, `Runner.draft_weights`):
  * the same blocks, threads and panels as `vc_linear_f32`, with half the weight bytes to read.
- * With AVX512-BF16 (`vdpbf16ps`: 32 products a vector, twice an FMA's) x is rounded to
- * bfloat16 (to nearest, ties to even) and each pair of products summed in float32 by the
- * instruction; without it, each weight is widened (exactly) and multiplied by x's float32
- * value. The drafts these passes make are verified over the full KV in float32, so their
- * rounding changes which drafts are accepted, never the output. A row's sums are in an order
- * fixed by k and the build, as `vc_linear_f32`'s. On a 2-vCPU Zen 4 EPYC, one SmolLM2
- * layer's products times 30 plus its LM head: 4.0 / 6.9 / 16.9 ms at 1 / 4 / 16 rows,
- * against 7.8 / 12.5 / 37.8 for `vc_linear_f32` (/tmp probe). */
+ * With AVX512-BF16 (`vdpbf16ps`: 32 bfloat16 products a vector, summed in pairs into float32)
+ * x is split into two bfloat16 parts, hi = x rounded (to nearest, ties to even) and lo = x -
+ * hi rounded, and each weight vector meets both: x keeps 16 of its 24 bits, so the weights'
+ * rounding is what the drafts see. Without AVX512-BF16 each weight is widened (exactly) and
+ * multiplied by x's float32 value. The drafts these passes make are verified over the full KV
+ * in float32, so their rounding changes which drafts are accepted, never the output. A row's
+ * sums are in an order fixed by k and the build, as `vc_linear_f32`'s. On a 2-vCPU Zen 4
+ * EPYC, one SmolLM2 layer's products times 30 plus its LM head: 4.2 / 8.9 / 31.6 ms at 1 / 4 /
+ * 16 rows, against 7.7 / 13.1 / 37.5 for `vc_linear_f32`; x rounded whole (one part) took
+ * 4.0 / 6.6 / 16.7, and with the query rounding of `attend.c`'s drafter keys it cost τ:
+ * pooled 16.0 -> 14.2 over 16 shared-document prompts at snapkv 4x, k = 32, each rounding
+ * alone 15.5-16.5 (`benchmarks/tau_probe.py`; /tmp probes). */
 static inline float bf16_value(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
@@ -136,26 +140,34 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* x's hi parts at x, its lo parts at x + lo (both [m, k]) */
 #define BLOCK_BF(MI)                                                                        \
-    static inline void bblock##MI(const uint16_t *x, const uint16_t *w, const float *b,     \
-                                  float *y, int64_t n, int64_t k, int64_t i0, int64_t j0) { \
+    static inline void bblock##MI(const uint16_t *x, int64_t lo, const uint16_t *w,         \
+                                  const float *b, float *y, int64_t n, int64_t k, int64_t i0, \
+                                  int64_t j0) {                                             \
         __m512 acc[MI][JB];                                                                 \
         for (int i = 0; i < MI; i++)                                                        \
             for (int j = 0; j < JB; j++) acc[i][j] = _mm512_setzero_ps();                   \
         const int64_t kv = k - k % KB;                                                      \
         for (int64_t kk = 0; kk < kv; kk += KB) {                                           \
-            __m512i wv[JB], xv[MI];                                                         \
+            __m512i wv[JB], xh[MI], xl[MI];                                                 \
             for (int j = 0; j < JB; j++) wv[j] = _mm512_loadu_si512(w + (j0 + j) * k + kk); \
-            for (int i = 0; i < MI; i++) xv[i] = _mm512_loadu_si512(x + (i0 + i) * k + kk); \
+            for (int i = 0; i < MI; i++) {                                                  \
+                xh[i] = _mm512_loadu_si512(x + (i0 + i) * k + kk);                          \
+                xl[i] = _mm512_loadu_si512(x + lo + (i0 + i) * k + kk);                     \
+            }                                                                               \
             for (int i = 0; i < MI; i++)                                                    \
-                for (int j = 0; j < JB; j++)                                                \
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv[i], (__m512bh)wv[j]); \
+                for (int j = 0; j < JB; j++) {                                              \
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xh[i], (__m512bh)wv[j]); \
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xl[i], (__m512bh)wv[j]); \
+                }                                                                           \
         }                                                                                   \
         for (int i = 0; i < MI; i++)                                                        \
             for (int j = 0; j < JB; j++) {                                                  \
                 float s = _mm512_reduce_add_ps(acc[i][j]);                                  \
                 const uint16_t *xr = x + (i0 + i) * k, *wr = w + (j0 + j) * k;              \
-                for (int64_t kk = kv; kk < k; kk++) s += bf16_value(xr[kk]) * bf16_value(wr[kk]); \
+                for (int64_t kk = kv; kk < k; kk++)                                         \
+                    s += (bf16_value(xr[kk]) + bf16_value(xr[lo + kk])) * bf16_value(wr[kk]); \
                 y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
             }                                                                               \
     }
@@ -166,9 +178,13 @@ BLOCK_BF(4)
 
 int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y, int64_t m,
                     int64_t n, int64_t k, int64_t threads) {
-    uint16_t *x = malloc(sizeof(uint16_t) * (size_t)(m * k));
+    const int64_t lo = m * k;
+    uint16_t *x = malloc(sizeof(uint16_t) * (size_t)(2 * lo));
     if (!x) return -1;
-    for (int64_t i = 0; i < m * k; i++) x[i] = bf16_round(xf[i]);
+    for (int64_t i = 0; i < lo; i++) {
+        x[i] = bf16_round(xf[i]);
+        x[lo + i] = bf16_round(xf[i] - bf16_value(x[i]));
+    }
     const int64_t blocks = n / JB;
     for (int64_t p0 = 0; p0 < m; p0 += PANEL) {
         const int64_t p1 = p0 + PANEL < m ? p0 + PANEL : m;
@@ -176,11 +192,11 @@ int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y
         for (int64_t jb = 0; jb < blocks; jb++) {
             const int64_t j0 = jb * JB;
             int64_t i0 = p0;
-            for (; i0 + IB <= p1; i0 += IB) bblock4(x, w, b, y, n, k, i0, j0);
+            for (; i0 + IB <= p1; i0 += IB) bblock4(x, lo, w, b, y, n, k, i0, j0);
             switch (p1 - i0) {
-            case 3: bblock3(x, w, b, y, n, k, i0, j0); break;
-            case 2: bblock2(x, w, b, y, n, k, i0, j0); break;
-            case 1: bblock1(x, w, b, y, n, k, i0, j0); break;
+            case 3: bblock3(x, lo, w, b, y, n, k, i0, j0); break;
+            case 2: bblock2(x, lo, w, b, y, n, k, i0, j0); break;
+            case 1: bblock1(x, lo, w, b, y, n, k, i0, j0); break;
             default: break;
             }
         }
@@ -188,7 +204,9 @@ int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y
     for (int64_t j = blocks * JB; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
             float s = 0.0f;
-            for (int64_t kk = 0; kk < k; kk++) s += bf16_value(x[i * k + kk]) * bf16_value(w[j * k + kk]);
+            for (int64_t kk = 0; kk < k; kk++)
+                s += (bf16_value(x[i * k + kk]) + bf16_value(x[lo + i * k + kk])) *
+                     bf16_value(w[j * k + kk]);
             y[i * n + j] = b ? s + b[j] : s;
         }
     free(x);
