@@ -184,8 +184,10 @@ def test_long_context_through_the_services(tmp_path, services, lm):
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
+    from vericache.store.grpc_store import GrpcStore
     ids = chat_ids(lm, "Write a Python function that merges two sorted lists.")
-    runs = {}
+    store = GrpcStore(kv.address)
+    runs, moved = {}, {}
     for name in ("local", "remote", "remote-no-refresh"):
         # fixed k: rounds chosen by the cost model would follow each run's timings
         params = GenParams(max_tokens=24, compressor="streamingllm", ratio=4, draft_len=8,
@@ -193,11 +195,21 @@ def test_long_context_through_the_services(tmp_path, services, lm):
                            namespace=name, adaptive=False)
         b = (LocalBackends(lm, MemoryStore()) if name == "local" else
              RemoteBackends(dra.address, ver.address, lm.runner.vocab_size))
+        before = store.stats()
         runs[name] = generate(lm, ids, params, b)
+        after = store.stats()
+        # per-request values (the refresh among them) go to the kvstore's scratch store
+        moved[name] = tuple(after[f"scratch_{k}"] - before[f"scratch_{k}"]
+                            for k in ("bytes_in", "bytes_out"))
     assert runs["remote"].token_ids == runs["local"].token_ids == runs["remote-no-refresh"].token_ids
     assert runs["remote"].stats.round_emitted == runs["local"].stats.round_emitted
-    # and the refresh did travel: without it the drafter's KV, hence its rounds, differ
-    assert runs["remote-no-refresh"].stats.round_emitted != runs["remote"].stats.round_emitted
+    # and the refresh did travel: the verifier wrote the exact KV of the verified tokens into
+    # the kvstore's scratch and the drafter read it, beyond what the request moved without it
+    # (whether the rounds then differ depends on how close the drafter's own KV came)
+    refreshed = runs["remote"].stats.accepted + runs["remote"].stats.rounds
+    kv_bytes = refreshed * lm.runner.kv_bytes_per_token()
+    assert moved["remote"][0] - moved["remote-no-refresh"][0] >= kv_bytes, moved
+    assert moved["remote"][1] - moved["remote-no-refresh"][1] >= kv_bytes, moved
 
     # where a load costs more than the plain steps left, the service's verification holds its
     # loaded copy (`Finish` over gRPC) and the request ends on plain steps: one load, the same
