@@ -155,12 +155,15 @@ def linear():
     return fn
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(960, 576), (49, 1536), (1539, 577), (3, 40)])
-def test_linear_equals_a_float64_product(linear, n, k):
-    """Feature blocks and a feature tail (n % 4), vectors and a column tail (k % 16), with and
-    without bias, 1 to 33 rows (row blocks of 4 and their remainders)."""
+def test_linear_equals_a_float64_product(linear, n, k, dtype):
+    """Feature blocks and a feature tail (n % 4), vectors and a column tail (k % 16, k % 32),
+    with and without bias, 1 to 33 rows (row blocks of 4 and their remainders); over float32
+    weights and a drafter's bfloat16 copy (`vc_linear_bf16w`: x split into two bfloat16
+    parts where the CPU dots bfloat16 pairs, `bf16_dot`, 16 of its bits, within the bound)."""
     g = torch.Generator().manual_seed(n + k)
-    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
     for m in (1, 2, 3, 4, 7, 33):
         x = torch.randn(m, k, generator=g)
         for bias in (None, b):
@@ -170,11 +173,12 @@ def test_linear_equals_a_float64_product(linear, n, k):
             assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5 * 4
 
 
-def test_linear_rows_are_invariant(linear):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_are_invariant(linear, dtype):
     """A row's result is the same bits alone, among 1 to 37 others, and on 1 to 3 threads:
-    each output's sum runs in an order fixed by k."""
+    each output's sum runs in an order fixed by k (over float32 weights and bfloat16 ones)."""
     g = torch.Generator().manual_seed(7)
-    w, b = torch.randn(1031, 577, generator=g), torch.randn(1031, generator=g)
+    w, b = torch.randn(1031, 577, generator=g).to(dtype), torch.randn(1031, generator=g)
     x = torch.randn(38, 577, generator=g)
     alone = torch.cat([linear(x[i: i + 1], w, b, 1) for i in range(38)])
     for m, threads in ((38, 1), (38, 2), (5, 3), (17, 2)):
@@ -188,32 +192,6 @@ def test_linear_dots_bfloat16_where_the_cpu_has_avx512_bf16(linear):
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("flags")).split()
     assert linear.bf16_dot == ("avx512_bf16" in flags)
-
-
-@pytest.mark.parametrize("n,k", [(960, 576), (49, 1536), (1539, 577), (3, 40)])
-def test_linear_with_bfloat16_weights_equals_a_float64_product(linear, n, k):
-    """A drafter's product (`vc_linear_bf16w`): its bfloat16 weights times x (split into two
-    bfloat16 parts where the CPU dots bfloat16 pairs, `bf16_dot`: 16 of its bits, within the
-    bound); feature, column (k % 32) and row tails, with and without bias."""
-    g = torch.Generator().manual_seed(n * k)
-    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
-    for m in (1, 2, 3, 4, 7, 33):
-        x = torch.randn(m, k, generator=g)
-        for bias in (None, b):
-            out = linear(x, w, bias, 2)
-            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-            assert out.shape == (m, n)
-            assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5 * 4
-
-
-def test_linear_with_bfloat16_weights_rows_are_invariant(linear):
-    """As `test_linear_rows_are_invariant`, over bfloat16 weights."""
-    g = torch.Generator().manual_seed(8)
-    w, b = torch.randn(1031, 577, generator=g).bfloat16(), torch.randn(1031, generator=g)
-    x = torch.randn(38, 577, generator=g)
-    alone = torch.cat([linear(x[i: i + 1], w, b, 1) for i in range(38)])
-    for m, threads in ((38, 1), (38, 2), (5, 3), (17, 2)):
-        assert torch.equal(linear(x[:m], w, b, threads), alone[:m]), (m, threads)
 
 
 @pytest.mark.parametrize("n", [576, 64, 77])

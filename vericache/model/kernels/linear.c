@@ -45,32 +45,57 @@ static inline float hsum(vf a) {
     return s;
 }
 
-/* rows [i0, i0 + MI) x features [j0, j0 + JB) */
-#define BLOCK(MI)                                                                          \
-    static inline void block##MI(const float *x, const float *w, const float *b, float *y, \
-                                 int64_t n, int64_t k, int64_t i0, int64_t j0) {           \
-        vf acc[MI][JB];                                                                    \
-        memset(acc, 0, sizeof acc);                                                        \
-        const int64_t kv = k - k % VL;                                                     \
-        for (int64_t kk = 0; kk < kv; kk += VL) {                                          \
-            vf wv[JB], xv[MI];                                                             \
-            for (int j = 0; j < JB; j++) wv[j] = load(w + (j0 + j) * k + kk);              \
-            for (int i = 0; i < MI; i++) xv[i] = load(x + (i0 + i) * k + kk);              \
-            for (int i = 0; i < MI; i++)                                                   \
-                for (int j = 0; j < JB; j++) acc[i][j] += xv[i] * wv[j];                   \
-        }                                                                                  \
-        for (int i = 0; i < MI; i++)                                                       \
-            for (int j = 0; j < JB; j++) {                                                 \
-                float s = hsum(acc[i][j]);                                                 \
-                const float *xr = x + (i0 + i) * k, *wr = w + (j0 + j) * k;                \
-                for (int64_t kk = kv; kk < k; kk++) s += xr[kk] * wr[kk];                  \
-                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                          \
-            }                                                                              \
+static inline float as_is(float v) { return v; }
+
+/* rows [i0, i0 + MI) x features [j0, j0 + JB), as NAME##MI, over weights of type WT: VL of
+ * them a vector by WLOAD, one by WVAL (float32's: `load`, `as_is`) */
+#define BLOCK_OF(NAME, MI, WT, WLOAD, WVAL)                                                 \
+    static inline void NAME##MI(const float *x, const WT *w, const float *b, float *y,      \
+                                int64_t n, int64_t k, int64_t i0, int64_t j0) {             \
+        vf acc[MI][JB];                                                                     \
+        memset(acc, 0, sizeof acc);                                                         \
+        const int64_t kv = k - k % VL;                                                      \
+        for (int64_t kk = 0; kk < kv; kk += VL) {                                           \
+            vf wv[JB], xv[MI];                                                              \
+            for (int j = 0; j < JB; j++) wv[j] = WLOAD(w + (j0 + j) * k + kk);              \
+            for (int i = 0; i < MI; i++) xv[i] = load(x + (i0 + i) * k + kk);               \
+            for (int i = 0; i < MI; i++)                                                    \
+                for (int j = 0; j < JB; j++) acc[i][j] += xv[i] * wv[j];                    \
+        }                                                                                   \
+        for (int i = 0; i < MI; i++)                                                        \
+            for (int j = 0; j < JB; j++) {                                                  \
+                float s = hsum(acc[i][j]);                                                  \
+                const float *xr = x + (i0 + i) * k;                                         \
+                const WT *wr = w + (j0 + j) * k;                                            \
+                for (int64_t kk = kv; kk < k; kk++) s += xr[kk] * WVAL(wr[kk]);             \
+                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
+            }                                                                               \
     }
+#define BLOCK(MI) BLOCK_OF(block, MI, float, load, as_is)
 BLOCK(1)
 BLOCK(2)
 BLOCK(3)
 BLOCK(4)
+
+/* every block of JB features, in parallel, for each panel of PANEL rows (a panel of x stays
+ * in L2 while every weight block passes): BLK##4 over the panel's row blocks of IB, then
+ * BLK##3, 2 or 1 over its rest; the block functions take (ARGS..., n, k, i0, j0) */
+#define PANELS(BLK, ...)                                                                    \
+    for (int64_t p0 = 0; p0 < m; p0 += PANEL) {                                             \
+        const int64_t p1 = p0 + PANEL < m ? p0 + PANEL : m;                                 \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
+        for (int64_t jb = 0; jb < blocks; jb++) {                                           \
+            const int64_t j0 = jb * JB;                                                     \
+            int64_t i0 = p0;                                                                \
+            for (; i0 + IB <= p1; i0 += IB) BLK##4(__VA_ARGS__, n, k, i0, j0);              \
+            switch (p1 - i0) {                                                              \
+            case 3: BLK##3(__VA_ARGS__, n, k, i0, j0); break;                               \
+            case 2: BLK##2(__VA_ARGS__, n, k, i0, j0); break;                               \
+            case 1: BLK##1(__VA_ARGS__, n, k, i0, j0); break;                               \
+            default: break;                                                                 \
+            }                                                                               \
+        }                                                                                   \
+    }
 
 /* features [j0, j0 + nj), nj < JB: one feature at a time */
 static void tail(const float *x, const float *w, const float *b, float *y, int64_t m,
@@ -90,22 +115,7 @@ static void tail(const float *x, const float *w, const float *b, float *y, int64
 void vc_linear_f32(const float *x, const float *w, const float *b, float *y, int64_t m,
                    int64_t n, int64_t k, int64_t threads) {
     const int64_t blocks = n / JB;
-    /* rows in panels of PANEL: a panel of x stays in L2 while every weight block passes */
-    for (int64_t p0 = 0; p0 < m; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < m ? p0 + PANEL : m;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t jb = 0; jb < blocks; jb++) {
-            const int64_t j0 = jb * JB;
-            int64_t i0 = p0;
-            for (; i0 + IB <= p1; i0 += IB) block4(x, w, b, y, n, k, i0, j0);
-            switch (p1 - i0) {
-            case 3: block3(x, w, b, y, n, k, i0, j0); break;
-            case 2: block2(x, w, b, y, n, k, i0, j0); break;
-            case 1: block1(x, w, b, y, n, k, i0, j0); break;
-            default: break;
-            }
-        }
-    }
+    PANELS(block, x, w, b, y)
     if (n % JB) tail(x, w, b, y, m, n, k, blocks * JB, n % JB);
 }
 
@@ -186,21 +196,7 @@ int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y
         x[lo + i] = bf16_round(xf[i] - bf16_value(x[i]));
     }
     const int64_t blocks = n / JB;
-    for (int64_t p0 = 0; p0 < m; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < m ? p0 + PANEL : m;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t jb = 0; jb < blocks; jb++) {
-            const int64_t j0 = jb * JB;
-            int64_t i0 = p0;
-            for (; i0 + IB <= p1; i0 += IB) bblock4(x, lo, w, b, y, n, k, i0, j0);
-            switch (p1 - i0) {
-            case 3: bblock3(x, lo, w, b, y, n, k, i0, j0); break;
-            case 2: bblock2(x, lo, w, b, y, n, k, i0, j0); break;
-            case 1: bblock1(x, lo, w, b, y, n, k, i0, j0); break;
-            default: break;
-            }
-        }
-    }
+    PANELS(bblock, x, lo, w, b, y)
     for (int64_t j = blocks * JB; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
             float s = 0.0f;
@@ -228,28 +224,7 @@ static inline vf load_bf16(const uint16_t *p) {
     return r;
 }
 
-#define BLOCK_BF(MI)                                                                        \
-    static inline void bblock##MI(const float *x, const uint16_t *w, const float *b,        \
-                                  float *y, int64_t n, int64_t k, int64_t i0, int64_t j0) { \
-        vf acc[MI][JB];                                                                     \
-        memset(acc, 0, sizeof acc);                                                         \
-        const int64_t kv = k - k % VL;                                                      \
-        for (int64_t kk = 0; kk < kv; kk += VL) {                                           \
-            vf wv[JB], xv[MI];                                                              \
-            for (int j = 0; j < JB; j++) wv[j] = load_bf16(w + (j0 + j) * k + kk);          \
-            for (int i = 0; i < MI; i++) xv[i] = load(x + (i0 + i) * k + kk);               \
-            for (int i = 0; i < MI; i++)                                                    \
-                for (int j = 0; j < JB; j++) acc[i][j] += xv[i] * wv[j];                    \
-        }                                                                                   \
-        for (int i = 0; i < MI; i++)                                                        \
-            for (int j = 0; j < JB; j++) {                                                  \
-                float s = hsum(acc[i][j]);                                                  \
-                const float *xr = x + (i0 + i) * k;                                         \
-                const uint16_t *wr = w + (j0 + j) * k;                                      \
-                for (int64_t kk = kv; kk < k; kk++) s += xr[kk] * bf16_value(wr[kk]);       \
-                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
-            }                                                                               \
-    }
+#define BLOCK_BF(MI) BLOCK_OF(bblock, MI, uint16_t, load_bf16, bf16_value)
 BLOCK_BF(1)
 BLOCK_BF(2)
 BLOCK_BF(3)
@@ -258,21 +233,7 @@ BLOCK_BF(4)
 int vc_linear_bf16w(const float *x, const uint16_t *w, const float *b, float *y, int64_t m,
                     int64_t n, int64_t k, int64_t threads) {
     const int64_t blocks = n / JB;
-    for (int64_t p0 = 0; p0 < m; p0 += PANEL) {
-        const int64_t p1 = p0 + PANEL < m ? p0 + PANEL : m;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t jb = 0; jb < blocks; jb++) {
-            const int64_t j0 = jb * JB;
-            int64_t i0 = p0;
-            for (; i0 + IB <= p1; i0 += IB) bblock4(x, w, b, y, n, k, i0, j0);
-            switch (p1 - i0) {
-            case 3: bblock3(x, w, b, y, n, k, i0, j0); break;
-            case 2: bblock2(x, w, b, y, n, k, i0, j0); break;
-            case 1: bblock1(x, w, b, y, n, k, i0, j0); break;
-            default: break;
-            }
-        }
-    }
+    PANELS(bblock, x, w, b, y)
     for (int64_t j = blocks * JB; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
             float s = 0.0f;
