@@ -220,13 +220,6 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                     }
                     store(s + i, hsum(dots) * scale);
                 }
-                for (; i < n; i++) {
-                    const int64_t kj = kr + (a + i) * kn;
-                    float dot_i = 0.0f;
-                    for (int64_t d = 0; d < D; d++)
-                        dot_i += kv_get(qh + r * D, d, 1) * kv_get(k, kj + d, 1);
-                    s[i] = dot_i * scale;
-                }
             }
 #endif
             if (NV && !dot) {
@@ -243,10 +236,11 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                     store(s + i, hsum(dots) * scale);
                 }
             }
-            for (; !dot && i < n; i++) {
+            for (; i < n; i++) { /* the keys past the last W (dot: as bfloat16, in place) */
                 const int64_t kj = kr + (a + i) * kn;
                 float dot_i = 0.0f;
-                for (int64_t d = 0; d < D; d++) dot_i += qr[d] * kv_get(kp, kj + d, 0);
+                for (int64_t d = 0; d < D; d++)
+                    dot_i += (dot ? kv_get(qh + r * D, d, 1) : qr[d]) * kv_get(kp, kj + d, dot);
                 s[i] = dot_i * scale;
             }
             float mx = m[r];

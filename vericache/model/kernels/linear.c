@@ -181,35 +181,10 @@ static inline uint16_t bf16_round(float f) {
                 y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
             }                                                                               \
     }
-BLOCK_BF(1)
-BLOCK_BF(2)
-BLOCK_BF(3)
-BLOCK_BF(4)
-
-int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y, int64_t m,
-                    int64_t n, int64_t k, int64_t threads) {
-    const int64_t lo = m * k;
-    uint16_t *x = malloc(sizeof(uint16_t) * (size_t)(2 * lo));
-    if (!x) return -1;
-    for (int64_t i = 0; i < lo; i++) {
-        x[i] = bf16_round(xf[i]);
-        x[lo + i] = bf16_round(xf[i] - bf16_value(x[i]));
-    }
-    const int64_t blocks = n / JB;
-    PANELS(bblock, x, lo, w, b, y)
-    for (int64_t j = blocks * JB; j < n; j++)
-        for (int64_t i = 0; i < m; i++) {
-            float s = 0.0f;
-            for (int64_t kk = 0; kk < k; kk++)
-                s += (bf16_value(x[i * k + kk]) + bf16_value(x[lo + i * k + kk])) *
-                     bf16_value(w[j * k + kk]);
-            y[i * n + j] = b ? s + b[j] : s;
-        }
-    free(x);
-    return 0;
-}
-
-int vc_bf16_dot(void) { return 1; }
+/* the blocks' x: its hi and lo parts; x[i]'s value as they sum it */
+#define BF_X xs, lo
+#define X_AT(i) (bf16_value(xs[i]) + bf16_value(xs[lo + (i)]))
+#define BF_DOT 1
 #else
 typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
@@ -225,26 +200,41 @@ static inline vf load_bf16(const uint16_t *p) {
 }
 
 #define BLOCK_BF(MI) BLOCK_OF(bblock, MI, uint16_t, load_bf16, bf16_value)
+#define BF_X xf
+#define X_AT(i) xf[i]
+#define BF_DOT 0
+#endif
 BLOCK_BF(1)
 BLOCK_BF(2)
 BLOCK_BF(3)
 BLOCK_BF(4)
 
-int vc_linear_bf16w(const float *x, const uint16_t *w, const float *b, float *y, int64_t m,
+int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y, int64_t m,
                     int64_t n, int64_t k, int64_t threads) {
+#if BF_DOT
+    const int64_t lo = m * k;
+    uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(2 * lo));
+    if (!xs) return -1;
+    for (int64_t i = 0; i < lo; i++) {
+        xs[i] = bf16_round(xf[i]);
+        xs[lo + i] = bf16_round(xf[i] - bf16_value(xs[i]));
+    }
+#endif
     const int64_t blocks = n / JB;
-    PANELS(bblock, x, w, b, y)
+    PANELS(bblock, BF_X, w, b, y)
     for (int64_t j = blocks * JB; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
             float s = 0.0f;
-            for (int64_t kk = 0; kk < k; kk++) s += x[i * k + kk] * bf16_value(w[j * k + kk]);
+            for (int64_t kk = 0; kk < k; kk++) s += X_AT(i * k + kk) * bf16_value(w[j * k + kk]);
             y[i * n + j] = b ? s + b[j] : s;
         }
+#if BF_DOT
+    free(xs);
+#endif
     return 0;
 }
 
-int vc_bf16_dot(void) { return 0; }
-#endif
+int vc_bf16_dot(void) { return BF_DOT; }
 
 /* y[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for each of m rows of n (RMSNorm; x, y
  * contiguous): each row's sum in an order fixed by n. */
