@@ -88,6 +88,35 @@ def test_draft_ahead_tokens_are_used_when_the_guess_holds(lm, prompts):
     assert d.draft([("a", 3)])[0].tokens == full[8:11]
 
 
+def test_a_plain_step_after_a_held_guess_drops_the_carried_drafts(lm, prompts):
+    """A round without drafts (the cost model's plain step, or the services' queued
+    `plain_tokens`) right after a held guess: the verified token takes carry[0]'s place, so
+    the carried drafts and their KV go, and the next rounds draft and commit from the
+    verified tokens (the services once cropped past the cache here: `crop(44) outside
+    [0, 43]` under load)."""
+    from vericache.engine.drafter import Drafter
+
+    ids = prompts["code"]
+    full = generate(lm, ids, GenParams(mode="full", max_tokens=20, ignore_eos=True)).token_ids
+    b = LocalBackends(lm)
+    g = Generation(lm, ids, GenParams(max_tokens=20, ignore_eos=True, compressor="identity",
+                                      draft_len=4, adaptive=False), request_id="a")
+    assert b.admit(g).bonus == full[0]
+    d: Drafter = b.drafter
+    assert d.draft([("a", 4)])[0].tokens == full[1:5]
+    assert d.draft_ahead([("a", 4)]) == 4
+    d.commit("a", 4, full[5])  # the guess held: full[6:9] carried
+    s = d.sessions["a"]
+    assert s.carry == full[6:9]
+    d.commit("a", 0, full[6])  # a plain step
+    assert not s.carry and s.pending == [full[6]] and s.ahead_wasted == 3
+    for at in (7, 11):  # every draft accepted, twice: each commit crops within the cache
+        assert d.draft([("a", 3)])[0].tokens == full[at:at + 3]
+        d.commit("a", 3, full[at + 3])
+    assert s.seq_len == len(ids) + 15
+    assert d.draft([("a", 4)])[0].tokens == full[15:19]
+
+
 @pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
 def test_batch_engine_schedules_identical_to_full(lm, cases, schedule, monkeypatch):
     """The serving engine (`vericache serve --schedule`): four requests at once. Each

@@ -253,6 +253,14 @@ class Drafter:
             s.drafts, s.q, s.ahead = [], [], []
             return
         s.ahead_wasted += len(s.ahead)
+        if s.carry:  # a round without drafts (a plain step) after a held guess: its token
+            # stands where carry[0] was guessed, so the carried drafts and their KV go
+            s.ahead_used -= len(s.carry)
+            s.ahead_wasted += len(s.carry)
+            if s.grammar is not None:
+                s.grammar.rollback(len(s.carry))
+            s.cache.crop(s.len_before)
+            s.carry = []
         if s.grammar is not None:  # it took every draft and ahead draft; keep the verified
             s.grammar.rollback(k + len(s.ahead) - accepted)
             s.grammar.accept([] if bonus is None else [bonus])
