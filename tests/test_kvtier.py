@@ -310,6 +310,79 @@ def test_a_released_requests_host_memory_holds_the_next_ones_kv(lm, prompts, ids
     assert tier.host_bytes_free == held  # and gave it back
 
 
+def test_working_copies_reuse_the_memory_of_dropped_ones(lm, prompts, ids, reference):
+    """Each verification's working copy takes the memory a dropped one left (no fresh pages
+    a round), one request after another: one request open at a time, so one copy's memory
+    serves every verification of both; outputs are those of resident full decoding."""
+    from vericache.engine.kvtier import COPY_ROUND
+
+    tier = make_tier("offloaded", link_gbps=200.0)
+    backends = LocalBackends(lm, tier=tier)
+    ptrs: list[int] = []
+    take = tier._copy_buffers
+
+    def spy(host, tokens):
+        k, v = take(host, tokens)
+        assert k.shape[2] >= tokens and k.shape[2] % COPY_ROUND == 0
+        ptrs.append(k.data_ptr())
+        return k, v
+
+    tier._copy_buffers = spy
+    other = prompts["long"][40:760]  # longer: its copy's memory fits the second's
+    p = GenParams(mode="vericache", max_tokens=N, ignore_eos=True, draft_len=6)
+    try:
+        first = generate(lm, other, p, backends)
+        second = generate(lm, ids, p, backends)
+        kept = tier.copy_bytes_kept
+    finally:
+        tier.close()
+    assert first.token_ids == generate(lm, other, GenParams(mode="full", max_tokens=N,
+                                                            ignore_eos=True)).token_ids
+    assert second.token_ids == reference.token_ids
+    assert len(ptrs) >= 4 and set(ptrs) == {ptrs[0]}
+    cap = -(-(len(other) + p.extra_capacity) // COPY_ROUND) * COPY_ROUND
+    assert kept == cap * lm.runner.kv_bytes_per_token()  # (K and V)
+
+
+def test_a_working_copy_takes_the_smallest_kept_memory_that_fits():
+    """Dropped copies' memory is handed out smallest fit first; a copy that fits none
+    replaces the smallest kept one, so the tier holds no more than were open at once."""
+    from vericache.engine.kvtier import COPY_ROUND
+    from vericache.model.kvcache import KVCache
+
+    tier = make_tier("offloaded")
+
+    def host(n):
+        c = KVCache(2, 2, 8, n + 8, torch.float32, "cpu")
+        c.length = n
+        return c
+
+    def opened(*lengths):
+        streams = tier.open([host(n) for n in lengths], [1] * len(lengths))
+        tier._loader.submit(lambda: None).result()  # the load ended (and let go of them)
+        return streams
+
+    per_copy = lambda tokens: 2 * 2 * 2 * 8 * 4 * tokens  # noqa: E731
+    try:
+        a, b = opened(10, 3 * COPY_ROUND)
+        small, big = a.k_buf.data_ptr(), b.k_buf.data_ptr()
+        assert a.capacity == 11 and b.capacity == 3 * COPY_ROUND + 1
+        del a, b
+        assert tier.copy_bytes_kept == per_copy(COPY_ROUND + 4 * COPY_ROUND)
+        (c,) = opened(2 * COPY_ROUND)  # the big one (kept second)
+        assert c.k_buf.data_ptr() == big and tier.copy_bytes_kept == per_copy(COPY_ROUND)
+        (d,) = opened(20)  # the small one
+        assert d.k_buf.data_ptr() == small and tier.copy_bytes_kept == 0
+        del c, d
+        (e,) = opened(5 * COPY_ROUND)  # fits none: new memory, and the smaller kept one goes
+        assert e.k_buf.data_ptr() not in (small, big)
+        assert tier.copy_bytes_kept == per_copy(4 * COPY_ROUND)
+        del e
+        assert tier.copy_bytes_kept == per_copy(4 * COPY_ROUND + 6 * COPY_ROUND)
+    finally:
+        tier.close()
+
+
 def test_preallocated_host_memory_is_handed_out_smallest_fit_first():
     tier = make_tier("offloaded")
     try:

@@ -10,7 +10,8 @@
   (`StreamedKV`) that a loader thread fills layer by layer while the forward pass computes:
   the runner reads layer l's keys through a gate that waits only until layer l has landed,
   so loading layer l+1 overlaps computing layer l. After the pass the accepted tokens' new
-  KV is written back over the link and the working copy is dropped.
+  KV is written back over the link and the working copy is dropped; its memory goes back to
+  the tier for the next working copy (`_copy_buffers`), as a server's KV pool does.
 
 Every byte moved and every second the compute waited on the link is counted (`TierStats`),
 with the wait intervals kept so a benchmark can say how much of the transfer time another
@@ -37,6 +38,7 @@ from vericache.errors import Unavailable
 from vericache.model.kvcache import KVCache
 
 TIERS = ("resident", "offloaded")
+COPY_ROUND = 256  # a new working copy's room, in tokens, is rounded up to this (`_copy_buffers`)
 
 
 @dataclass
@@ -153,11 +155,12 @@ class StreamedKV:
     a cache (`k`, `v`, `length`, `reserve`); its layers arrive while it computes."""
 
     def __init__(self, host: KVCache, extra: int, load: _Load, stats: TierStats,
-                 lock: threading.Lock, device: torch.device):
-        shape = (host.num_layers, host.k.shape[1], host.length + extra, host.k.shape[3])
+                 lock: threading.Lock, buffers: tuple[torch.Tensor, torch.Tensor]):
+        """`buffers`: k and v memory of at least `host.length + extra` tokens
+        (`OffloadedTier._copy_buffers`); the copy sees their first tokens."""
         self.host = host
-        self.k_buf = torch.empty(shape, dtype=host.k.dtype, device=device)
-        self.v_buf = torch.empty_like(self.k_buf)
+        n = host.length + extra
+        self.k_buf, self.v_buf = (b[:, :, :n] for b in buffers)
         self.load = load
         self.k = _Gate(self.k_buf, load, stats, lock)
         self.v = _Gate(self.v_buf, load, stats, lock)
@@ -202,6 +205,7 @@ class OffloadedTier:
         # host copy -> its offload (an entry leaves with its host copy)
         self._landing: weakref.WeakKeyDictionary[KVCache, Future] = weakref.WeakKeyDictionary()
         self._free: list[KVCache] = []  # released host copies, for later requests (`host_cache`)
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # dropped working copies' k, v
 
     def host_cache(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> KVCache:
@@ -337,8 +341,12 @@ class OffloadedTier:
         by layer (layer l of every request, then layer l+1). A failed load makes the pass
         that reads them raise `Unavailable` (see the module docstring)."""
         load = _Load(hosts[0].num_layers)
-        streams = [StreamedKV(h, e, load, self.stats, self._lock, self.device)
-                   for h, e in zip(hosts, extras)]
+        streams = []
+        for h, e in zip(hosts, extras):
+            bufs = self._copy_buffers(h, h.length + e)
+            s = StreamedKV(h, e, load, self.stats, self._lock, bufs)
+            weakref.finalize(s, self._keep_copy, bufs)  # its memory, for the next copy
+            streams.append(s)
         try:
             fut = self._loader.submit(self._load, streams, load)
         except RuntimeError as e:  # the loader was shut down
@@ -350,6 +358,42 @@ class OffloadedTier:
 
         fut.add_done_callback(cancelled)
         return streams
+
+    def _copy_buffers(self, host: KVCache, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v memory for a working copy of `host`'s shape with room for `tokens`: a dropped
+        copy's (the smallest that fits), else new, of `tokens` rounded up to COPY_ROUND.
+
+        A working copy's memory is reused, as vLLM's and SGLang's KV pools are, instead of
+        allocated per verification: on a CPU runner, fresh memory is faulted in while the
+        loader writes it, and the kernel's zeroing of those pages takes the cores from the
+        lanes (docs/performance.md, twenty-eighth session). A new copy replaces a kept one
+        that does not fit, so the tier never holds more copies, open and kept, than were
+        open at once."""
+        L, H, _, D = host.k.shape
+        room = lambda i: self._copies[i][0].shape[2]  # noqa: E731
+        with self._lock:  # (by index: `==` on tensors compares their values)
+            fits = [i for i, (k, _) in enumerate(self._copies) if k.shape[2] >= tokens
+                    and k.dtype == host.k.dtype and (k.shape[0], k.shape[1], k.shape[3]) == (L, H, D)]
+            if fits:
+                return self._copies.pop(min(fits, key=room))
+            if self._copies:
+                self._copies.pop(min(range(len(self._copies)), key=room))
+        cap = -(-tokens // COPY_ROUND) * COPY_ROUND
+        k = torch.empty((L, H, cap, D), dtype=host.k.dtype, device=self.device)
+        return k, torch.empty_like(k)
+
+    def _keep_copy(self, bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A dropped working copy's memory, for `_copy_buffers`. (Loads run one at a time on
+        the loader thread: a load that outlived its failed pass ends before the next load
+        into this memory begins.)"""
+        with self._lock:
+            self._copies.append(bufs)
+
+    @property
+    def copy_bytes_kept(self) -> int:
+        """Bytes of dropped working copies kept for later ones."""
+        with self._lock:
+            return sum(2 * k.numel() * k.element_size() for k, _ in self._copies)
 
     def _load_layer(self, s: StreamedKV, li: int) -> int:
         """Copy layer `li` of one request's KV over the link; returns the bytes moved."""
