@@ -44,11 +44,14 @@ def main() -> None:
     store = MemoryStore()
     comp = make_compressor(args.compressor, args.ratio)
     fill_prefix_cache(lm, store, [(f"warm-{i}", p.ids) for i, p in enumerate(prompts)], comp)
-    tier = make_tier("offloaded", args.link_gbps)
-    b = LocalBackends(lm, store, tier)
     params = GenParams(max_tokens=32, mode="vericache", compressor=args.compressor, ratio=args.ratio,
                        draft_len=32, adaptive=False, chunk_size=256, ignore_eos=True,
                        selection=args.selection)
+    tier = make_tier("offloaded", args.link_gbps)
+    r = lm.runner  # the tier's host memory in place, touched, as the bench's (`preallocate`)
+    tier.preallocate(2, max(len(p.ids) for p in prompts) + params.extra_capacity, r.num_layers,
+                     r.num_kv_heads, r.head_dim, r.dtype)
+    b = LocalBackends(lm, store, tier)
     try:
         for i in range(2):
             g = Generation(lm, prompts[i].ids, params, request_id=f"r{i}")

@@ -112,9 +112,11 @@ def main() -> int:
     for v in a.variants.split(","):
         spent.clear()
         timeline.clear()
+        sampler = _ThreadSampler()
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         raw = run_long_context_variant(lm, prompts, cfg, v, store)
         u1 = resource.getrusage(resource.RUSAGE_SELF)
+        by_name = sampler.stop()
         drop_new_keys(store, published)
         gens, tr = raw["gens"], raw["trace"]
         tokens = sum(len(g.output_ids) for g in gens)
@@ -124,6 +126,10 @@ def main() -> int:
               f"{sum(rounds) / max(1, len(rounds)):.2f}, most admitted {tr.max_active}")
         print(f"  process (its tier's preallocation included): user {u1.ru_utime - u0.ru_utime:.1f} s, "
               f"system {u1.ru_stime - u0.ru_stime:.1f} s, {u1.ru_minflt - u0.ru_minflt} page faults")
+        print("  every thread, by name (user s, system s, page faults; OpenMP's workers are "
+              "the process's other threads):")
+        for name, (user, system, faults) in sorted(by_name.items(), key=lambda x: -sum(x[1][:2])):
+            print(f"    {name:24s} {user:7.1f} {system:7.1f} {faults:9d}")
         for (lane, kind), (sec, n, user, system, faults) in sorted(spent.items()):
             print(f"  {lane:6s} {kind:8s} {sec:8.2f} s in {n} jobs; its thread: user {user:.1f} s, "
                   f"system {system:.1f} s, {faults} page faults")
@@ -136,6 +142,57 @@ def main() -> int:
             print(f"  link: loaded {st.bytes_loaded / 1e9:.2f} GB, stored {st.bytes_stored / 1e9:.2f} GB, "
                   f"loader {st.transfer_s:.1f} s, pass waited {st.stall_s:.1f} s", flush=True)
     return 0
+
+
+class _ThreadSampler:
+    """Each thread's CPU time and page faults over a run, from /proc/self/task (a thread's
+    last sample before it ended; sampled every 0.2 s), summed by thread name."""
+
+    def __init__(self):
+        import threading
+
+        self._start = self._sample()
+        self._last: dict[int, tuple[str, float, float, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _sample() -> dict[int, tuple[str, float, float, int]]:
+        import os
+        import threading
+
+        tick = os.sysconf("SC_CLK_TCK")
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # ended
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            # (from the state on: minflt is stat's 10th field, utime its 14th, stime its 15th)
+            out[int(tid)] = (names.get(int(tid), "(not Python's: OpenMP)"),
+                             int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]))
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._last.update(self._sample())
+
+    def stop(self) -> dict[str, list]:
+        self._stop.set()
+        self._thread.join()
+        self._last.update(self._sample())
+        totals: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0])
+        for tid, (name, user, system, faults) in self._last.items():
+            _, u0, s0, f0 = self._start.get(tid, (name, 0.0, 0.0, 0))
+            t = totals[name.rstrip("0123456789_")]
+            t[0] += user - u0
+            t[1] += system - s0
+            t[2] += faults - f0
+        return dict(totals)
 
 
 if __name__ == "__main__":
