@@ -61,18 +61,21 @@ def test_lanes_identical_to_full(lm, cases, schedule, ahead, tier, budget):
         assert trace.ahead_drafted == 0
 
 
+def _exact_drafter(lm, ids, n):
+    """Request "a" admitted with the identity "compressor" (it drafts exactly): its drafter
+    and full decoding's n tokens."""
+    full = generate(lm, ids, GenParams(mode="full", max_tokens=n, ignore_eos=True)).token_ids
+    b = LocalBackends(lm)
+    g = Generation(lm, ids, GenParams(max_tokens=n, ignore_eos=True, compressor="identity",
+                                      draft_len=4, adaptive=False), request_id="a")
+    assert b.admit(g).bonus == full[0]
+    return b.drafter, full
+
+
 def test_draft_ahead_tokens_are_used_when_the_guess_holds(lm, prompts):
     """A drafter that drafts ahead, then is told every draft and the guessed bonus were
     right, hands the ahead tokens out as the next round's drafts, with no new step."""
-    from vericache.engine.drafter import Drafter
-
-    ids = prompts["code"]
-    full = generate(lm, ids, GenParams(mode="full", max_tokens=12, ignore_eos=True)).token_ids
-    b = LocalBackends(lm)
-    g = Generation(lm, ids, GenParams(max_tokens=12, ignore_eos=True, compressor="identity",
-                                      draft_len=4, adaptive=False), request_id="a")
-    assert b.admit(g).bonus == full[0]
-    d: Drafter = b.drafter
+    d, full = _exact_drafter(lm, prompts["code"], 12)
     first = d.draft([("a", 4)])[0].tokens
     assert first == full[1:5]  # the identity "compressor" drafts exactly
     assert d.draft_ahead([("a", 4)]) == 4
@@ -94,15 +97,7 @@ def test_a_plain_step_after_a_held_guess_drops_the_carried_drafts(lm, prompts):
     the carried drafts and their KV go, and the next rounds draft and commit from the
     verified tokens (the services once cropped past the cache here: `crop(44) outside
     [0, 43]` under load)."""
-    from vericache.engine.drafter import Drafter
-
-    ids = prompts["code"]
-    full = generate(lm, ids, GenParams(mode="full", max_tokens=20, ignore_eos=True)).token_ids
-    b = LocalBackends(lm)
-    g = Generation(lm, ids, GenParams(max_tokens=20, ignore_eos=True, compressor="identity",
-                                      draft_len=4, adaptive=False), request_id="a")
-    assert b.admit(g).bonus == full[0]
-    d: Drafter = b.drafter
+    d, full = _exact_drafter(lm, prompts["code"], 20)
     assert d.draft([("a", 4)])[0].tokens == full[1:5]
     assert d.draft_ahead([("a", 4)]) == 4
     d.commit("a", 4, full[5])  # the guess held: full[6:9] carried
@@ -113,7 +108,7 @@ def test_a_plain_step_after_a_held_guess_drops_the_carried_drafts(lm, prompts):
     for at in (7, 11):  # every draft accepted, twice: each commit crops within the cache
         assert d.draft([("a", 3)])[0].tokens == full[at:at + 3]
         d.commit("a", 3, full[at + 3])
-    assert s.seq_len == len(ids) + 15
+    assert s.seq_len == len(prompts["code"]) + 15
     assert d.draft([("a", 4)])[0].tokens == full[15:19]
 
 
