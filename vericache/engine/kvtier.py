@@ -134,7 +134,7 @@ class _Gate:
     """Stands in for `KVCache.k` / `.v` in the runner: indexing layer l waits for it to land
     (and raises the load's error when it ended without it)."""
 
-    def __init__(self, buf: torch.Tensor, load: _Load, stats: TierStats, lock: threading.Lock):
+    def __init__(self, buf: torch.Tensor, load: _Load, stats: TierStats, lock: threading.RLock):
         self.buf, self.load, self.stats, self.lock = buf, load, stats, lock
 
     def __getitem__(self, li):
@@ -155,7 +155,7 @@ class StreamedKV:
     a cache (`k`, `v`, `length`, `reserve`); its layers arrive while it computes."""
 
     def __init__(self, host: KVCache, extra: int, load: _Load, stats: TierStats,
-                 lock: threading.Lock, buffers: tuple[torch.Tensor, torch.Tensor]):
+                 lock: threading.RLock, buffers: tuple[torch.Tensor, torch.Tensor]):
         """`buffers`: k and v memory of at least `host.length + extra` tokens
         (`OffloadedTier._copy_buffers`); the copy sees their first tokens."""
         self.host = host
@@ -198,7 +198,9 @@ class OffloadedTier:
         self.link = link or Link()
         self.device = torch.device(device)
         self.stats = TierStats()
-        self._lock = threading.Lock()
+        # reentrant: a working copy freed by the cycle collector while this thread holds it
+        # gives its memory back under it (`_keep_copy`)
+        self._lock = threading.RLock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vericache-kv-loader")
         self._storer = ThreadPoolExecutor(1, thread_name_prefix="vericache-kv-storer")
         self._inflight = threading.Semaphore(1)  # offloads queued or copying (see `offload`)
