@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import resource
+import threading
 import time
 from collections import defaultdict
 
@@ -149,8 +151,6 @@ class _ThreadSampler:
     last sample before it ended; sampled every 0.2 s), summed by thread name."""
 
     def __init__(self):
-        import threading
-
         self._start = self._sample()
         self._last: dict[int, tuple[str, float, float, int]] = {}
         self._stop = threading.Event()
@@ -159,9 +159,6 @@ class _ThreadSampler:
 
     @staticmethod
     def _sample() -> dict[int, tuple[str, float, float, int]]:
-        import os
-        import threading
-
         tick = os.sysconf("SC_CLK_TCK")
         names = {t.native_id: t.name for t in threading.enumerate()}
         out = {}

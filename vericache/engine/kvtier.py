@@ -372,14 +372,14 @@ class OffloadedTier:
         that does not fit, so the tier never holds more copies, open and kept, than were
         open at once."""
         L, H, _, D = host.k.shape
-        room = lambda i: self._copies[i][0].shape[2]  # noqa: E731
         with self._lock:  # (by index: `==` on tensors compares their values)
-            fits = [i for i, (k, _) in enumerate(self._copies) if k.shape[2] >= tokens
+            rooms = [k.shape[2] for k, _ in self._copies]
+            fits = [i for i, (k, _) in enumerate(self._copies) if rooms[i] >= tokens
                     and k.dtype == host.k.dtype and (k.shape[0], k.shape[1], k.shape[3]) == (L, H, D)]
             if fits:
-                return self._copies.pop(min(fits, key=room))
+                return self._copies.pop(min(fits, key=rooms.__getitem__))
             if self._copies:
-                self._copies.pop(min(range(len(self._copies)), key=room))
+                self._copies.pop(rooms.index(min(rooms)))
         cap = -(-tokens // COPY_ROUND) * COPY_ROUND
         k = torch.empty((L, H, cap, D), dtype=host.k.dtype, device=self.device)
         return k, torch.empty_like(k)
