@@ -90,6 +90,29 @@ def test_staggered_drafter_lane_admits_first_while_the_verifier_has_work():
     assert sorted(j.kind for j in jobs) == ["draft", "prefill"]
 
 
+def test_staggered_offloaded_requests_are_admitted_on_the_admission_lane_only():
+    """A request whose full KV is offloaded (load bytes) ends its admission by storing that
+    KV over the tier's link, one store at a time: the drafter lane never prefills one; it
+    drafts the admitted requests instead. A resident request behind it is still taken."""
+    s = Scheduler("staggered", groups=2)
+    for rid in "abcd":
+        s.add(rid, load_bytes=100)
+    (p1,) = s.schedule()  # the drafter lane does not take b
+    assert p1 == Job("prefill", ("a",), "admit") and s.state("b") == WAITING
+    s.done(p1)
+    p2, d = s.schedule()
+    assert (p2, d) == (Job("prefill", ("b",), "admit"), Job("draft", ("a",)))
+    s.done(d)
+    (v,) = s.schedule()  # a verifies; the free drafter lane leaves c to the admission lane
+    assert v == Job("verify", ("a",)) and s.state("c") == WAITING
+    s2 = Scheduler("staggered", groups=2)
+    s2.add("x", load_bytes=100)
+    s2.add("y")
+    # once x is on the admission lane, the head of the queue is resident: the drafter lane
+    # takes it
+    assert s2.schedule() == [Job("prefill", ("x",), "admit"), Job("prefill", ("y",), "draft")]
+
+
 def test_verify_budget_splits_a_verify_job():
     s = Scheduler("lockstep", verify_budget=250)
     for rid in "abc":

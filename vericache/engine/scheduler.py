@@ -21,7 +21,12 @@ Modes:
   drafts ahead: a draft job costs k steps whatever its batch (each step reads the weights),
   so drafting for the few requests admitted so far while the rest wait multiplied the
   drafting (21 draft jobs against lockstep's 4 for 16 requests, 42 s against 12;
-  docs/performance.md, seventeenth session). Except when the verifier would idle: when the
+  docs/performance.md, seventeenth session). A request whose full KV is offloaded
+  (`load_bytes` > 0) is admitted on the admission lane only: its admission ends by storing
+  its full KV over the tier's link, one store at a time, so a second admission on the
+  drafter lane waited for the first's store with the drafter's work behind it (twenty-ninth
+  session, 16 x 8k at 4 Gbit/s: the drafter lane's 5 prefills took 6.9 s, and the run 34.4 s
+  against 30.5 s with them on the admission lane alone). Except when the verifier would idle: when the
   verifier lane is free and no request is verifying or ready to, the drafter lane drafts for
   the requests ready to draft before it takes another prefill, so the verifier (and an
   offloaded full KV's link) starts with the first admitted requests instead of after the
@@ -199,6 +204,8 @@ class Scheduler:
         n = len(active)
         take = []
         for r in self._in(WAITING):
+            if lane == DRAFT_LANE and r.load_bytes:  # offloaded: the admission lane's alone
+                break
             fits = (_fits(d + r.draft_bytes, self.draft_budget)
                     and _fits(v + r.resident_bytes + r.load_bytes, self.verify_budget)
                     and _fits(d + r.draft_bytes + v + r.resident_bytes + r.load_bytes,
