@@ -15,28 +15,27 @@ Modes:
   draft again; one lane works at a time.
 - staggered: requests are split into `groups` groups at admission (the smallest group takes
   the newcomer); each lane takes a whole group, so while group A verifies, group B drafts.
-  Admission is work-conserving: a prefill job holds one request, and the admission lane or
-  the drafter lane takes it. The drafter lane prefills first (a request that fits is
-  admitted before any draft job, as vLLM's scheduler puts prefills first), then drafts, then
-  drafts ahead: a draft job costs k steps whatever its batch (each step reads the weights),
-  so drafting for the few requests admitted so far while the rest wait multiplied the
-  drafting (21 draft jobs against lockstep's 4 for 16 requests, 42 s against 12;
-  docs/performance.md, seventeenth session). A request whose full KV is offloaded
-  (`load_bytes` > 0) is admitted on the admission lane only: its admission ends by storing
-  its full KV over the tier's link, one store at a time, so a second admission on the
-  drafter lane waited for the first's store with the drafter's work behind it (twenty-ninth
-  session, 16 x 8k at 4 Gbit/s: the drafter lane's 5 prefills took 6.9 s, and the run 34.4 s
-  against 30.5 s with them on the admission lane alone). Except when the verifier would idle: when the
-  verifier lane is free and no request is verifying or ready to, the drafter lane drafts for
-  the requests ready to draft before it takes another prefill, so the verifier (and an
-  offloaded full KV's link) starts with the first admitted requests instead of after the
-  last (twenty-first session: the 16 x 8k scenario's link had sat idle for the first 24 s
-  of a 52 s run, through the 16 admissions and the first draft job). The verifier lane only
-  verifies: with an
-  offloaded full KV it is mostly waiting on its link, and a prefill it ran held every
-  verification (and the link) behind its compute, while the admission lane's prefill
-  computes during those waits (nineteenth session, 16 x 8k: staggered went from 1.20x to
-  1.28x lockstep's throughput; docs/performance.md).
+  Admission is work-conserving: a prefill job holds one request, and the admission lane or the
+  drafter lane takes it. The drafter lane prefills first (a request that fits is admitted
+  before any draft job, as vLLM's scheduler puts prefills first), then drafts, then drafts
+  ahead: a draft job costs k steps whatever its batch (each step reads the weights), so
+  drafting for the few requests admitted so far while the rest wait multiplied the drafting
+  (21 draft jobs against lockstep's 4 for 16 requests, 42 s against 12; docs/performance.md,
+  seventeenth session). Except when the verifier would idle: when the verifier lane is free
+  and no request is verifying or ready to, the drafter lane drafts for the requests ready to
+  draft before it takes another prefill, so the verifier (and an offloaded full KV's link)
+  starts with the first admitted requests instead of after the last (twenty-first session: the
+  16 x 8k scenario's link had sat idle for the first 24 s of a 52 s run, through the 16
+  admissions and the first draft job). A request whose full KV is offloaded (`load_bytes` > 0)
+  is admitted on the admission lane only: its admission ends by storing its full KV over the
+  tier's link, one store at a time, so a second admission on the drafter lane waited for the
+  first's store with the drafter's work behind it (twenty-ninth session, 16 x 8k at 4 Gbit/s:
+  the drafter lane's 5 prefills took 6.9 s, and the run 34.4 s against 30.5 s with them on the
+  admission lane alone). The verifier lane only verifies: with an offloaded full KV it is
+  mostly waiting on its link, and a prefill it ran held every verification (and the link)
+  behind its compute, while the admission lane's prefill computes during those waits
+  (nineteenth session, 16 x 8k: staggered went from 1.20x to 1.28x lockstep's throughput;
+  docs/performance.md).
   With `draft_ahead`, a drafter lane that has no group to draft drafts ahead for requests
   whose drafts are waiting for or in verification (an "ahead" job: it changes no state; the
   engine keeps or drops those tokens when the verification ends), once per round each.
