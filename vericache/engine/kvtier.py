@@ -41,6 +41,11 @@ TIERS = ("resident", "offloaded")
 COPY_ROUND = 256  # a new working copy's room, in tokens, is rounded up to this (`_copy_buffers`)
 
 
+def _kv_bytes(keys) -> int:
+    """Bytes of the caches whose key buffers are `keys` (each value buffer the same size)."""
+    return sum(2 * k.numel() * k.element_size() for k in keys)
+
+
 @dataclass
 class TierStats:
     """Link traffic and timing of an offloaded tier (all threads together)."""
@@ -281,7 +286,7 @@ class OffloadedTier:
     def host_bytes_free(self) -> int:
         """Bytes of the host caches kept for later requests."""
         with self._lock:
-            return sum(2 * c.k.numel() * c.k.element_size() for c in self._free)
+            return _kv_bytes(c.k for c in self._free)
 
     def offload(self, cache: KVCache) -> KVCache:
         """Move a prefilled full KV into the tier: returns its host copy at once, while a
@@ -395,7 +400,7 @@ class OffloadedTier:
     def copy_bytes_kept(self) -> int:
         """Bytes of dropped working copies kept for later ones."""
         with self._lock:
-            return sum(2 * k.numel() * k.element_size() for k, _ in self._copies)
+            return _kv_bytes(k for k, _ in self._copies)
 
     def _load_layer(self, s: StreamedKV, li: int) -> int:
         """Copy layer `li` of one request's KV over the link; returns the bytes moved."""
