@@ -186,6 +186,65 @@ def test_linear_rows_are_invariant(linear, dtype):
     assert torch.equal(linear(x[20:31], w, b, 2), alone[20:31])
 
 
+def _quantized(n, k, bits, seed):
+    """A float32 [n, k] matrix as a GGUF dequantizer writes one: float16 d (and m for Q4_1)
+    per 32 weights, d * q + m in float32 (q 0..15 with the block's least 0 and greatest 15;
+    Q8_0: -127..127 with the largest magnitude 127)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-4).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = (torch.randn(n, k // 32, 1, generator=g) * 0.1).half().float()
+        return (d * q + m).reshape(n, k)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_of_gives_quantized_weights_back_exactly(bits):
+    """Weights that were quantized (Q4_1's affine 4-bit blocks, Q8_0's symmetric 8-bit ones)
+    are found in that form, which gives every float32 weight back bit for bit in 5 or 9 bits;
+    weights that were not (a float32 checkpoint's), or rows not in whole blocks, are not."""
+    from vericache.model.qweights import blocks_of
+
+    w = _quantized(70, 576, bits, seed=bits)
+    qw = blocks_of(w)
+    assert qw.bits == bits and qw.shape == (70, 576)
+    assert torch.equal(qw.widen().view(torch.int32), w.view(torch.int32))
+    assert qw.nbytes == 70 * 576 * bits // 8 + 70 * 18 * 4 * (2 if bits == 4 else 1)
+    assert blocks_of(torch.randn(70, 576)) is None
+    assert blocks_of(w[:, :560]) is None  # 560 = 17.5 blocks
+    nudged = w.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(1.0))
+    assert blocks_of(nudged) is None  # one weight one ulp off: not exact, so not kept
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_over_blocks_equals_a_float64_product_and_rows_are_invariant(linear, bits):
+    """`vc_linear_qw`: x times the blocks' weights, within float32 rounding of the float64
+    product, with and without bias, 1 to 33 rows and a feature tail (n % 4); a row's result
+    is the same bits alone, among others, and on 1 to 3 threads."""
+    from vericache.model.qweights import blocks_of
+
+    n, k = 1031, 576
+    w = _quantized(n, k, bits, seed=10 + bits)
+    qw, g = blocks_of(w), torch.Generator().manual_seed(3)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(33, k, generator=g)
+    for m in (1, 2, 3, 4, 7, 33):
+        for bias in (None, b):
+            out = linear(x[:m], qw, bias, 2)
+            ref = F.linear(x[:m].double(), w.double(), None if bias is None else bias.double())
+            assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5
+    alone = torch.cat([linear(x[i: i + 1], qw, b, 1) for i in range(33)])
+    for m, threads in ((33, 1), (33, 2), (5, 3), (17, 2)):
+        assert torch.equal(linear(x[:m], qw, b, threads), alone[:m]), (m, threads)
+    with pytest.raises(ValueError, match="columns"):
+        linear(torch.randn(2, 544), qw)
+
+
 def test_linear_dots_bfloat16_where_the_cpu_has_avx512_bf16(linear):
     """The library is built for this CPU (-march=native): AVX512-BF16's dot products exactly
     where /proc/cpuinfo lists them."""
@@ -226,7 +285,7 @@ def test_linear_refuses_what_it_cannot_read(linear):
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(TypeError, match="float32"):
         linear(x.double(), w.double())
-    with pytest.raises(TypeError, match="bfloat16 w"):
+    with pytest.raises(TypeError, match="bfloat16 or block weights"):
         linear(x, w.half())
     with pytest.raises(ValueError, match="contiguous"):
         linear(x, torch.randn(8, 4).t())
@@ -428,9 +487,9 @@ def test_the_drafters_kv_dtype_rule(monkeypatch):
 
 
 def test_the_drafters_weights_rule(monkeypatch):
-    """A float32 model whose drafter holds bfloat16 K/V, with the native product: a bfloat16
-    weight copy; no copy otherwise, or with VERICACHE_DRAFT_WEIGHTS=model; an unknown value
-    is refused, naming the choices."""
+    """A float32 model whose drafter holds bfloat16 K/V, with the native product: a weight
+    copy (blocks or bfloat16, `Runner._draft_copy`); no copy otherwise, or with
+    VERICACHE_DRAFT_WEIGHTS=model; an unknown value is refused, naming the choices."""
     from vericache.errors import InvalidArgument
     from vericache.model.kvcache import draft_weights_dtype
 
@@ -439,19 +498,28 @@ def test_the_drafters_weights_rule(monkeypatch):
     assert draft_weights_dtype(torch.float32, torch.bfloat16, kernel=False) is None
     assert draft_weights_dtype(torch.float32, torch.float32) is None
     assert draft_weights_dtype(torch.bfloat16, torch.bfloat16) is None
+    monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", "bfloat16")
+    assert draft_weights_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
     monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", "model")
     assert draft_weights_dtype(torch.float32, torch.bfloat16) is None
     monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", "int8")
-    with pytest.raises(InvalidArgument, match="auto, model"):
+    with pytest.raises(InvalidArgument, match="auto, bfloat16, model"):
         draft_weights_dtype(torch.float32, torch.bfloat16)
 
 
-def test_draft_passes_take_the_bfloat16_weight_copy(lm, prompts):
-    """A pass over a drafter's bfloat16 caches multiplies by the bfloat16 copy of every
-    product's weights (made at the first such pass: half the float32 matrices' bytes), and
-    its logits stay near the float32 weights' with the same greedy token; a pass over the
+def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts, monkeypatch):
+    """A pass over a drafter's bfloat16 caches multiplies by the drafter's weight copy, made
+    at the first such pass. The default model came as GGUF Q4_1 layers and a Q8_0 LM head,
+    so by default the copy is those blocks (exact: every weight given back bit for bit, in
+    111 MB where bfloat16 takes 269 MB); with VERICACHE_DRAFT_WEIGHTS=bfloat16, a bfloat16
+    copy (half the float32 bytes). Either pass's logits stay near the float32 weights' with
+    the same greedy token (not to float32 rounding even over the blocks: the drafter's
+    attention rounds its queries to bfloat16 where the CPU dots bfloat16, and a sum's order
+    moves those roundings). A pass over the
     model's float32 caches (the verifier's) never touches the copy: the same bits with the
     copy as without it."""
+    from vericache.model.qweights import QWeight
+
     r = lm.runner
     assert r.draft_weights == torch.bfloat16
     mats = [getattr(lyr, n) for lyr in r.layers for n in ("w_qkv", "w_o", "w_gate_up", "w_down")]
@@ -462,19 +530,37 @@ def test_draft_passes_take_the_bfloat16_weight_copy(lm, prompts):
         r.step(ids[:-5], 0, c, logits="none")
         return r.step(ids[-5:], len(ids) - 5, c, logits="all")[0]
 
-    drafted = run(r.draft_dtype)
-    assert r.draft_weight_bytes() == sum(w.numel() for w in mats + [r.lm_head]) * 2
-    verified = run(r.dtype)
-    saved = r.draft_weights
-    r.draft_weights = None  # the model's own weights for every pass
+    saved = r._draft_w, r._draft_fused_w, r.draft_weights
+    drafted = {}
     try:
-        assert r._drafts([]) is False
+        for choice in ("auto", "bfloat16"):
+            monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", choice)
+            r._draft_w = r._draft_fused_w = None
+            drafted[choice] = run(r.draft_dtype)
+            if choice == "auto":
+                assert r.draft_weight_form() == "blocks"
+                copies = [r._draft_w[w.data_ptr()] for w in mats + [r.lm_head]]
+                assert [c.bits for c in copies] == [4] * len(mats) + [8]
+                assert all(torch.equal(c.widen(), w) for c, w in zip(copies[:8], mats[:8]))
+                assert torch.equal(copies[-1].widen(), r.lm_head)
+                assert r.draft_weight_bytes() == sum(
+                    w.numel() // 2 + w.numel() // 32 * 8 for w in mats) + (
+                    r.lm_head.numel() + r.lm_head.numel() // 32 * 4)
+            else:
+                assert r.draft_weight_form() == "bfloat16"
+                assert not any(isinstance(c, QWeight) for c in r._draft_w.values())
+                assert r.draft_weight_bytes() == sum(w.numel() for w in mats + [r.lm_head]) * 2
+        verified = run(r.dtype)
+        r.draft_weights = None  # the model's own weights for every pass
+        assert r._drafts([]) is False and r.draft_weight_form() == "model"
         assert torch.equal(run(r.dtype), verified)
         drafted_f32 = run(r.draft_dtype)
     finally:
-        r.draft_weights = saved
-    assert torch.equal(drafted.argmax(-1), drafted_f32.argmax(-1))
-    assert float((drafted - drafted_f32).abs().max()) < 0.05 * float(drafted_f32.abs().max())
+        r._draft_w, r._draft_fused_w, r.draft_weights = saved
+    top = float(drafted_f32.abs().max())
+    for logits in drafted.values():
+        assert torch.equal(logits.argmax(-1), drafted_f32.argmax(-1))
+        assert float((logits - drafted_f32).abs().max()) < 0.05 * top
 
 
 _HUGE_PROBE = """

@@ -112,9 +112,12 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     assert by["full_resident"]["kv_peak_verify_bytes"] <= budget
     assert by["full_resident"]["kv_peak_draft_bytes"] == 0
     assert 0 < by["vericache_lockstep"]["kv_peak_draft_bytes"] < budget
-    # the drafter's bfloat16 weight copy is reported beside the KV, by the variants that draft
+    # the drafter's weight copy is reported beside the KV, by the variants that draft: the
+    # default model's quantized blocks
     assert by["full_resident"]["draft_weight_bytes"] == 0
+    assert by["full_resident"]["draft_weight_form"] is None
     assert by["lossy"]["draft_weight_bytes"] == by["vericache_lockstep"]["draft_weight_bytes"] > 0
+    assert by["vericache_lockstep"]["draft_weight_form"] == "blocks"
     assert by["vericache_lockstep"]["max_active"] == 1
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
     # where each lane's time went, per job kind: it adds up to the lane's busy time

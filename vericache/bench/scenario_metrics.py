@@ -48,10 +48,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int,
-                     draft_weight_bytes: int | None = None) -> dict:
+                     draft_weight_bytes: int | None = None,
+                     draft_weight_form: str | None = None) -> dict:
     """The variant's row of the report, from `vericache.bench.scenario.run_variant`'s record.
     `draft_weight_bytes`: the drafter's weight copy (`Runner.draft_weight_bytes`), memory a
-    variant that drafts holds beside its KV (None: not known here, as the drafter service's)."""
+    variant that drafts holds beside its KV (None: not known here, as the drafter service's),
+    and `draft_weight_form` its form (`Runner.draft_weight_form`)."""
     gens, tr, st = raw["gens"], raw["trace"], raw["tier_stats"]
     tokens = sum(len(g.output_ids) for g in gens)
     wall = tr.end - tr.start
@@ -89,8 +91,10 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int,
         "max_active": tr.max_active,
         # the most KV bytes the scheduler charged at once, per side (the budget bounds the sum)
         "kv_peak_draft_bytes": tr.peak_kv[0], "kv_peak_verify_bytes": tr.peak_kv[1],
-        # the drafter's bfloat16 weight copy, outside the KV budget (0: full, or no copy)
+        # the drafter's weight copy, outside the KV budget (0: full, or no copy), and its
+        # form (`Runner.draft_weight_form`: "blocks", "bfloat16", "model"; None: not known)
         "draft_weight_bytes": draft_weight_bytes if raw["mode"] != "full" else 0,
+        "draft_weight_form": draft_weight_form if raw["mode"] != "full" else None,
         "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
         "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
         "admit_busy_s": _r(sum(b - a for a, b in tr.busy[ADMIT_LANE])),

@@ -37,7 +37,7 @@ import torch
 from vericache.errors import InvalidArgument
 
 DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
-DRAFT_WEIGHTS = ("auto", "model")
+DRAFT_WEIGHTS = ("auto", "bfloat16", "model")
 
 
 def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
@@ -67,18 +67,22 @@ def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,
                         kernel: bool = True) -> torch.dtype | None:
     """The dtype of the weight copy a drafter's passes multiply by, or None (the model's own
     weights). A float32 model whose drafter holds bfloat16 K/V (`draft_kv_dtype`), with the
-    native product (`kernel`): bfloat16, `vericache.model.kernels.linear`'s `vc_linear_bf16w`
-    (half the bytes to read; with AVX512-BF16, bfloat16 dot products, x split into two
-    bfloat16 parts so that only the weights are rounded). The
-    copy costs half the model's float32 weights in memory (SmolLM2-135M: 270 MB), in the
-    process that drafts. The drafts change in their rounding and are verified in float32, so
-    outputs do not. `VERICACHE_DRAFT_WEIGHTS`: `auto` (that rule) or `model` (no copy)."""
+    native product (`kernel`): a copy (`Runner._draft_copy`), each matrix in the blocks it was
+    quantized in where they give it back exactly (`vericache.model.qweights`, a GGUF model's:
+    `vc_linear_qw` reads 5 or 9 bits a weight, and the drafts see the model's own weights),
+    else in bfloat16 (`vc_linear_bf16w`: half the bytes to read; with AVX512-BF16, bfloat16
+    dot products, x split into two bfloat16 parts so that only the weights are rounded). The
+    copy costs, in the process that drafts, 111 MB for SmolLM2-135M's Q4_1 and Q8_0 blocks,
+    or half the model's float32 weights in bfloat16 (270 MB). Rounded drafts are verified in
+    float32, so outputs do not change. `VERICACHE_DRAFT_WEIGHTS`: `auto` (that rule),
+    `bfloat16` (the bfloat16 copy even where blocks would serve) or `model` (no copy). The
+    value returned is the copy's marker dtype, bfloat16, either way."""
     choice = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto")
     if choice not in DRAFT_WEIGHTS:
         raise InvalidArgument("VERICACHE_DRAFT_WEIGHTS must be one of "
                               f"{', '.join(DRAFT_WEIGHTS)} (got {choice!r})",
                               "VERICACHE_DRAFT_WEIGHTS")
-    if (choice == "auto" and kernel and dtype == torch.float32
+    if (choice != "model" and kernel and dtype == torch.float32
             and draft_dtype == torch.bfloat16):
         return torch.bfloat16
     return None

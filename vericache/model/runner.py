@@ -15,8 +15,9 @@ over them, so that
   most KERNEL_ROWS rows a sequence) or torch SDPA with masks for the ragged lengths;
 - a drafter's caches may hold K/V in a narrower dtype than the model's (`draft_dtype`:
   bfloat16 for a float32 model on CPU, `vericache.model.kvcache.draft_kv_dtype`): written
-  rounded, read widened, every sum in the model's dtype; its passes' products take a
-  bfloat16 copy of the weights (`draft_weights`, `_draft_linear`). Items
+  rounded, read widened, every sum in the model's dtype; its passes' products take a copy
+  of the weights (`draft_weights`, `_draft_copy`, `_draft_linear`): the model's own
+  quantized blocks where it came as them (a GGUF model's), else bfloat16. Items
   that ask for votes take the explicit-score
   path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
   call of their own per layer;
@@ -38,13 +39,14 @@ D = head dim, G = Hq // Hkv, n = tokens in a sequence's cache after the pass.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from vericache.model import kernels
+from vericache.model import kernels, qweights
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
 from vericache.model.kvcache import KVCache, KVPool, draft_kv_dtype, draft_weights_dtype
 
@@ -358,39 +360,63 @@ class Runner:
         """Bytes of the drafter's weight copy (`draft_weights`; 0 until a draft pass made it)."""
         return sum(t.nbytes for t in (self._draft_w or {}).values())
 
-    def _draft_copy(self) -> dict[int, torch.Tensor]:
-        """The drafter's bfloat16 copies of the products' weights (every layer's and the LM
-        head), by the model weight's data_ptr; made once, at the first draft pass."""
+    def _draft_copy(self) -> dict:
+        """The drafter's copies of the products' weights (every layer's and the LM head), by
+        the model weight's data_ptr; made once, at the first draft pass. Each matrix in the
+        blocks it was quantized in where they give it back exactly
+        (`vericache.model.qweights`: a GGUF model's), else in bfloat16; the layers' matrices
+        all one way (the native pass takes one weight type), the LM head its own
+        (`VERICACHE_DRAFT_WEIGHTS=bfloat16`: bfloat16 always)."""
         with self._draft_lock:
             if self._draft_w is None:
                 names = ("w_qkv", "w_o", "w_gate_up", "w_down")
-                ws = [getattr(lyr, n) for lyr in self.layers for n in names] + [self.lm_head]
-                self._draft_w = {w.data_ptr(): w.to(torch.bfloat16).contiguous() for w in ws}
+                mats = [getattr(lyr, n) for lyr in self.layers for n in names]
+                blocks = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto") == "auto"
+                found = [qweights.blocks_of(w) for w in mats] if blocks else [None]
+                if any(q is None for q in found):
+                    found = [w.to(torch.bfloat16).contiguous() for w in mats]
+                head = qweights.blocks_of(self.lm_head) if blocks else None
+                if head is None:
+                    head = self.lm_head.to(torch.bfloat16).contiguous()
+                self._draft_w = {w.data_ptr(): c for w, c in zip(mats + [self.lm_head],
+                                                                  found + [head])}
             return self._draft_w
+
+    def draft_weight_form(self) -> str:
+        """How the drafter's layers hold their weights: "blocks" (the model's own quantized
+        blocks, exact), "bfloat16", or "model" (no copy); "" until a draft pass made it."""
+        if self.draft_weights is None:
+            return "model"
+        if self._draft_w is None:
+            return ""
+        first = self._draft_w[self.layers[0].w_qkv.data_ptr()]
+        return "blocks" if isinstance(first, qweights.QWeight) else "bfloat16"
 
     def _draft_fused(self) -> dict:
         """`_fused_w` with the products' pointers to the drafter's copies (`_draft_copy`)."""
         copies = self._draft_copy()
         with self._draft_lock:
             if self._draft_fused_w is None:
+                def address(c) -> int:
+                    return c.address if isinstance(c, qweights.QWeight) else c.data_ptr()
                 self._draft_fused_w = {**self._fused_w, **{
-                    name: kernels.pointers([copies[getattr(lyr, attr).data_ptr()]
-                                            for lyr in self.layers])
+                    name: (ctypes.c_void_p * self.num_layers)(
+                        *[address(copies[getattr(lyr, attr).data_ptr()]) for lyr in self.layers])
                     for name, attr in (("w_qkv", "w_qkv"), ("w_o", "w_o"),
                                        ("w_gu", "w_gate_up"), ("w_down", "w_down"))}}
             return self._draft_fused_w
 
     def _drafts(self, items: list[SeqBatchItem]) -> bool:
-        """Whether a pass is a drafter's, whose products take the bfloat16 weight copy
-        (`draft_weights`): every cache holds the drafter's narrower K/V."""
+        """Whether a pass is a drafter's, whose products take the drafter's weight copy
+        (`draft_weights`, `_draft_copy`): every cache holds the drafter's narrower K/V."""
         return self.draft_weights is not None and self.linear_kernel is not None and all(
             getattr(getattr(it.cache, "k", None), "dtype", None) == self.draft_dtype
             for it in items)
 
     def _draft_linear(self, x: torch.Tensor, w: torch.Tensor,
                       b: torch.Tensor | None = None) -> torch.Tensor:
-        """A draft pass's product: over w's bfloat16 copy up to LINEAR_ROWS rows (the native
-        kernel's `vc_linear_bf16w`), else `_linear`'s."""
+        """A draft pass's product: over w's copy (`_draft_copy`: blocks, `vc_linear_qw`, or
+        bfloat16, `vc_linear_bf16w`) up to LINEAR_ROWS rows, else `_linear`'s."""
         if x.shape[0] <= LINEAR_ROWS:
             return self.linear_kernel(x, self._draft_copy()[w.data_ptr()], b, self._threads())
         return self._linear(x, w, b)
@@ -727,7 +753,7 @@ class Runner:
         steps of up to LINEAR_ROWS rows) over a family whose layers
         are the pre-norm SiLU block, q/k norms allowed (`_native_block`), and caches held
         whole (not the offloaded tier's, whose layers land while the pass runs). `drafts`: a
-        drafter's pass, over the bfloat16 weight copy (`_draft_linear`'s products)."""
+        drafter's pass, over the drafter's weight copy (`_draft_linear`'s products)."""
         T, n = h.shape[0], self.num_layers
         if p.pool is None:
             K, V, base = p.cache.k, p.cache.v, 0
@@ -754,7 +780,8 @@ class Runner:
             sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
             pad=None if p.in_order else p.pad.data_ptr(),
             attend=self.attend_kernel.address[K.dtype], kv_bf16=int(K.dtype == torch.bfloat16),
-            w_bf16=int(drafts),
+            w_type=(kernels.W_FLOAT32 if not drafts else kernels.W_BLOCKS
+                    if self.draft_weight_form() == "blocks" else kernels.W_BFLOAT16),
             **{name: ctypes.addressof(a) for name, a in arrays.items()})
         self.linear_kernel.layers(args)
 

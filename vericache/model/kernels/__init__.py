@@ -14,7 +14,9 @@ each block of weight rows read once for every row, the output features split bet
 caller's OpenMP threads. At batch 1 the pass reads the weights; MKL's GEMV read them at
 16 GB/s on one thread of this EPYC and no faster on two, the kernel at 42 GB/s on two. Over
 bfloat16 weights (a drafter's copy, `Runner.draft_weights`) it reads half the bytes, and
-with AVX512-BF16 dots them with x split into two bfloat16 parts (`Linear.bf16_dot`).
+with AVX512-BF16 dots them with x split into two bfloat16 parts (`Linear.bf16_dot`); over
+weights kept in the blocks they were quantized in (`vericache.model.qweights`, a GGUF
+model's) it reads 5 or 9 bits a weight and gives each weight back exactly.
 
 The same library runs a fast pass's decoder layers in one call (`Linear.layers`, filled in
 by `Runner._fused`): norms, products, RoPE, the K/V writes, the attention (`attend.c`'s
@@ -154,7 +156,10 @@ class Pass(ctypes.Structure):
                                      "qk_norm", "cos", "sin", "ck", "cv")]
                 + [(n, _I) for n in ("sb", "sh", "sn")]
                 + [(n, _P) for n in ("wslot", "wpos", "pad", "lo", "hi", "attend")]
-                + [("kv_bf16", _I), ("w_bf16", _I)])
+                + [("kv_bf16", _I), ("w_type", _I)])
+
+# `Pass.w_type`: what the products' weight pointers point to
+W_FLOAT32, W_BFLOAT16, W_BLOCKS = 0, 1, 2
 
 
 def pointers(tensors) -> ctypes.Array:
@@ -179,6 +184,9 @@ class Linear:
         self._fn_bf16w = lib.vc_linear_bf16w
         self._fn_bf16w.argtypes = [p, p, p, p, i, i, i, i]
         self._fn_bf16w.restype = ctypes.c_int
+        self._fn_qw = lib.vc_linear_qw
+        self._fn_qw.argtypes = [p, p, p, p, i, i, i, i]
+        self._fn_qw.restype = ctypes.c_int
         # whether bfloat16 weights meet x, split into two bfloat16 parts, in AVX512-BF16 dot
         # products (else x stays float32 and the weights are widened)
         self.bf16_dot = bool(lib.vc_bf16_dot())
@@ -248,23 +256,31 @@ class Linear:
         self._rope(x.data_ptr(), T, heads, D, x.stride(0), cos.data_ptr(), sin.data_ptr(), R)
         return x
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+    def __call__(self, x: torch.Tensor, w, b: torch.Tensor | None = None,
                  threads: int = 1) -> torch.Tensor:
-        """x w^T + b; w float32, or bfloat16 (a drafter's copy, `Runner.draft_weights`:
-        `vc_linear_bf16w`, where x is split into two bfloat16 parts if `bf16_dot`)."""
-        if (x.dtype != torch.float32 or w.dtype not in (torch.float32, torch.bfloat16)
-                or x.device.type != "cpu"):
-            raise TypeError("linear: float32 x and float32 or bfloat16 w, on CPU only")
-        if not w.is_contiguous() or (b is not None and not b.is_contiguous()):
+        """x w^T + b; w float32, bfloat16 (a drafter's copy, `Runner.draft_weights`:
+        `vc_linear_bf16w`, where x is split into two bfloat16 parts if `bf16_dot`), or a
+        `vericache.model.qweights.QWeight` (a drafter's copy in the model's own quantized
+        blocks: `vc_linear_qw`)."""
+        from vericache.model.qweights import QWeight
+
+        blocks = isinstance(w, QWeight)
+        if (x.dtype != torch.float32 or x.device.type != "cpu"
+                or not blocks and w.dtype not in (torch.float32, torch.bfloat16)):
+            raise TypeError("linear: float32 x and float32, bfloat16 or block weights, on CPU only")
+        if not blocks and not w.is_contiguous() or (b is not None and not b.is_contiguous()):
             raise ValueError("linear: w and b must be contiguous")
         x = x.contiguous()
-        (m, k), n = x.shape, w.shape[0]
-        if w.shape[1] != k:
-            raise ValueError(f"linear: x has {k} columns, w {w.shape[1]}")
+        (m, k), (n, kw) = x.shape, tuple(w.shape)
+        if kw != k:
+            raise ValueError(f"linear: x has {k} columns, w {kw}")
         y = x.new_empty(m, n)
-        args = (x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                m, n, k, threads)
-        if w.dtype == torch.float32:
+        args = (x.data_ptr(), w.address if blocks else w.data_ptr(),
+                None if b is None else b.data_ptr(), y.data_ptr(), m, n, k, threads)
+        if blocks:
+            if self._fn_qw(*args):
+                raise ValueError("linear: block weights need k a multiple of 32 and 4 or 8 bits")
+        elif w.dtype == torch.float32:
             self._fn(*args)
         elif self._fn_bf16w(*args):
             raise MemoryError("linear: out of memory for x in bfloat16")

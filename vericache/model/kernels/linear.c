@@ -236,6 +236,134 @@ int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y
 
 int vc_bf16_dot(void) { return BF_DOT; }
 
+/* y = x w^T (+ b) over weights held in blocks of QB along k (a drafter's copy of weights that
+ * were quantized before they reached float32, as a GGUF model's are:
+ * `vericache.model.qweights`): element i of row j is d[j, i / QB] * q + m[j, i / QB], q the
+ * block's integer (bits 4: 0..15, two a byte, byte c of a block holding elements c and
+ * c + QB / 2 in its low and high nibbles; bits 8: -128..127, one a byte) and m NULL for 0. The
+ * Python side keeps this form only where it gives every float32 weight back bit for bit (d * q
+ * is exact in float32, so the sum rounds once, as the dequantizer's did), so these products
+ * multiply x by the model's own weights, reading 5 (bits 4) or 9 (bits 8) bits a weight
+ * (d and m float32) instead of 32, or bfloat16's 16. k a multiple of QB; the same blocks,
+ * threads and panels as `vc_linear_f32`, and a row's sums in an order fixed by k. */
+#define QB 32
+struct vc_qw {
+    const uint8_t *q;
+    const float *d, *m; /* [n, k / QB]; m NULL: 0 */
+    int64_t bits;       /* 4 or 8 */
+};
+
+/* the QB weights of row j's block kb, widened into w */
+static inline void q_block(const struct vc_qw *w, int64_t k, int64_t j, int64_t kb, float *out) {
+    const int64_t nb = k / QB;
+    const float d = w->d[j * nb + kb], m = w->m ? w->m[j * nb + kb] : 0.0f;
+    if (w->bits == 4) {
+        const uint8_t *q = w->q + (j * nb + kb) * (QB / 2);
+        for (int c = 0; c < QB / 2; c++) {
+            out[c] = d * (float)(q[c] & 15) + m;
+            out[c + QB / 2] = d * (float)(q[c] >> 4) + m;
+        }
+    } else {
+        const int8_t *q = (const int8_t *)w->q + (j * nb + kb) * QB;
+        for (int c = 0; c < QB; c++) out[c] = d * (float)q[c] + m;
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* the QB weights of row j's block kb as two vectors (elements 0..15, 16..31) */
+static inline void q_vectors(const struct vc_qw *w, int64_t k, int64_t j, int64_t kb,
+                             __m512 *w0, __m512 *w1) {
+    const int64_t nb = k / QB, at = j * nb + kb;
+    const __m512 d = _mm512_set1_ps(w->d[at]), m = _mm512_set1_ps(w->m ? w->m[at] : 0.0f);
+    __m512i q0, q1;
+    if (w->bits == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->q + at * (QB / 2))));
+        q0 = _mm512_and_si512(b, _mm512_set1_epi32(15));
+        q1 = _mm512_srli_epi32(b, 4);
+    } else {
+        const int8_t *q = (const int8_t *)w->q + at * QB;
+        q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+        q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+    }
+    /* d * q is exact, so the fused form rounds once, as d * q + m does */
+    *w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q0), m);
+    *w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q1), m);
+}
+
+#define QBLOCK(MI)                                                                          \
+    static inline void qblock##MI(const float *x, const struct vc_qw *w, const float *b,    \
+                                  float *y, int64_t n, int64_t k, int64_t i0, int64_t j0) { \
+        __m512 acc[MI][JB];                                                                 \
+        for (int i = 0; i < MI; i++)                                                        \
+            for (int j = 0; j < JB; j++) acc[i][j] = _mm512_setzero_ps();                   \
+        for (int64_t kb = 0; kb < k / QB; kb++) {                                           \
+            __m512 w0[JB], w1[JB];                                                          \
+            for (int j = 0; j < JB; j++) q_vectors(w, k, j0 + j, kb, w0 + j, w1 + j);       \
+            for (int i = 0; i < MI; i++) {                                                  \
+                const __m512 x0 = _mm512_loadu_ps(x + (i0 + i) * k + kb * QB);              \
+                const __m512 x1 = _mm512_loadu_ps(x + (i0 + i) * k + kb * QB + 16);         \
+                for (int j = 0; j < JB; j++) {                                              \
+                    acc[i][j] = _mm512_fmadd_ps(x0, w0[j], acc[i][j]);                      \
+                    acc[i][j] = _mm512_fmadd_ps(x1, w1[j], acc[i][j]);                      \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int i = 0; i < MI; i++)                                                        \
+            for (int j = 0; j < JB; j++) {                                                  \
+                const float s = _mm512_reduce_add_ps(acc[i][j]);                            \
+                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
+            }                                                                               \
+    }
+#else
+#define QBLOCK(MI)                                                                          \
+    static inline void qblock##MI(const float *x, const struct vc_qw *w, const float *b,    \
+                                  float *y, int64_t n, int64_t k, int64_t i0, int64_t j0) { \
+        vf acc[MI][JB];                                                                     \
+        memset(acc, 0, sizeof acc);                                                         \
+        float wb[JB][QB] __attribute__((aligned(64)));                                      \
+        for (int64_t kb = 0; kb < k / QB; kb++) {                                           \
+            for (int j = 0; j < JB; j++) q_block(w, k, j0 + j, kb, wb[j]);                  \
+            for (int c = 0; c < QB; c += VL) {                                              \
+                vf wv[JB], xv[MI];                                                          \
+                for (int j = 0; j < JB; j++) wv[j] = load(wb[j] + c);                       \
+                for (int i = 0; i < MI; i++) xv[i] = load(x + (i0 + i) * k + kb * QB + c);  \
+                for (int i = 0; i < MI; i++)                                                \
+                    for (int j = 0; j < JB; j++) acc[i][j] += xv[i] * wv[j];                \
+            }                                                                               \
+        }                                                                                   \
+        for (int i = 0; i < MI; i++)                                                        \
+            for (int j = 0; j < JB; j++) {                                                  \
+                const float s = hsum(acc[i][j]);                                            \
+                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
+            }                                                                               \
+    }
+#endif
+QBLOCK(1)
+QBLOCK(2)
+QBLOCK(3)
+QBLOCK(4)
+
+int vc_linear_qw(const float *x, const struct vc_qw *w, const float *b, float *y, int64_t m,
+                 int64_t n, int64_t k, int64_t threads) {
+    if (k % QB || (w->bits != 4 && w->bits != 8)) return -2;
+    const int64_t blocks = n / JB;
+    PANELS(qblock, x, w, b, y)
+    for (int64_t j = blocks * JB; j < n; j++)
+        for (int64_t i = 0; i < m; i++) {
+            vf acc;
+            memset(&acc, 0, sizeof acc);
+            float wb[QB] __attribute__((aligned(64)));
+            for (int64_t kb = 0; kb < k / QB; kb++) {
+                q_block(w, k, j, kb, wb);
+                for (int c = 0; c < QB; c += VL) acc += load(x + i * k + kb * QB + c) * load(wb + c);
+            }
+            const float s = hsum(acc);
+            y[i * n + j] = b ? s + b[j] : s;
+        }
+    return 0;
+}
+
 /* y[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for each of m rows of n (RMSNorm; x, y
  * contiguous): each row's sum in an order fixed by n. */
 void vc_rms_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, float eps) {
@@ -339,7 +467,7 @@ struct vc_pass {
     float eps, scale;
     float *h;                                              /* [T, H] in and out */
     const float *const *ln_in, *const *w_qkv, *const *b_qkv, *const *w_o, *const *ln_mlp,
-        *const *w_gu, *const *w_down; /* b_qkv entries may be NULL; w_* bfloat16 if w_bf16 */
+        *const *w_gu, *const *w_down; /* b_qkv entries may be NULL; w_* of type w_type */
     const float *const *qk_norm;                           /* [hq + hkv, D] or NULL */
     const float *const *cos, *const *sin;                  /* [T, R] per layer */
     void *const *ck, *const *cv;     /* a layer's caches, slot lo: float32, or bfloat16 */
@@ -349,13 +477,14 @@ struct vc_pass {
     const int64_t *const *lo, *const *hi;                  /* [B, G lq] per layer */
     attend_fn attend;                /* `attend.c`'s, for the caches' type */
     int64_t kv_bf16;                 /* 1: the caches hold bfloat16 (the drafter's) */
-    int64_t w_bf16;                  /* 1: w_* point to bfloat16 weights (`vc_linear_bf16w`) */
+    int64_t w_type; /* w_*: 0 float32; 1 bfloat16 (`vc_linear_bf16w`); 2 struct vc_qw (`vc_linear_qw`) */
 };
 
 /* a pass's product: its weights' type chooses the kernel; nonzero: out of memory */
 static int pass_linear(const struct vc_pass *p, const float *x, const float *w, const float *b,
                        float *y, int64_t m, int64_t n, int64_t k) {
-    if (p->w_bf16) return vc_linear_bf16w(x, (const uint16_t *)w, b, y, m, n, k, p->threads);
+    if (p->w_type == 1) return vc_linear_bf16w(x, (const uint16_t *)w, b, y, m, n, k, p->threads);
+    if (p->w_type == 2) return vc_linear_qw(x, (const struct vc_qw *)w, b, y, m, n, k, p->threads);
     vc_linear_f32(x, w, b, y, m, n, k, p->threads);
     return 0;
 }
