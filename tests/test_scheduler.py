@@ -114,22 +114,36 @@ def test_staggered_offloaded_requests_are_admitted_on_the_admission_lane_only():
 
 
 def test_verify_budget_splits_a_verify_job():
+    """Offloaded requests hold their prefilled full KV until their first verification (which
+    loads nothing), so admission stops at the budget; later verify jobs load working copies
+    and split where the loads do not fit, those that load nothing taken first."""
     s = Scheduler("lockstep", verify_budget=250)
     for rid in "abc":
         s.add(rid, load_bytes=100)
     (p,) = s.schedule()
-    assert p.rids == ("a", "b", "c")  # offloaded: nothing resident, all admitted
+    assert p.rids == ("a", "b")  # a third prefilled KV would hold 300 > 250
     s.done(p)
+    assert s.in_use() == (0, 200)
     (d,) = s.schedule()
     s.done(d)
     (v1,) = s.schedule()
-    assert v1.rids == ("a", "b")
+    assert v1.rids == ("a", "b") and s.in_use() == (0, 200)  # on their own KV: no loads
     s.done(v1)
-    (v2,) = s.schedule()  # lockstep: the rest verifies before anyone drafts again
-    assert v2.rids == ("c",)
-    s.done(v2)
+    assert s.in_use() == (0, 0)
+    (p2,) = s.schedule()  # their KV went back to the host: c fits now
+    assert p2.rids == ("c",)
+    s.done(p2)
     (d2,) = s.schedule()
     assert d2.rids == ("a", "b", "c")
+    s.done(d2)
+    (v2,) = s.schedule()  # room 250 - c's 100 held: c (no load) and a's copy
+    assert v2.rids == ("a", "c") and s.in_use() == (0, 200)
+    s.done(v2)
+    (v3,) = s.schedule()  # lockstep: the rest verifies before anyone drafts again
+    assert v3.rids == ("b",)
+    s.done(v3)
+    (d3,) = s.schedule()
+    assert d3.rids == ("a", "b", "c")
 
 
 def test_resident_budget_bounds_admission_and_frees_on_done():
@@ -148,31 +162,39 @@ def test_resident_budget_bounds_admission_and_frees_on_done():
 
 
 def test_total_budget_counts_the_drafter_and_the_verifier_together():
-    """One memory for both sides: the drafters' compressed KV leaves less room for working
+    """One memory for both sides: the drafters' compressed KV (and the prefilled full KV an
+    offloaded request holds until its first verification) leaves less room for working
     copies, so admission and verify jobs shrink; a forgotten request frees its share."""
     s = Scheduler("lockstep", total_budget=400)
     for rid in "abcd":
         s.add(rid, draft_bytes=50, load_bytes=100)
     (p,) = s.schedule()
-    assert p.rids == ("a", "b", "c", "d")  # 4 x 50 held + one 100 load = 300 <= 400
-    assert s.in_use() == (200, 0)
+    assert p.rids == ("a", "b")  # 2 x (50 + 100) held; a third: 450 > 400
+    assert s.in_use() == (100, 200)
     s.done(p)
     (d,) = s.schedule()
     s.done(d)
     (v1,) = s.schedule()
-    assert v1.rids == ("a", "b")  # room: 400 - 200 drafted = two loads
-    assert s.in_use() == (200, 200)
-    s.done(v1, {"a", "b"})
-    s.forget("a")
-    with pytest.raises(ValueError, match="not done"):
-        s.forget("c")
-    (v2,) = s.schedule()
+    assert v1.rids == ("a", "b")
+    s.done(v1)
+    (p2,) = s.schedule()
+    assert p2.rids == ("c", "d") and s.in_use() == (200, 200)
+    s.done(p2)
+    (d2,) = s.schedule()
+    s.done(d2)
+    (v2,) = s.schedule()  # room: 400 - 200 drafted - 200 held: c and d on their own KV only
     assert v2.rids == ("c", "d")
+    s.done(v2, {"c"})
+    s.forget("c")
+    with pytest.raises(ValueError, match="not done"):
+        s.forget("a")
+    (v3,) = s.schedule()  # lockstep: the rest verifies first; room 400 - 150: two loads
+    assert v3.rids == ("a", "b") and s.in_use() == (150, 200)
     s2 = Scheduler("lockstep", total_budget=240)
     for rid in "abc":
         s2.add(rid, draft_bytes=50, load_bytes=100)
     (p,) = s2.schedule()
-    assert p.rids == ("a", "b")  # a third would leave no room for a load: 3 x 50 + 100 > 240
+    assert p.rids == ("a",)  # a second would hold 2 x 150 > 240
 
 
 def test_too_small_budget_still_admits_one():

@@ -239,6 +239,7 @@ class OffloadedTier:
     def _new_host(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype) -> KVCache:
         c = KVCache(num_layers, num_kv_heads, head_dim, capacity, dtype, "cpu")
+        c.in_place = True  # a pass reading it (a CPU runner's first verification) copies nothing
         if self.device.type == "cuda":
             c.k, c.v = c.k.pin_memory(), c.v.pin_memory()
         return c
@@ -307,8 +308,8 @@ class OffloadedTier:
                                    cache.k.shape[3], cache.k.dtype)
             host.length = cache.length
         self._inflight.acquire()
-        try:
-            fut = self._storer.submit(self._store, host, cache)
+        try:  # the prefilled tokens (a first verification may add tokens to `cache` meanwhile)
+            fut = self._storer.submit(self._store, host, cache, cache.length)
         except RuntimeError as e:  # the storer was shut down
             self._inflight.release()
             raise Unavailable(f"KV tier is closed: {e}") from e
@@ -316,14 +317,12 @@ class OffloadedTier:
             self._landing[host] = fut
         return host
 
-    def _store(self, host: KVCache, cache: KVCache) -> None:
+    def _store(self, host: KVCache, cache: KVCache, m: int) -> None:
         try:
             n = 0
             for li in range(cache.num_layers):
-                n += self.link.copy(host.k[li, :, :cache.length], cache.k[li, :, :cache.length],
-                                    "store")
-                n += self.link.copy(host.v[li, :, :cache.length], cache.v[li, :, :cache.length],
-                                    "store")
+                n += self.link.copy(host.k[li, :, :m], cache.k[li, :, :m], "store")
+                n += self.link.copy(host.v[li, :, :m], cache.v[li, :, :m], "store")
             with self._lock:
                 self.stats.bytes_stored += n
         finally:
@@ -440,12 +439,22 @@ class OffloadedTier:
 
     def write_back(self, s: StreamedKV) -> None:
         """Store the pass's kept new tokens [host.length, s.length) into the tier."""
-        h, a, b = s.host, s.host.length, s.length
-        h.reserve(b - a)
+        self._store_new(s.host, s.k_buf, s.v_buf, s.host.length, s.length)
+
+    def store_new(self, host: KVCache, cache: KVCache, start: int) -> None:
+        """Store the new tokens [start, cache.length) of `cache`, the request's prefilled full
+        KV still in the compute's memory (`Verifier.prefill`: its first verification runs on
+        it, loading nothing), into its host copy `host`. A CPU runner's cache is its own host
+        copy (`offload` adopted it): the link then carries the bytes' time only."""
+        self._store_new(host, cache.k, cache.v, start, cache.length)
+
+    def _store_new(self, h: KVCache, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> None:
+        if h.k is not k:
+            h.reserve(b - h.length)
         n = 0
         if b > a:
-            n += self.link.copy(h.k[:, :, a:b], s.k_buf[:, :, a:b], "store")
-            n += self.link.copy(h.v[:, :, a:b], s.v_buf[:, :, a:b], "store")
+            n += self.link.copy(h.k[:, :, a:b], k[:, :, a:b], "store")
+            n += self.link.copy(h.v[:, :, a:b], v[:, :, a:b], "store")
         h.length = b
         with self._lock:
             self.stats.bytes_stored += n

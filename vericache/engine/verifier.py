@@ -89,7 +89,9 @@ class VerifySession:
     selection: SelectionRecord | None = None
     limit: int = 0  # tokens its KV may hold: prompt + extra_capacity (what its budget charged)
     bitwise: bool = False  # its passes are invariant ones (GenParams.exact == "bitwise")
-    held: StreamedKV | None = None  # offloaded tier: the working copy its last pass kept (`Finish`)
+    # offloaded tier: the full KV its next pass runs on, loading nothing: the prefilled cache
+    # until its first verification ends, then the working copy a pass kept (`Finish`)
+    held: KVCache | StreamedKV | None = None
 
 
 @dataclass(frozen=True)
@@ -283,9 +285,12 @@ class Verifier:
         else:
             record = drafter_part(pre.cache, stats)
         cache = pre.cache if self.tier is None else self.tier.offload(pre.cache)
+        # offloaded: the prefilled full KV is still in the compute's memory, so the first
+        # verification runs on it and loads nothing (the scheduler charges it until then)
         self.sessions[rid] = VerifySession(cache, [first], sampling, history, matcher,
                                            top_logprobs, gen, record,
-                                           len(prompt_ids) + extra_capacity)
+                                           len(prompt_ids) + extra_capacity,
+                                           held=None if self.tier is None else pre.cache)
         return PrefillOut(first, chunks, first_chunk * chunk_size, ts, stats, first_lp)
 
     @property
@@ -356,6 +361,7 @@ class Verifier:
                 s.held = None
         before = {rid: self._get(rid).cache.length for rid in refresh}
         caches = [s.cache if s.held is None else s.held for s in sess]
+        on_held = [s.held is not None for s in sess]
         if self.tier is not None:  # working copies, filled layer by layer during the pass
             load = [i for i, s in enumerate(sess) if s.held is None]
             if load:
@@ -376,7 +382,8 @@ class Verifier:
                                       c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)
         out = []
-        for s, c, it, f, (_, drafts, q), lg in zip(sess, caches, items, fin, batch, logits):
+        for s, c, it, f, held, (_, drafts, q), lg in zip(sess, caches, items, fin, on_held,
+                                                            batch, logits):
             k, drafts = len(drafts), list(drafts)
             allowed = s.grammar.row_masks(drafts) if s.grammar is not None else None
             x = process(lg, s.sampling, s.history, drafts, allowed)  # [k + 1, V] processed logits
@@ -396,9 +403,11 @@ class Verifier:
                                                 *c.view()))
                 rec.seconds += time.perf_counter() - t
             c.crop(c.length - k + a)
-            if c is not s.cache:
+            if isinstance(c, StreamedKV):
                 self.tier.write_back(c)
-            s.held = c if c is not s.cache and f.holds(len(emitted)) else None
+            elif held:  # the prefilled cache (a CPU runner's is its own host copy)
+                self.tier.store_new(s.cache, c, int(it.positions[0]))
+            s.held = c if (held or c is not s.cache) and f.holds(len(emitted)) else None
             s.pending = [bonus]
             out.append(Verdict(a, bonus, None if s.top_logprobs is None
                                else token_logprobs(lg, emitted, s.top_logprobs), held=s.held is not None))

@@ -94,6 +94,10 @@ _slots_lock = threading.Lock()
 
 
 class KVCache:
+    # read where it lies, never copied into a pool (an offloaded tier's host copy, whose memory
+    # the tier hands to later requests: `OffloadedTier.host_cache`)
+    in_place = False
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  positions: bool = False):
@@ -275,10 +279,10 @@ class KVPool:
 
     @staticmethod
     def poolable(caches: list) -> bool:
-        """Caches one pool can hold: plain KVCaches of one dtype, device and shape, all with
-        positions or all without."""
+        """Caches one pool can hold: plain KVCaches (not `in_place`) of one dtype, device and
+        shape, all with positions or all without."""
         c0 = caches[0]
-        return all(type(c) is KVCache and c.k.dtype == c0.k.dtype and c.k.device == c0.k.device
+        return all(type(c) is KVCache and not c.in_place and c.k.dtype == c0.k.dtype and c.k.device == c0.k.device
                    and c.k.shape[1] == c0.k.shape[1] and c.k.shape[3] == c0.k.shape[3]
                    and (c.pos is None) == (c0.pos is None) for c in caches)
 
