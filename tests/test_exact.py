@@ -139,8 +139,9 @@ def test_bitwise_runs_in_the_fast_pass_where_the_kernels_make_it_invariant(lm, m
 def test_bitwise_through_the_offloaded_tier(lm, kernels):
     """Bitwise passes read the offloaded tier's working copies (layers that land while they
     compute) as they read a resident cache: VeriCache over the tier, bitwise, is resident
-    full decoding, bitwise, token for token, and every verify pass loaded the KV; in the fast
-    pass (native kernels) and in the invariant pass (torch's products and SDPA)."""
+    full decoding, bitwise, token for token, and every verify pass but the first (on the
+    prefilled KV) loaded the KV; in the fast pass (native kernels) and in the invariant pass
+    (torch's products and SDPA)."""
     from vericache.engine.kvtier import make_tier
     from vericache.engine.rounds import LocalBackends
 
@@ -163,4 +164,4 @@ def test_bitwise_through_the_offloaded_tier(lm, kernels):
     finally:
         r.linear_kernel, r.attend_kernel = saved
     assert out.token_ids == ref.token_ids
-    assert tier.stats.loads == out.stats.rounds > 0
+    assert tier.stats.loads == out.stats.rounds - 1 > 0

@@ -223,9 +223,10 @@ def test_blocks_of_gives_quantized_weights_back_exactly(bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_linear_over_blocks_equals_a_float64_product_and_rows_are_invariant(linear, bits):
-    """`vc_linear_qw`: x times the blocks' weights, within float32 rounding of the float64
-    product, with and without bias, 1 to 33 rows and a feature tail (n % 4); a row's result
-    is the same bits alone, among others, and on 1 to 3 threads."""
+    """`vc_linear_qw`: x times the blocks' weights, with and without bias, 1 to 33 rows and a
+    feature tail (n % 4): the bits `vc_linear_f32` gives over the float32 matrix, within
+    float32 rounding of the float64 product; a row's result is the same bits alone, among
+    others, and on 1 to 3 threads."""
     from vericache.model.qweights import blocks_of
 
     n, k = 1031, 576
@@ -236,6 +237,7 @@ def test_linear_over_blocks_equals_a_float64_product_and_rows_are_invariant(line
     for m in (1, 2, 3, 4, 7, 33):
         for bias in (None, b):
             out = linear(x[:m], qw, bias, 2)
+            assert torch.equal(out, linear(x[:m], w, bias, 2))
             ref = F.linear(x[:m].double(), w.double(), None if bias is None else bias.double())
             assert float((out.double() - ref).abs().max()) < 1e-5 * k ** 0.5
     alone = torch.cat([linear(x[i: i + 1], qw, b, 1) for i in range(33)])
@@ -510,8 +512,9 @@ def test_the_drafters_weights_rule(monkeypatch):
 def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts, monkeypatch):
     """A pass over a drafter's bfloat16 caches multiplies by the drafter's weight copy, made
     at the first such pass. The default model came as GGUF Q4_1 layers and a Q8_0 LM head,
-    so by default the copy is those blocks (exact: every weight given back bit for bit, in
-    111 MB where bfloat16 takes 269 MB); with VERICACHE_DRAFT_WEIGHTS=bfloat16, a bfloat16
+    so by default the copy is those blocks, the ones every pass shares (exact: every weight
+    given back bit for bit, in 111 MB where bfloat16 takes 269 MB; no bytes of the drafter's
+    own); with VERICACHE_DRAFT_WEIGHTS=bfloat16, a bfloat16
     copy (half the float32 bytes). Either pass's logits stay near the float32 weights' with
     the same greedy token (not to float32 rounding even over the blocks: the drafter's
     attention rounds its queries to bfloat16 where the CPU dots bfloat16, and a sum's order
@@ -543,7 +546,8 @@ def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts,
                 assert [c.bits for c in copies] == [4] * len(mats) + [8]
                 assert all(torch.equal(c.widen(), w) for c, w in zip(copies[:8], mats[:8]))
                 assert torch.equal(copies[-1].widen(), r.lm_head)
-                assert r.draft_weight_bytes() == sum(
+                assert r.draft_weight_bytes() == 0  # the runner's own blocks
+                assert r.weight_block_bytes() == sum(
                     w.numel() // 2 + w.numel() // 32 * 8 for w in mats) + (
                     r.lm_head.numel() + r.lm_head.numel() // 32 * 4)
             else:
@@ -561,6 +565,51 @@ def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts,
     for logits in drafted.values():
         assert torch.equal(logits.argmax(-1), drafted_f32.argmax(-1))
         assert float((logits - drafted_f32).abs().max()) < 0.05 * top
+
+
+def test_every_pass_reads_the_blocks_with_the_float32_bits(lm, prompts):
+    """The default model's products have a lossless block form, which every pass of at most
+    BLOCK_ROWS rows reads (`Runner._blocks`): a decode step, a 33-row verify pass and the
+    prefill before them give the same logits and K/V, bit for bit, with the blocks as with
+    the float32 matrices."""
+    from vericache.model.runner import BLOCK_ROWS
+
+    r = lm.runner
+    assert len(r._blocks) == 4 * r.num_layers + 1 and r._blocks_fused_w is not None
+    assert 33 <= BLOCK_ROWS
+    ids = prompts["code"][:700]
+
+    def run():
+        c = r.new_cache(len(ids) + 8)
+        r.step(ids[:-34], 0, c, logits="none")
+        verify = r.step(ids[-34:-1], len(ids) - 34, c, logits="all")[0]
+        step = r.step(ids[-1:], len(ids) - 1, c, logits="all")[0]
+        return verify, step, c.k[:, :, :len(ids)].clone(), c.v[:, :, :len(ids)].clone()
+
+    with_blocks = run()
+    saved = r._blocks, r._blocks_fused_w
+    r._blocks, r._blocks_fused_w = {}, None
+    try:
+        without = run()
+    finally:
+        r._blocks, r._blocks_fused_w = saved
+    for a, b in zip(with_blocks, without):
+        assert torch.equal(a, b)
+
+
+def test_weight_blocks_can_be_turned_off_and_a_bad_value_is_refused(monkeypatch):
+    """VERICACHE_WEIGHT_BLOCKS=off: no block form is searched; an unknown value is refused,
+    naming the choices."""
+    from vericache.errors import InvalidArgument
+    from vericache.model.runner import Runner
+
+    r = Runner.__new__(Runner)
+    r.layers, r.lm_head = [], None
+    monkeypatch.setenv("VERICACHE_WEIGHT_BLOCKS", "off")
+    assert r._find_blocks() == {}
+    monkeypatch.setenv("VERICACHE_WEIGHT_BLOCKS", "yes")
+    with pytest.raises(InvalidArgument, match="auto, off"):
+        r._find_blocks()
 
 
 _HUGE_PROBE = """

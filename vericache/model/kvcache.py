@@ -67,13 +67,13 @@ def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,
                         kernel: bool = True) -> torch.dtype | None:
     """The dtype of the weight copy a drafter's passes multiply by, or None (the model's own
     weights). A float32 model whose drafter holds bfloat16 K/V (`draft_kv_dtype`), with the
-    native product (`kernel`): a copy (`Runner._draft_copy`), each matrix in the blocks it was
-    quantized in where they give it back exactly (`vericache.model.qweights`, a GGUF model's:
-    `vc_linear_qw` reads 5 or 9 bits a weight, and the drafts see the model's own weights),
-    else in bfloat16 (`vc_linear_bf16w`: half the bytes to read; with AVX512-BF16, bfloat16
+    native product (`kernel`): a copy (`Runner._draft_copy`): the blocks the model's weights
+    were quantized in where they give them back exactly (`vericache.model.qweights`, a GGUF
+    model's, which the runner holds for every pass: `vc_linear_qw` reads 5 or 9 bits a
+    weight, and the drafts see the model's own weights), else bfloat16 (`vc_linear_bf16w`: half the bytes to read; with AVX512-BF16, bfloat16
     dot products, x split into two bfloat16 parts so that only the weights are rounded). The
-    copy costs, in the process that drafts, 111 MB for SmolLM2-135M's Q4_1 and Q8_0 blocks,
-    or half the model's float32 weights in bfloat16 (270 MB). Rounded drafts are verified in
+    bfloat16 copy costs half the model's float32 weights (270 MB for SmolLM2-135M) in the
+    process that drafts; the blocks (111 MB) are the runner's anyway. Rounded drafts are verified in
     float32, so outputs do not change. `VERICACHE_DRAFT_WEIGHTS`: `auto` (that rule),
     `bfloat16` (the bfloat16 copy even where blocks would serve) or `model` (no copy). The
     value returned is the copy's marker dtype, bfloat16, either way."""

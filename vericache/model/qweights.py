@@ -1,14 +1,15 @@
-"""A drafter's weights in the blocks they were quantized in, where that is lossless.
+"""A model's weights in the blocks they were quantized in, where that is lossless.
 
 A GGUF model's products arrive quantized (the default SmolLM2's layers Q4_1, its tied
 embedding and LM head Q8_0); the loader widens them to float32, so every block of 32 weights
 along a row is d * q + m for one scale d and offset m (float16 values) and small integers q.
 `blocks_of` finds that form again from the float32 matrix and keeps it only if it gives
-every weight back bit for bit. A drafter's pass then multiplies x by the model's own weights
-(`linear.c`'s `vc_linear_qw`) reading 5 bits a weight (4-bit q, float32 d and m per 32) or 9
-(8-bit q, float32 d), where the bfloat16 copy reads 16 and rounds every weight. Matrices
-without the form (a float16 or bfloat16 checkpoint's) keep the bfloat16 copy
-(`Runner._draft_copy`).
+every weight back bit for bit. A pass then multiplies x by the model's own weights
+(`linear.c`'s `vc_linear_qw`, with `vc_linear_f32`'s bits) reading 5 bits a weight (4-bit q,
+float32 d and m per 32) or 9 (8-bit q, float32 d) instead of 32 (`Runner._blocks`: every
+product of at most BLOCK_ROWS rows, the drafter's, the verifier's and plain decoding's).
+Matrices without the form (a float32, float16 or bfloat16 checkpoint's) keep float32, and the
+drafter a bfloat16 copy (`Runner._draft_copy`).
 """
 
 from __future__ import annotations

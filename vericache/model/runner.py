@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
 from vericache.model.kvcache import KVCache, KVPool, draft_kv_dtype, draft_weights_dtype
@@ -78,6 +79,14 @@ KERNEL_ROWS = 64
 # 173 / 399 / 238 (/tmp probes; the kernel goes in panels of 128 rows). Only this CPU was
 # measured: past 256 rows F.linear stays, where MKL's blocking may win on others.
 LINEAR_ROWS = 256
+# Products of at most BLOCK_ROWS rows read a GGUF model's weights in their quantized blocks
+# (`vericache.model.qweights`, `linear.c`'s `vc_linear_qw`: the float32 kernel's bits, 5 or 9
+# bits a weight read instead of 32); past it the widening costs more than the bytes saved.
+# This CPU, a tenth of SmolLM2's layers' products on 2 threads, float32 / blocks (ms): 1 row
+# 9.2 / 2.1, 16 rows 24.5 / 17.8, 33 rows 54.8 / 35.7, 64 rows 71.2 / 100.5 (thirtieth
+# session, /tmp probe).
+BLOCK_ROWS = 48
+WEIGHT_BLOCKS = ("auto", "off")  # VERICACHE_WEIGHT_BLOCKS: find the blocks, or never
 _outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
 
@@ -189,6 +198,15 @@ class Runner:
                                                 ("w_o", "w_o"),
                                                 ("ln_mlp", "ln_mlp_in"), ("w_gu", "w_gate_up"),
                                                 ("w_down", "w_down"))}
+        # the products' weights in the blocks a GGUF model was quantized in, by the float32
+        # matrix's data_ptr ({}: none, or VERICACHE_WEIGHT_BLOCKS=off): every pass's products
+        # of at most BLOCK_ROWS rows read them, with the float32 kernel's bits
+        self._blocks = self._find_blocks() if self.linear_kernel is not None else {}
+        self._blocks_fused_w = None
+        if self._fused_w is not None and all(
+                getattr(lyr, n).data_ptr() in self._blocks for lyr in self.layers
+                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")):
+            self._blocks_fused_w = self._fused_with(self._blocks)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -356,9 +374,41 @@ class Runner:
         done.update(zip(map(id, bit), self._invariant_pass(bit)))
         return [done[id(it)] for it in items]
 
+    def _find_blocks(self) -> dict:
+        """The products' matrices (every layer's and the LM head) that have a lossless block
+        form (`qweights.blocks_of`), by data_ptr. The first layer's qkv matrix decides: a
+        model whose weights were not quantized (most checkpoints) is not searched further."""
+        choice = os.environ.get("VERICACHE_WEIGHT_BLOCKS", "auto")
+        if choice not in WEIGHT_BLOCKS:
+            raise InvalidArgument(f"VERICACHE_WEIGHT_BLOCKS must be one of {', '.join(WEIGHT_BLOCKS)} "
+                                  f"(got {choice!r})", "VERICACHE_WEIGHT_BLOCKS")
+        mats = [getattr(lyr, n) for lyr in self.layers
+                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [self.lm_head]
+        if choice == "off" or qweights.blocks_of(mats[0]) is None:
+            return {}
+        found = {w.data_ptr(): qweights.blocks_of(w) for w in mats}
+        return {p: q for p, q in found.items() if q is not None}
+
+    def _fused_with(self, copies: dict) -> dict:
+        """`_fused_w` with the products' pointers to `copies` (by the float32 matrix's
+        data_ptr: tensors, or `QWeight`s by their C struct)."""
+        def address(c) -> int:
+            return c.address if isinstance(c, qweights.QWeight) else c.data_ptr()
+        return {**self._fused_w, **{
+            name: (ctypes.c_void_p * self.num_layers)(
+                *[address(copies[getattr(lyr, attr).data_ptr()]) for lyr in self.layers])
+            for name, attr in (("w_qkv", "w_qkv"), ("w_o", "w_o"), ("w_gu", "w_gate_up"),
+                               ("w_down", "w_down"))}}
+
+    def weight_block_bytes(self) -> int:
+        """Bytes of the weights' block form (`_blocks`), which every pass shares."""
+        return sum(q.nbytes for q in self._blocks.values())
+
     def draft_weight_bytes(self) -> int:
-        """Bytes of the drafter's weight copy (`draft_weights`; 0 until a draft pass made it)."""
-        return sum(t.nbytes for t in (self._draft_w or {}).values())
+        """Bytes of the drafter's own weight copy (`draft_weights`; 0 until a draft pass made
+        it, or where it is the blocks every pass shares: `weight_block_bytes`)."""
+        return sum(t.nbytes for p, t in (self._draft_w or {}).items()
+                   if self._blocks.get(p) is not t)
 
     def _draft_copy(self) -> dict:
         """The drafter's copies of the products' weights (every layer's and the LM head), by
@@ -372,10 +422,10 @@ class Runner:
                 names = ("w_qkv", "w_o", "w_gate_up", "w_down")
                 mats = [getattr(lyr, n) for lyr in self.layers for n in names]
                 blocks = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto") == "auto"
-                found = [qweights.blocks_of(w) for w in mats] if blocks else [None]
+                found = [self._blocks.get(w.data_ptr()) for w in mats] if blocks else [None]
                 if any(q is None for q in found):
                     found = [w.to(torch.bfloat16).contiguous() for w in mats]
-                head = qweights.blocks_of(self.lm_head) if blocks else None
+                head = self._blocks.get(self.lm_head.data_ptr()) if blocks else None
                 if head is None:
                     head = self.lm_head.to(torch.bfloat16).contiguous()
                 self._draft_w = {w.data_ptr(): c for w, c in zip(mats + [self.lm_head],
@@ -397,13 +447,7 @@ class Runner:
         copies = self._draft_copy()
         with self._draft_lock:
             if self._draft_fused_w is None:
-                def address(c) -> int:
-                    return c.address if isinstance(c, qweights.QWeight) else c.data_ptr()
-                self._draft_fused_w = {**self._fused_w, **{
-                    name: (ctypes.c_void_p * self.num_layers)(
-                        *[address(copies[getattr(lyr, attr).data_ptr()]) for lyr in self.layers])
-                    for name, attr in (("w_qkv", "w_qkv"), ("w_o", "w_o"),
-                                       ("w_gu", "w_gate_up"), ("w_down", "w_down"))}}
+                self._draft_fused_w = self._fused_with(copies)
             return self._draft_fused_w
 
     def _drafts(self, items: list[SeqBatchItem]) -> bool:
@@ -480,9 +524,11 @@ class Runner:
     def _linear(self, x: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None = None) -> torch.Tensor:
         """A fast pass's product: the native kernel for at most LINEAR_ROWS rows (on all of
-        the caller's threads: reading the weights is the cost), else F.linear."""
+        the caller's threads: reading the weights is the cost; up to BLOCK_ROWS rows over the
+        weights' blocks where they have them, the same bits), else F.linear."""
         if self.linear_kernel is not None and x.shape[0] <= LINEAR_ROWS:
-            return self.linear_kernel(x, w, b, self._threads())
+            q = self._blocks.get(w.data_ptr()) if x.shape[0] <= BLOCK_ROWS else None
+            return self.linear_kernel(x, w if q is None else q, b, self._threads())
         return F.linear(x, w, b)
 
     @staticmethod
@@ -771,7 +817,9 @@ class Runner:
         sin = kernels.pointers([ropes[lyr.rope][1] for lyr in self.layers])
         lo = kernels.pointers([p.ranges[lyr.window][0] for lyr in self.layers])
         hi = kernels.pointers([p.ranges[lyr.window][1] for lyr in self.layers])
-        weights = self._draft_fused() if drafts else self._fused_w
+        blocks = self._blocks_fused_w is not None and T <= BLOCK_ROWS
+        weights = (self._draft_fused() if drafts else self._blocks_fused_w if blocks
+                   else self._fused_w)
         arrays = {**weights, "cos": cos, "sin": sin, "ck": ck, "cv": cv, "lo": lo, "hi": hi}
         args = kernels.Pass(
             T=T, H=self.hidden, hq=self.num_heads, hkv=self.num_kv_heads, D=self.head_dim,
@@ -780,8 +828,9 @@ class Runner:
             sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
             pad=None if p.in_order else p.pad.data_ptr(),
             attend=self.attend_kernel.address[K.dtype], kv_bf16=int(K.dtype == torch.bfloat16),
-            w_type=(kernels.W_FLOAT32 if not drafts else kernels.W_BLOCKS
-                    if self.draft_weight_form() == "blocks" else kernels.W_BFLOAT16),
+            w_type=(kernels.W_BLOCKS if (self.draft_weight_form() == "blocks" if drafts
+                                         else blocks)
+                    else kernels.W_BFLOAT16 if drafts else kernels.W_FLOAT32),
             **{name: ctypes.addressof(a) for name, a in arrays.items()})
         self.linear_kernel.layers(args)
 

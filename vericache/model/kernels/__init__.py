@@ -16,7 +16,7 @@ caller's OpenMP threads. At batch 1 the pass reads the weights; MKL's GEMV read 
 bfloat16 weights (a drafter's copy, `Runner.draft_weights`) it reads half the bytes, and
 with AVX512-BF16 dots them with x split into two bfloat16 parts (`Linear.bf16_dot`); over
 weights kept in the blocks they were quantized in (`vericache.model.qweights`, a GGUF
-model's) it reads 5 or 9 bits a weight and gives each weight back exactly.
+model's) it reads 5 or 9 bits a weight and gives the float32 product's bits.
 
 The same library runs a fast pass's decoder layers in one call (`Linear.layers`, filled in
 by `Runner._fused`): norms, products, RoPE, the K/V writes, the attention (`attend.c`'s
@@ -260,8 +260,8 @@ class Linear:
                  threads: int = 1) -> torch.Tensor:
         """x w^T + b; w float32, bfloat16 (a drafter's copy, `Runner.draft_weights`:
         `vc_linear_bf16w`, where x is split into two bfloat16 parts if `bf16_dot`), or a
-        `vericache.model.qweights.QWeight` (a drafter's copy in the model's own quantized
-        blocks: `vc_linear_qw`)."""
+        `vericache.model.qweights.QWeight` (the model's own quantized blocks: `vc_linear_qw`,
+        the bits float32 w gives)."""
         from vericache.model.qweights import QWeight
 
         blocks = isinstance(w, QWeight)

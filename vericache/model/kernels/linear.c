@@ -245,7 +245,10 @@ int vc_bf16_dot(void) { return BF_DOT; }
  * is exact in float32, so the sum rounds once, as the dequantizer's did), so these products
  * multiply x by the model's own weights, reading 5 (bits 4) or 9 (bits 8) bits a weight
  * (d and m float32) instead of 32, or bfloat16's 16. k a multiple of QB; the same blocks,
- * threads and panels as `vc_linear_f32`, and a row's sums in an order fixed by k. */
+ * threads and panels as `vc_linear_f32`, and the same sums: each weight widened exactly, the
+ * products added in the same order (VL-wide vectors along k, their lanes in order), so a
+ * product over the blocks gives `vc_linear_f32`'s bits over the float32 matrix (tests:
+ * test_kernels.py), and the runner may take either for any call. */
 #define QB 32
 struct vc_qw {
     const uint8_t *q;
@@ -311,7 +314,9 @@ static inline void q_vectors(const struct vc_qw *w, int64_t k, int64_t j, int64_
         }                                                                                   \
         for (int i = 0; i < MI; i++)                                                        \
             for (int j = 0; j < JB; j++) {                                                  \
-                const float s = _mm512_reduce_add_ps(acc[i][j]);                            \
+                vf a;                                                                       \
+                memcpy(&a, &acc[i][j], sizeof a);                                           \
+                const float s = hsum(a);                                                    \
                 y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
             }                                                                               \
     }
