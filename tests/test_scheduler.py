@@ -115,13 +115,14 @@ def test_staggered_offloaded_requests_are_admitted_on_the_admission_lane_only():
 
 def test_verify_budget_splits_a_verify_job():
     """Offloaded requests hold their prefilled full KV until their first verification (which
-    loads nothing), so admission stops at the budget; later verify jobs load working copies
-    and split where the loads do not fit, those that load nothing taken first."""
-    s = Scheduler("lockstep", verify_budget=250)
-    for rid in "abc":
+    loads nothing), and admission keeps room for one working copy beside them; later verify
+    jobs load working copies and split where the loads do not fit, those that load nothing
+    taken first."""
+    s = Scheduler("lockstep", verify_budget=300)
+    for rid in "abcd":
         s.add(rid, load_bytes=100)
     (p,) = s.schedule()
-    assert p.rids == ("a", "b")  # a third prefilled KV would hold 300 > 250
+    assert p.rids == ("a", "b")  # a third: 300 held + a copy's room > 300
     s.done(p)
     assert s.in_use() == (0, 200)
     (d,) = s.schedule()
@@ -130,20 +131,20 @@ def test_verify_budget_splits_a_verify_job():
     assert v1.rids == ("a", "b") and s.in_use() == (0, 200)  # on their own KV: no loads
     s.done(v1)
     assert s.in_use() == (0, 0)
-    (p2,) = s.schedule()  # their KV went back to the host: c fits now
-    assert p2.rids == ("c",)
+    (p2,) = s.schedule()  # their KV went back to the host: c and d fit now
+    assert p2.rids == ("c", "d")
     s.done(p2)
     (d2,) = s.schedule()
-    assert d2.rids == ("a", "b", "c")
+    assert d2.rids == ("a", "b", "c", "d")
     s.done(d2)
-    (v2,) = s.schedule()  # room 250 - c's 100 held: c (no load) and a's copy
-    assert v2.rids == ("a", "c") and s.in_use() == (0, 200)
+    (v2,) = s.schedule()  # room 300 - 200 held: c and d (no load) and a's copy
+    assert v2.rids == ("a", "c", "d") and s.in_use() == (0, 300)
     s.done(v2)
     (v3,) = s.schedule()  # lockstep: the rest verifies before anyone drafts again
     assert v3.rids == ("b",)
     s.done(v3)
     (d3,) = s.schedule()
-    assert d3.rids == ("a", "b", "c")
+    assert d3.rids == ("a", "b", "c", "d")
 
 
 def test_resident_budget_bounds_admission_and_frees_on_done():
@@ -162,14 +163,15 @@ def test_resident_budget_bounds_admission_and_frees_on_done():
 
 
 def test_total_budget_counts_the_drafter_and_the_verifier_together():
-    """One memory for both sides: the drafters' compressed KV (and the prefilled full KV an
-    offloaded request holds until its first verification) leaves less room for working
-    copies, so admission and verify jobs shrink; a forgotten request frees its share."""
+    """One memory for both sides: the drafters' compressed KV, the prefilled full KV an
+    offloaded request holds until its first verification, and room for one working copy:
+    admission and verify jobs shrink, and no job goes past the budget; a forgotten request
+    frees its share."""
     s = Scheduler("lockstep", total_budget=400)
     for rid in "abcd":
         s.add(rid, draft_bytes=50, load_bytes=100)
     (p,) = s.schedule()
-    assert p.rids == ("a", "b")  # 2 x (50 + 100) held; a third: 450 > 400
+    assert p.rids == ("a", "b")  # 2 x (50 + 100) held + a copy's 100; a third: 550 > 400
     assert s.in_use() == (100, 200)
     s.done(p)
     (d,) = s.schedule()
@@ -177,24 +179,27 @@ def test_total_budget_counts_the_drafter_and_the_verifier_together():
     (v1,) = s.schedule()
     assert v1.rids == ("a", "b")
     s.done(v1)
-    (p2,) = s.schedule()
-    assert p2.rids == ("c", "d") and s.in_use() == (200, 200)
+    (p2,) = s.schedule()  # d would make 200 drafted + 200 held + a copy: 500 > 400
+    assert p2.rids == ("c",) and s.in_use() == (150, 100)
     s.done(p2)
     (d2,) = s.schedule()
     s.done(d2)
-    (v2,) = s.schedule()  # room: 400 - 200 drafted - 200 held: c and d on their own KV only
-    assert v2.rids == ("c", "d")
+    (v2,) = s.schedule()  # room 400 - 150 drafted - 100 held: c (no load) and a's copy
+    assert v2.rids == ("a", "c") and s.in_use() == (150, 200)
     s.done(v2, {"c"})
     s.forget("c")
     with pytest.raises(ValueError, match="not done"):
         s.forget("a")
-    (v3,) = s.schedule()  # lockstep: the rest verifies first; room 400 - 150: two loads
-    assert v3.rids == ("a", "b") and s.in_use() == (150, 200)
+    (p3,) = s.schedule()  # c's share is free: d fits (100 + 50 drafted, 100 held, a copy)
+    assert p3 == Job("prefill", ("d",))
+    s.done(p3)
+    (v3,) = s.schedule()  # lockstep: b verifies before anyone drafts again
+    assert v3.rids == ("b",) and s.in_use() == (150, 200)
     s2 = Scheduler("lockstep", total_budget=240)
     for rid in "abc":
         s2.add(rid, draft_bytes=50, load_bytes=100)
     (p,) = s2.schedule()
-    assert p.rids == ("a",)  # a second would hold 2 x 150 > 240
+    assert p.rids == ("a",)  # a second would hold 2 x 150 + a copy's 100 > 240
 
 
 def test_too_small_budget_still_admits_one():
@@ -247,7 +252,8 @@ def run(s: Scheduler, rounds: dict[str, int], trace: list) -> None:
     ("lockstep", 1, 100, {"a": 2, "b": 1, "c": 2}, False),
     ("staggered", 2, None, {"a": 3, "b": 3, "c": 2, "d": 4}, True),
     ("staggered", 3, None, {"a": 2, "b": 2, "c": 2}, True),
-    ("staggered", 2, 100, {"a": 2, "b": 2, "c": 1}, True),
+    ("staggered", 2, 200, {"a": 2, "b": 2, "c": 1}, True),
+    ("staggered", 2, 100, {"a": 2, "b": 2, "c": 1}, False),  # one request's KV at a time
 ])
 def test_runs_finish_every_request(mode, groups, budget, rounds, overlaps):
     s = Scheduler(mode, groups=groups, verify_budget=budget)
