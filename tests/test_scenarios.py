@@ -110,6 +110,12 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     # compressed KV plus one working copy does not fit in one cache)
     budget = doc["settings"]["kv_budget_bytes"]
     assert by["full_resident"]["kv_peak_verify_bytes"] <= budget
+    # the full-KV baselines never held more than the budget (one cache); a VeriCache request
+    # needs its drafter's KV beside a full one, which one cache cannot hold: the first request
+    # is admitted anyway (progress), one full cache past the drafter's KV at most
+    for r in doc["variants"]:
+        top = budget if r["mode"] == "full" else budget + r["kv_peak_draft_bytes"]
+        assert 0 < r["kv_peak_total_bytes"] <= top, (r["variant"], r["kv_peak_total_bytes"])
     assert by["full_resident"]["kv_peak_draft_bytes"] == 0
     assert 0 < by["vericache_lockstep"]["kv_peak_draft_bytes"] < budget
     # the drafter's weight copy is reported beside the KV, by the variants that draft: the

@@ -91,6 +91,7 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int,
         "max_active": tr.max_active,
         # the most KV bytes the scheduler charged at once, per side (the budget bounds the sum)
         "kv_peak_draft_bytes": tr.peak_kv[0], "kv_peak_verify_bytes": tr.peak_kv[1],
+        "kv_peak_total_bytes": tr.peak_kv_total,
         # the drafter's weight copy, outside the KV budget (0: full, or no copy), and its
         # form (`Runner.draft_weight_form`: "blocks", "bfloat16", "model"; None: not known)
         "draft_weight_bytes": draft_weight_bytes if raw["mode"] != "full" else 0,

@@ -74,6 +74,7 @@ class LaneTrace:
     ahead_drafted: int = 0  # tokens drafted ahead (draft_ahead)
     overlapped: int = 0  # verify jobs during which the drafter lane drafted
     peak_kv: tuple[int, int] = (0, 0)  # most (drafter, verifier) KV bytes charged at once
+    peak_kv_total: int = 0  # most KV bytes charged at once over both sides
 
 
 @dataclass
@@ -210,6 +211,7 @@ class LaneRunner:
         self.trace.max_active = max(self.trace.max_active, self.admitted)
         self.kv_in_use = self.sched.in_use()
         self.trace.peak_kv = tuple(map(max, self.trace.peak_kv, self.kv_in_use))
+        self.trace.peak_kv_total = max(self.trace.peak_kv_total, sum(self.kv_in_use))
 
     def _launch(self, pool: ThreadPoolExecutor, job: Job) -> None:
         if job.kind == "prefill":

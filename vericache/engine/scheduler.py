@@ -54,8 +54,8 @@ nothing: its prefilled full KV stays in the verifier's memory for its first veri
 (`Verifier.prefill`) while its host copy is stored, instead of being stored and loaded back
 (thirtieth session: 16 x 8k at 4 Gbit/s loaded the full KV 30 times over the link, which
 carried loads for 22.7 of the run's 28.4 s). Admission keeps room for one working copy (the
-largest `load_bytes` admitted) beside what the admitted requests hold, so a verify job can
-always load one: without it, prefilled KV admitted ahead of a round's verifications filled
+largest `load_bytes` admitted, or a running verify job's copies if they take more) beside
+what the admitted requests hold, so a verify job can always load one: without it, prefilled KV admitted ahead of a round's verifications filled
 the budget, and the job's first load (always taken, for progress) went past it. Budgets: the drafter's, the verifier's,
 and a total over both sides (one machine's memory holding both). Requests are admitted in
 arrival order while every budget holds (the first always, so a too-small budget still makes
@@ -225,16 +225,19 @@ class Scheduler:
         d = sum(r.draft_bytes for r in active)
         v = sum(r.held_bytes() for r in active)
         n = len(active)
-        copy = max((r.load_bytes for r in active), default=0)  # room kept for a working copy
+        # room kept for a working copy: a running verify job's copies, or the largest one
+        copy = max((r.load_bytes for r in active), default=0)
+        running = sum(r.job_load() for r in active if r.state == VERIFYING)
         take = []
         for r in self._in(WAITING):
             if lane == DRAFT_LANE and r.load_bytes:  # offloaded: the admission lane's alone
                 break
             held = r.resident_bytes + r.load_bytes  # (its prefilled KV until it is verified)
             copy = max(copy, r.load_bytes)
+            room = max(copy, running)
             fits = (_fits(d + r.draft_bytes, self.draft_budget)
-                    and _fits(v + held + copy, self.verify_budget)
-                    and _fits(d + r.draft_bytes + v + held + copy, self.total_budget)
+                    and _fits(v + held + room, self.verify_budget)
+                    and _fits(d + r.draft_bytes + v + held + room, self.total_budget)
                     and (self.max_active is None or n < self.max_active))
             if not fits and (n or take):
                 break
