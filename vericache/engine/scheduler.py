@@ -55,8 +55,9 @@ nothing: its prefilled full KV stays in the verifier's memory for its first veri
 (thirtieth session: 16 x 8k at 4 Gbit/s loaded the full KV 30 times over the link, which
 carried loads for 22.7 of the run's 28.4 s). Admission keeps room for one working copy (the
 largest `load_bytes` admitted, or a running verify job's copies if they take more) beside
-what the admitted requests hold, so a verify job can always load one: without it, prefilled KV admitted ahead of a round's verifications filled
-the budget, and the job's first load (always taken, for progress) went past it. Budgets: the drafter's, the verifier's,
+what the admitted requests hold, so a verify job can always load one: without it, prefilled
+KV admitted ahead of a round's verifications filled the budget, and the job's first load
+(always taken, for progress) went past it. Budgets: the drafter's, the verifier's,
 and a total over both sides (one machine's memory holding both). Requests are admitted in
 arrival order while every budget holds (the first always, so a too-small budget still makes
 progress), and a verify job takes the group's ready requests in order while their load fits

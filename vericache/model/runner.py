@@ -380,8 +380,9 @@ class Runner:
         model whose weights were not quantized (most checkpoints) is not searched further."""
         choice = os.environ.get("VERICACHE_WEIGHT_BLOCKS", "auto")
         if choice not in WEIGHT_BLOCKS:
-            raise InvalidArgument(f"VERICACHE_WEIGHT_BLOCKS must be one of {', '.join(WEIGHT_BLOCKS)} "
-                                  f"(got {choice!r})", "VERICACHE_WEIGHT_BLOCKS")
+            raise InvalidArgument("VERICACHE_WEIGHT_BLOCKS must be one of "
+                                  f"{', '.join(WEIGHT_BLOCKS)} (got {choice!r})",
+                                  "VERICACHE_WEIGHT_BLOCKS")
         mats = [getattr(lyr, n) for lyr in self.layers
                 for n in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [self.lm_head]
         if choice == "off" or qweights.blocks_of(mats[0]) is None:
