@@ -203,9 +203,8 @@ class Runner:
         # of at most BLOCK_ROWS rows read them, with the float32 kernel's bits
         self._blocks = self._find_blocks() if self.linear_kernel is not None else {}
         self._blocks_fused_w = None
-        if self._fused_w is not None and all(
-                getattr(lyr, n).data_ptr() in self._blocks for lyr in self.layers
-                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")):
+        if self._fused_w is not None and all(w.data_ptr() in self._blocks
+                                             for w in self._layer_mats()):
             self._blocks_fused_w = self._fused_with(self._blocks)
 
     # ---- construction -------------------------------------------------------------
@@ -383,12 +382,18 @@ class Runner:
             raise InvalidArgument("VERICACHE_WEIGHT_BLOCKS must be one of "
                                   f"{', '.join(WEIGHT_BLOCKS)} (got {choice!r})",
                                   "VERICACHE_WEIGHT_BLOCKS")
-        mats = [getattr(lyr, n) for lyr in self.layers
-                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [self.lm_head]
-        if choice == "off" or qweights.blocks_of(mats[0]) is None:
+        mats = self._layer_mats() + [self.lm_head]
+        first = None if choice == "off" else qweights.blocks_of(mats[0])
+        if first is None:
             return {}
-        found = {w.data_ptr(): qweights.blocks_of(w) for w in mats}
+        found = {mats[0].data_ptr(): first,
+                 **{w.data_ptr(): qweights.blocks_of(w) for w in mats[1:]}}
         return {p: q for p, q in found.items() if q is not None}
+
+    def _layer_mats(self) -> list[torch.Tensor]:
+        """Every layer's product matrices (qkv, output, gate/up, down), layer by layer."""
+        return [getattr(lyr, n) for lyr in self.layers
+                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")]
 
     def _fused_with(self, copies: dict) -> dict:
         """`_fused_w` with the products' pointers to `copies` (by the float32 matrix's
@@ -420,8 +425,7 @@ class Runner:
         (`VERICACHE_DRAFT_WEIGHTS=bfloat16`: bfloat16 always)."""
         with self._draft_lock:
             if self._draft_w is None:
-                names = ("w_qkv", "w_o", "w_gate_up", "w_down")
-                mats = [getattr(lyr, n) for lyr in self.layers for n in names]
+                mats = self._layer_mats()
                 blocks = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto") == "auto"
                 found = [self._blocks.get(w.data_ptr()) for w in mats] if blocks else [None]
                 if any(q is None for q in found):
@@ -818,9 +822,14 @@ class Runner:
         sin = kernels.pointers([ropes[lyr.rope][1] for lyr in self.layers])
         lo = kernels.pointers([p.ranges[lyr.window][0] for lyr in self.layers])
         hi = kernels.pointers([p.ranges[lyr.window][1] for lyr in self.layers])
-        blocks = self._blocks_fused_w is not None and T <= BLOCK_ROWS
-        weights = (self._draft_fused() if drafts else self._blocks_fused_w if blocks
-                   else self._fused_w)
+        if drafts:
+            weights = self._draft_fused()
+            w_type = (kernels.W_BLOCKS if self.draft_weight_form() == "blocks"
+                      else kernels.W_BFLOAT16)
+        elif self._blocks_fused_w is not None and T <= BLOCK_ROWS:
+            weights, w_type = self._blocks_fused_w, kernels.W_BLOCKS
+        else:
+            weights, w_type = self._fused_w, kernels.W_FLOAT32
         arrays = {**weights, "cos": cos, "sin": sin, "ck": ck, "cv": cv, "lo": lo, "hi": hi}
         args = kernels.Pass(
             T=T, H=self.hidden, hq=self.num_heads, hkv=self.num_kv_heads, D=self.head_dim,
@@ -829,9 +838,7 @@ class Runner:
             sb=sb, sh=sh, sn=sn, wslot=wslot.data_ptr(), wpos=wpos.data_ptr(),
             pad=None if p.in_order else p.pad.data_ptr(),
             attend=self.attend_kernel.address[K.dtype], kv_bf16=int(K.dtype == torch.bfloat16),
-            w_type=(kernels.W_BLOCKS if (self.draft_weight_form() == "blocks" if drafts
-                                         else blocks)
-                    else kernels.W_BFLOAT16 if drafts else kernels.W_FLOAT32),
+            w_type=w_type,
             **{name: ctypes.addressof(a) for name, a in arrays.items()})
         self.linear_kernel.layers(args)
 
