@@ -449,8 +449,7 @@ class OffloadedTier:
         self._store_new(host, cache.k, cache.v, start, cache.length)
 
     def _store_new(self, h: KVCache, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> None:
-        if h.k is not k:
-            h.reserve(b - h.length)
+        h.reserve(b - h.length)  # (nothing to reserve where h is the cache itself)
         n = 0
         if b > a:
             n += self.link.copy(h.k[:, :, a:b], k[:, :, a:b], "store")

@@ -63,6 +63,18 @@ def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
     return dtype
 
 
+def draft_weights_choice() -> str:
+    """`VERICACHE_DRAFT_WEIGHTS`: `auto` (the blocks where the runner has them, else a
+    bfloat16 copy), `bfloat16` (the bfloat16 copy even where blocks would serve) or `model`
+    (no copy: the model's own float32 weights); an unknown value is refused."""
+    choice = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto")
+    if choice not in DRAFT_WEIGHTS:
+        raise InvalidArgument("VERICACHE_DRAFT_WEIGHTS must be one of "
+                              f"{', '.join(DRAFT_WEIGHTS)} (got {choice!r})",
+                              "VERICACHE_DRAFT_WEIGHTS")
+    return choice
+
+
 def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,
                         kernel: bool = True) -> torch.dtype | None:
     """The dtype of the weight copy a drafter's passes multiply by, or None (the model's own
@@ -70,18 +82,14 @@ def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,
     native product (`kernel`): a copy (`Runner._draft_copy`): the blocks the model's weights
     were quantized in where they give them back exactly (`vericache.model.qweights`, a GGUF
     model's, which the runner holds for every pass: `vc_linear_qw` reads 5 or 9 bits a
-    weight, and the drafts see the model's own weights), else bfloat16 (`vc_linear_bf16w`: half the bytes to read; with AVX512-BF16, bfloat16
-    dot products, x split into two bfloat16 parts so that only the weights are rounded). The
-    bfloat16 copy costs half the model's float32 weights (270 MB for SmolLM2-135M) in the
-    process that drafts; the blocks (111 MB) are the runner's anyway. Rounded drafts are verified in
-    float32, so outputs do not change. `VERICACHE_DRAFT_WEIGHTS`: `auto` (that rule),
-    `bfloat16` (the bfloat16 copy even where blocks would serve) or `model` (no copy). The
-    value returned is the copy's marker dtype, bfloat16, either way."""
-    choice = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto")
-    if choice not in DRAFT_WEIGHTS:
-        raise InvalidArgument("VERICACHE_DRAFT_WEIGHTS must be one of "
-                              f"{', '.join(DRAFT_WEIGHTS)} (got {choice!r})",
-                              "VERICACHE_DRAFT_WEIGHTS")
+    weight, and the drafts see the model's own weights), else bfloat16 (`vc_linear_bf16w`:
+    half the bytes to read; with AVX512-BF16, bfloat16 dot products, x split into two
+    bfloat16 parts so that only the weights are rounded). The bfloat16 copy costs half the
+    model's float32 weights (270 MB for SmolLM2-135M) in the process that drafts; the blocks
+    (111 MB) are the runner's anyway. Rounded drafts are verified in float32, so outputs do
+    not change. The value returned is the copy's marker dtype, bfloat16, either way; the
+    choice is `draft_weights_choice`'s."""
+    choice = draft_weights_choice()
     if (choice != "model" and kernel and dtype == torch.float32
             and draft_dtype == torch.bfloat16):
         return torch.bfloat16

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
-from vericache.model.kvcache import KVCache, KVPool, draft_kv_dtype, draft_weights_dtype
+from vericache.model.kvcache import (KVCache, KVPool, draft_kv_dtype, draft_weights_choice,
+                                     draft_weights_dtype)
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # A CPU pass of fewer tokens than this (decode, draft and small verify steps) runs torch's
@@ -426,7 +427,7 @@ class Runner:
         with self._draft_lock:
             if self._draft_w is None:
                 mats = self._layer_mats()
-                blocks = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto") == "auto"
+                blocks = draft_weights_choice() == "auto"
                 found = [self._blocks.get(w.data_ptr()) for w in mats] if blocks else [None]
                 if any(q is None for q in found):
                     found = [w.to(torch.bfloat16).contiguous() for w in mats]

@@ -2,7 +2,7 @@
  * (`vericache.model.kernels`), bound by reading the weights once.
  *
  * x: [m, k], w: [n, k], y: [m, n], b: [n] or NULL; float32, contiguous (bfloat16 w:
- * `vc_linear_bf16w`, below).
+ * `vc_linear_bf16w`, below; quantized blocks: `vc_linear_qw`).
  * Output features go in blocks of JB and rows in blocks of at most IB: each block of JB
  * weight rows is read from memory once for every PANEL rows (it stays in L1 across their
  * row blocks, and the panel's x in L2), each (row, feature) pair accumulating in a vector
@@ -236,9 +236,9 @@ int vc_linear_bf16w(const float *xf, const uint16_t *w, const float *b, float *y
 
 int vc_bf16_dot(void) { return BF_DOT; }
 
-/* y = x w^T (+ b) over weights held in blocks of QB along k (a drafter's copy of weights that
- * were quantized before they reached float32, as a GGUF model's are:
- * `vericache.model.qweights`): element i of row j is d[j, i / QB] * q + m[j, i / QB], q the
+/* y = x w^T (+ b) over weights held in blocks of QB along k (weights that were quantized
+ * before they reached float32, as a GGUF model's are: `vericache.model.qweights`, read by
+ * every pass of at most `runner.BLOCK_ROWS` rows): element i of row j is d[j, i / QB] * q + m[j, i / QB], q the
  * block's integer (bits 4: 0..15, two a byte, byte c of a block holding elements c and
  * c + QB / 2 in its low and high nibbles; bits 8: -128..127, one a byte) and m NULL for 0. The
  * Python side keeps this form only where it gives every float32 weight back bit for bit (d * q
