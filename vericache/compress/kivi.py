@@ -142,4 +142,6 @@ class SnapKVKIVI(Compressor):
         return self.kivi.dequantize(chunk.tensors, chunk.tensors["dtype_probe"].dtype)
 
     def requantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kivi.dequantize(self.kivi.quantize(k, v), k.dtype)
+        # in float32 whatever k's dtype (an 8-bit move's is bfloat16): the drafter rounds the
+        # dequantized values once, to its own
+        return self.kivi.dequantize(self.kivi.quantize(k, v), torch.float32)

@@ -147,7 +147,8 @@ class Drafter:
             raise InvalidArgument("this drafter has no store to attach from", "kvstore")
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace)
-        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats, self.runner.windowed)
+        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats, self.runner.windowed,
+                                  self.runner.draft_dtype)
         return k, v, pos, stats
 
     def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,

@@ -82,7 +82,8 @@ class LocalBackends(Backends):
                 g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
             else:
                 full = self.verifier.cache(g.rid)
-                k, v = g.compressor.draft_kv(out.chunks, *full.view(out.tail_start, len(g.prompt)))
+                k, v = g.compressor.draft_kv(out.chunks, *full.view(out.tail_start, len(g.prompt)),
+                                             self.drafter.runner.draft_dtype)
                 tail = len(g.prompt) - out.tail_start
                 pos = None
                 if self.lm.runner.windowed:

@@ -248,8 +248,23 @@ def _entering(e_pos: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, n
               bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V of positions e_pos [L, H, r] (< n) from the full KV, on the host, as a move
     carries them (`to_8bit` values at bits 8)."""
-    k, v = _take(k_full[:, :, :n], e_pos), _take(v_full[:, :, :n], e_pos)
-    return (as_8bit(k), as_8bit(v)) if bits == 8 else (k, v)
+    take = _take_8bit if bits == 8 else _take
+    return take(k_full[:, :, :n], e_pos), take(v_full[:, :, :n], e_pos)
+
+
+def _take_8bit(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`as_8bit(_take(t, pos))`'s values in bfloat16, which holds them exactly (an integer
+    of at most 8 bits times a power of two), taken a layer at a time. A question move's
+    entering K/V is about 35 MB a tensor in float32 at 8k (SmolLM2): taken and scaled whole,
+    each step's result was fresh memory the kernel had to fault in, and an 8k admission's
+    move took 36-172 ms on a 2-vCPU EPYC by how much of it the allocator found at hand; a
+    layer's buffers are reused from one layer to the next, and only the half-size result
+    is new."""
+    L, H, r = pos.shape
+    out = torch.empty((L, H, r, t.shape[3]), dtype=torch.bfloat16)
+    for li in range(L):
+        out[li] = as_8bit(_take(t[li:li + 1], pos[li:li + 1]))[0]
+    return out
 
 
 def move_towards(state: SelectionState, score: torch.Tensor, pool: int, limit: int | None,

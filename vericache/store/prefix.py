@@ -124,17 +124,19 @@ class PrefixCache:
         return out
 
     def load_draft(self, prompt: list[int], compressor: Compressor, tail_start: int, request_id: str,
-                   stats: TransferStats, positions: bool = False
+                   stats: TransferStats, positions: bool = False,
+                   dtype: torch.dtype | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The drafter's initial KV: decompressed chunks before `tail_start`, then the tail;
-        with `positions`, the slots' positions too (`Compressor.draft_positions`), else None."""
+        """The drafter's initial KV (in `dtype`, its cache's: `Compressor.draft_kv`):
+        decompressed chunks before `tail_start`, then the tail; with `positions`, the slots'
+        positions too (`Compressor.draft_positions`), else None."""
         t = time.perf_counter()
         keys = self.keys(prompt)[: tail_start // self.chunk_size]
         chunks = [decode_chunk(self._read(compressed_key(k, compressor.spec), stats)) for k in keys]
         tail = decode_full(self._read(self.tail_key(request_id), stats))
         self.store.delete(self.tail_key(request_id))  # a tail serves one attach
         stats.seconds += time.perf_counter() - t
-        k, v = compressor.draft_kv(chunks, tail.k, tail.v)
+        k, v = compressor.draft_kv(chunks, tail.k, tail.v, dtype)
         pos = None
         if positions:
             pos = compressor.draft_positions(chunks, tail_start, tail.k.shape[2], k.shape[0], k.shape[1])
