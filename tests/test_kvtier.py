@@ -171,25 +171,6 @@ def test_link_directions_do_not_queue_behind_each_other():
     assert torch.equal(dst, src)
 
 
-def _hold_stores(monkeypatch, tier, fail: dict | None = None):
-    """Make the tier's store copies wait until the returned event is set (and, while
-    fail["stores"] > 0, raise instead, counting it down)."""
-    import threading
-
-    go, real = threading.Event(), tier.link.copy
-
-    def held_store(dst, src, direction="load"):
-        if direction == "store":
-            go.wait()
-            if fail is not None and fail["stores"]:
-                fail["stores"] -= 1
-                raise RuntimeError("simulated store failure")
-        return real(dst, src, direction)
-
-    monkeypatch.setattr(tier.link, "copy", held_store)
-    return go
-
-
 def test_offload_returns_at_once_and_readers_wait_for_it(monkeypatch):
     """`offload` hands back the host copy while the storer thread still copies; a verify
     load of it (and `landed`) wait until it has landed, and read the stored values."""
@@ -200,7 +181,15 @@ def test_offload_returns_at_once_and_readers_wait_for_it(monkeypatch):
     from vericache.model.kvcache import KVCache
 
     tier = make_tier("offloaded")
-    go = _hold_stores(monkeypatch, tier)
+    go = threading.Event()
+    real = tier.link.copy
+
+    def slow_store(dst, src, direction="load"):
+        if direction == "store":
+            go.wait()
+        return real(dst, src, direction)
+
+    monkeypatch.setattr(tier.link, "copy", slow_store)
     try:
         cache = KVCache(3, 2, 4, 8, torch.float32, "cpu")
         cache.k.normal_(), cache.v.normal_()
@@ -287,45 +276,6 @@ def test_a_cpu_cache_is_adopted_and_the_link_still_carries_it():
         s.k[1]  # the pass's gate of the last layer: every layer has landed
         assert torch.equal(s.view()[0], before)
     finally:
-        tier.close()
-
-
-def test_adopted_offloads_queue_without_holding_up_admission(monkeypatch):
-    """An adopted cache holds no memory beyond its own: a second offload returns while the
-    first is still on the link, and `landed` waits for each host copy's own store."""
-    import threading
-
-    import torch
-
-    from vericache.model.kvcache import KVCache
-
-    tier = make_tier("offloaded")
-    go = _hold_stores(monkeypatch, tier)
-
-    def cache() -> KVCache:
-        c = KVCache(2, 1, 4, 16, torch.float32, "cpu")
-        c.length = 5
-        return c
-
-    try:
-        first, second = cache(), cache()
-        hosts: list[KVCache] = []
-        offloads = threading.Thread(target=lambda: hosts.extend(
-            [tier.offload(first), tier.offload(second)]))
-        offloads.start()
-        offloads.join(2)
-        assert not offloads.is_alive(), "the second offload waited for the first to land"
-        assert hosts == [first, second] and tier.stats.bytes_stored == 0
-        landed = threading.Thread(target=lambda: tier.landed(second))
-        landed.start()
-        landed.join(0.2)
-        assert landed.is_alive()  # its store is still held
-        go.set()
-        landed.join(10)
-        assert not landed.is_alive()
-        assert tier.stats.bytes_stored == 2 * 5 * (2 * 2 * 1 * 4 * 4)  # k and v, 2 layers
-    finally:
-        go.set()
         tier.close()
 
 
@@ -468,14 +418,23 @@ def test_recycling_a_copy_in_flight_does_not_wait_for_it(monkeypatch):
     from vericache.model.kvcache import KVCache
 
     tier = make_tier("offloaded")
+    go, real = threading.Event(), tier.link.copy
     fail = {"stores": 0}  # how many of the next store copies raise
-    go = _hold_stores(monkeypatch, tier, fail)
+
+    def held_store(dst, src, direction="load"):
+        if direction == "store":
+            go.wait()
+            if fail["stores"]:
+                fail["stores"] -= 1
+                raise RuntimeError("simulated store failure")
+        return real(dst, src, direction)
 
     def cache() -> KVCache:
         c = KVCache(2, 1, 4, 8, torch.float32, "cpu")
         c.length = 3
         return c
 
+    monkeypatch.setattr(tier.link, "copy", held_store)
     try:
         host = tier.offload(cache())
         done = threading.Event()

@@ -293,39 +293,31 @@ class OffloadedTier:
         """Move a prefilled full KV into the tier: returns its host copy at once, while a
         storer thread copies it over the link's store direction (the caller's lane goes on,
         as a GPU's copy engine would let it). A copied `cache` is kept until the copy has
-        landed, and one such offload at a time is in flight (a second waits here for the
-        first to land), so at most one prefilled full KV is held beyond the budgets' count.
-        Every reader of the host copy waits for it (`landed`), and a copy that failed fails
-        them with `Unavailable`.
+        landed, and one offload at a time is in flight (a second waits here for the first to
+        land), so at most one prefilled full KV is held beyond the budgets' count. Every
+        reader of the host copy waits for it (`landed`), and a copy that failed fails them
+        with `Unavailable`.
         A cache already in host memory (a CPU runner's) is adopted as the host copy: the link
         still carries its bytes (the storer holds the store direction for their time), but
         nothing is copied, as a GPU's copy engine would spend no CPU time on it (on this 2-core
-        VM the copy into fresh memory cost the storer about 0.9 s of CPU per 8k request). An
-        adopted cache holds no memory beyond its own, so its offload does not wait for the one
-        before it: the stores queue on the storer, and only a reader of the host copy waits
-        (a write-back of verified tokens, `store_new`, waits for one layer's copy at most:
-        a store takes the link a layer at a time)."""
-        adopted = cache.k.device.type == "cpu" and self.device.type == "cpu"
-        if adopted:
+        VM the copy into fresh memory cost the storer about 0.9 s of CPU per 8k request)."""
+        if cache.k.device.type == "cpu" and self.device.type == "cpu":
             host = cache
         else:
             host = self.host_cache(cache.capacity, cache.num_layers, cache.k.shape[1],
                                    cache.k.shape[3], cache.k.dtype)
             host.length = cache.length
-            self._inflight.acquire()
-        inflight = None if adopted else self._inflight
+        self._inflight.acquire()
         try:  # the prefilled tokens (a first verification may add tokens to `cache` meanwhile)
-            fut = self._storer.submit(self._store, host, cache, cache.length, inflight)
+            fut = self._storer.submit(self._store, host, cache, cache.length)
         except RuntimeError as e:  # the storer was shut down
-            if inflight is not None:
-                inflight.release()
+            self._inflight.release()
             raise Unavailable(f"KV tier is closed: {e}") from e
         with self._lock:
             self._landing[host] = fut
         return host
 
-    def _store(self, host: KVCache, cache: KVCache, m: int,
-               inflight: threading.Semaphore | None) -> None:
+    def _store(self, host: KVCache, cache: KVCache, m: int) -> None:
         try:
             n = 0
             for li in range(cache.num_layers):
@@ -334,8 +326,7 @@ class OffloadedTier:
             with self._lock:
                 self.stats.bytes_stored += n
         finally:
-            if inflight is not None:
-                inflight.release()
+            self._inflight.release()
 
     def landed(self, host: KVCache) -> None:
         """Wait until `host`'s offload (if one is in flight) has landed; raises `Unavailable`

@@ -334,15 +334,12 @@ class Verifier:
             self.tier.landed(cache)
         return cache
 
-    @staticmethod
-    def _verified_span(c: KVCache, since: int) -> KVSpan:
+    def _verified_span(self, rid: str, since: int) -> KVSpan:
         """The exact KV of the tokens verified from cache position `since` on, and of the one
-        before them (a drafter may not have fed it yet): a host copy from the pass's cache
-        `c` (an offloaded request's working copy is reused, and its host copy may still be
-        landing)."""
+        before them (a drafter may not have fed it yet)."""
+        c = self._landed(self._get(rid).cache)
         lo = max(0, since - 1)
-        k, v = c.view(lo, c.length)
-        return KVSpan(k.to("cpu", copy=True), v.to("cpu", copy=True), lo)
+        return KVSpan(c.k[:, :, lo:c.length].cpu(), c.v[:, :, lo:c.length].cpu(), lo)
 
     def verify(self, batch: list[tuple[str, list[int], torch.Tensor | None]],
                refresh: Collection[str] = (), finish: Mapping[str, Finish] | None = None) -> list[Verdict]:
@@ -385,8 +382,8 @@ class Verifier:
                                       c, logits="all", votes=votes, bitwise=s.bitwise))
         logits = self.runner.forward(items)
         out = []
-        for s, c, it, f, held, (rid, drafts, q), lg in zip(sess, caches, items, fin, on_held,
-                                                              batch, logits):
+        for s, c, it, f, held, (_, drafts, q), lg in zip(sess, caches, items, fin, on_held,
+                                                            batch, logits):
             k, drafts = len(drafts), list(drafts)
             allowed = s.grammar.row_masks(drafts) if s.grammar is not None else None
             x = process(lg, s.sampling, s.history, drafts, allowed)  # [k + 1, V] processed logits
@@ -410,12 +407,12 @@ class Verifier:
                 self.tier.write_back(c)
             elif held:  # the prefilled cache (a CPU runner's is its own host copy)
                 self.tier.store_new(s.cache, c, int(it.positions[0]))
-            if rid in before:
-                self._exact[rid] = self._verified_span(c, before[rid])
             s.held = c if (held or c is not s.cache) and f.holds(len(emitted)) else None
             s.pending = [bonus]
             out.append(Verdict(a, bonus, None if s.top_logprobs is None
                                else token_logprobs(lg, emitted, s.top_logprobs), held=s.held is not None))
+        for rid, since in before.items():
+            self._exact[rid] = self._verified_span(rid, since)
         return out
 
     def take_exact(self, rid: str) -> KVSpan | None:
