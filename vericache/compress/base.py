@@ -30,6 +30,7 @@ change.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -108,19 +109,15 @@ class Compressor(Named, ABC):
         whole); None: the parts' own. An 8k prompt's parts in float32 are about 46 MB a
         tensor: in bfloat16, half as much fresh memory is faulted in per attach."""
         parts = [self.decompress(c) for c in chunks] + [(tail_k.cpu(), tail_v.cpu())]
+        if dtype is None:  # the parts' own, promoted as torch.cat would
+            dtype = functools.reduce(torch.promote_types, [pk.dtype for pk, _ in parts])
         L, H, _, D = tail_k.shape
-        if dtype is None:
-            dtype = parts[0][0].dtype
-            for pk, _ in parts[1:]:
-                dtype = torch.promote_types(dtype, pk.dtype)
-        n = sum(pk.shape[2] for pk, _ in parts)
-        k = torch.empty((L, H, n, D), dtype=dtype)
+        k = torch.empty((L, H, sum(pk.shape[2] for pk, _ in parts), D), dtype=dtype)
         v = torch.empty_like(k)
         a = 0
         for pk, pv in parts:
-            b = a + pk.shape[2]
-            k[:, :, a:b], v[:, :, a:b] = pk, pv
-            a = b
+            k[:, :, a:a + pk.shape[2]], v[:, :, a:a + pk.shape[2]] = pk, pv
+            a += pk.shape[2]
         return k, v
 
     def draft_positions(self, chunks: list[CompressedChunk], tail_start: int, tail_len: int,
