@@ -17,27 +17,3 @@ __version__ = "0.1.0"
 # of two runs each; docs/performance.md, twenty-sixth session). Set it to 0 to keep the
 # allocator's default.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-def _keep_freed_memory() -> None:
-    """Have glibc's malloc keep memory freed in the process for the next allocation, as the
-    tcmalloc or jemalloc that vLLM's and Intel's CPU guides preload would: buffers up to
-    32 MB (its largest setting) come from its heap instead of each being mapped and faulted
-    in afresh, and up to 512 MB freed at the heap's top stays there. An 8k admission's
-    drafter KV (23 MB a tensor) took 46-61 ms to assemble in fresh memory and 3 ms in
-    memory used before, on a 2-vCPU EPYC (docs/performance.md, thirty-first session).
-    VERICACHE_MALLOC_KEEP=0 leaves malloc as it is; elsewhere than glibc nothing changes."""
-    if os.environ.get("VERICACHE_MALLOC_KEEP", "1") == "0":
-        return
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # no glibc
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    mallopt(m_mmap_threshold, 32 << 20)
-    mallopt(m_trim_threshold, 512 << 20)
-
-
-_keep_freed_memory()
