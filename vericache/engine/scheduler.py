@@ -113,6 +113,11 @@ class _Req:
         """What it holds on the verifier between verify jobs."""
         return self.resident_bytes + (self.load_bytes if self.first else 0)
 
+    def admitted_bytes(self) -> int:
+        """What it holds on the verifier once admitted: `held_bytes` with its prefilled KV
+        (an offloaded one is `first` from its prefill job on)."""
+        return self.resident_bytes + self.load_bytes
+
     def job_load(self) -> int:
         """The working copy its next verify job loads (none on its prefilled KV)."""
         return 0 if self.first else self.load_bytes
@@ -233,7 +238,7 @@ class Scheduler:
         for r in self._in(WAITING):
             if lane == DRAFT_LANE and r.load_bytes:  # offloaded: the admission lane's alone
                 break
-            held = r.resident_bytes + r.load_bytes  # (its prefilled KV until it is verified)
+            held = r.admitted_bytes()
             copy = max(copy, r.load_bytes)
             room = max(copy, running)
             fits = (_fits(d + r.draft_bytes, self.draft_budget)
