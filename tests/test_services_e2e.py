@@ -18,6 +18,7 @@ from conftest import chat_ids, check_chat_top_logprobs, long_code_prompt
 from vericache._proto import load
 from vericache.engine.generation import GenParams
 from vericache.engine.local import generate
+from vericache.memory import IDLE_TRIM_S
 
 pytestmark = pytest.mark.slow  # real-model work of minutes: scheduled first
 
@@ -282,8 +283,9 @@ def _abandon(base: str, waves: int) -> tuple[int, float]:
 
 def test_abandoned_streams_free_sessions_and_memory(stack, lm):
     """Clients that hang up mid-answer free their sessions on both services and their KV
-    budget at once, and 100 of them do not grow the processes (40 before them set the
-    allocators' high-water mark: 20 streams in flight)."""
+    budget at once, and 100 of them do not grow the idle processes (40 before them set the
+    allocators' high-water mark: 20 streams in flight; once idle, each process gives what
+    it freed back, `vericache.memory`)."""
     base = f"http://127.0.0.1:{stack['gateway'].port}"
     names = ("verifier", "drafter", "gateway")
     rss = [{n: round(_rss_mb(stack[n].proc.pid)) for n in names}]
@@ -302,6 +304,7 @@ def test_abandoned_streams_free_sessions_and_memory(stack, lm):
         text = httpx.get(f"{base}/metrics").text
         for side in ("verifier", "drafter"):
             assert _metric(text, f'vericache_kv_bytes{{side="{side}"}}') == 0
+        time.sleep(IDLE_TRIM_S + 1.5)  # idle: each process gives its freed memory back
         rss.append({n: round(_rss_mb(stack[n].proc.pid)) for n in names})
     print(f"40, then 100 abandoned streams: all freed {freed} s after the last hang-up; "
           f"RSS MB before, after the 40, after the 100: {rss}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from services.common.auth import add_token_arg
 from vericache.cli.common import BUDGET_FLAGS, add_memory_args, add_model_args, add_tier_args
 from vericache.engine.budget import MB, Ledger, budget_bytes
+from vericache.memory import IdleTrim, resident_mb
 from vericache.engine.remote import MODEL_MESSAGE_BYTES
 from vericache.engine.rounds import ARENA_SLOTS
 from vericache.engine.ttl import SessionClock
@@ -90,6 +91,7 @@ class ModelService:
     tier: object = None  # the verifier's OffloadedTier, or None (resident)
     tier_name: str = ""
     ledger: Ledger = field(default_factory=lambda: Ledger(None, ""))  # this side's KV budget
+    idle: IdleTrim = field(default_factory=IdleTrim)  # freed memory back once idle
 
     @classmethod
     def from_args(cls, a) -> "ModelService":
@@ -135,6 +137,29 @@ class ModelService:
         t.start()
         return t
 
+    def start_idle_trim(self, sessions, period_s: float = 0.25) -> threading.Thread | None:
+        """Give freed memory back once no session has been open for `idle.after_s`
+        (`vericache.memory`): `sessions()` counts the open ones, read under the lock
+        that serialises model work, so no pass runs while malloc trims."""
+        if self.idle.after_s <= 0:
+            return None
+
+        def loop():
+            while True:
+                time.sleep(period_s)
+                with self.lock:
+                    if sessions():
+                        self.idle.busy()
+                        continue
+                    before = resident_mb()
+                    if self.idle.poll():
+                        log.info("idle: freed memory given back, resident %.0f -> %.0f MB",
+                                 before, resident_mb())
+
+        t = threading.Thread(target=loop, name="idle-trim", daemon=True)
+        t.start()
+        return t
+
 
 def run_model_service(name: str, port: int, servicer_cls, add_to_server, argv=None) -> int:
     """`python -m services.<name>`: flags, model, servicer, TTL reaper, serve until SIGTERM."""
@@ -152,6 +177,7 @@ def run_model_service(name: str, port: int, servicer_cls, add_to_server, argv=No
         svc = ModelService.from_args(a)
         servicer = servicer_cls(svc)
         svc.start_reaper(servicer.core.release)
+        svc.start_idle_trim(lambda: len(servicer.core.sessions))
         server, bound = build_server(lambda s: add_to_server(servicer, s), host=a.host, port=a.port,
                                      max_workers=a.workers, max_message_bytes=MODEL_MESSAGE_BYTES,
                                      internal_token=a.internal_token)
@@ -178,6 +204,7 @@ class SessionServicer:
         with self.svc.lock:
             had = rid in self.core.sessions
             self.core.release(rid)
+            self.svc.idle.busy()  # a session that began and ended between two polls counts
         self.svc.clock.forget(rid)
         self.drop_request_keys(rid)
         return vpb.ReleaseResponse(released=had)

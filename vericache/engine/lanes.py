@@ -39,6 +39,7 @@ import torch
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
+from vericache.memory import IdleTrim
 from vericache.engine.rounds import commit_outcomes, draft_phase, start, verify_phase
 from vericache.engine.scheduler import (DONE, DRAFTING, LANES, PREFILL, VERIFYING, WAITING,
                                         Job, Scheduler)
@@ -121,6 +122,7 @@ class LaneRunner:
         self.waiting = 0  # requests not admitted yet (read from any thread)
         self.admitted = 0
         self.kv_in_use = (0, 0)  # (drafter, verifier) bytes charged to the budgets
+        self.idle = IdleTrim()  # serving: freed memory back to the system once idle
 
     # ---- from any thread ----------------------------------------------------------------
     def submit(self, g: Generation) -> None:
@@ -172,6 +174,10 @@ class LaneRunner:
                 self._wake.clear()
                 for f in [f for f in self._running if f.done()]:
                     self._settle(f, self._running.pop(f), strict)
+                if self._gens or self._running:
+                    self.idle.busy()
+                elif not strict:
+                    self.idle.poll()
         except BaseException:
             wait(self._running)
             for rid in list(self._gens):

@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from vericache.errors import InvalidArgument
+from vericache.memory import page_size
 
 DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
 DRAFT_WEIGHTS = ("auto", "bfloat16", "model")
@@ -199,7 +200,9 @@ class KVPool:
     its span up to the longest sequence's end, masked past each one's own, and 0 x NaN from
     uninitialised memory is NaN (a batch with a 700-token sequence once gave NaN logits). A
     slot's region that no call reads is never touched, so on CPU, where memory is committed on
-    first touch, free slots and unused capacity cost address space, not memory."""
+    first touch, free slots and unused capacity cost address space, not memory: the pool is
+    in small pages, and `advise` puts a slot whose cache will fill at least half of it in
+    huge pages (`vericache.memory.page_size`)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  slots: int, dtype: torch.dtype, device: torch.device | str,
@@ -211,6 +214,9 @@ class KVPool:
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
             self.pos = torch.empty(shape[:4], dtype=torch.long, device=device) if positions else None
+        for t in (self.k, self.v, self.pos):  # small pages until a slot is advised
+            if t is not None:
+                page_size(t, huge=False)
         self.size = slots
         self._owners: list[weakref.ref | None] = [None] * slots  # each slot's member
         self._finite = [0] * slots  # slot s holds finite K/V (and positions) in [0, _finite[s])
@@ -224,6 +230,7 @@ class KVPool:
         pool = cls(c0.num_layers, c0.k.shape[1], c0.k.shape[3], max(c.capacity for c in caches),
                    max(len(caches), slots), c0.k.dtype, c0.k.device, c0.pos is not None)
         for s, c in enumerate(caches):
+            pool.advise(s, c.capacity)
             pool._adopt(c, s)
         return pool
 
@@ -253,6 +260,17 @@ class KVPool:
                 self.pos[:, s, :, :n] = c.pos[:, :, :n]
         self._bind(c, s)
         self._finite[s] = max(self._finite[s], n)
+
+    def advise(self, s: int, tokens: int) -> None:
+        """Slot `s` will hold up to `tokens` tokens: huge pages for its rows where that is at
+        least half the capacity (reads about 10% faster), else small pages (a short cache
+        commits its tokens' pages, not the slot's 2 MB rows). Before the slot's first write;
+        a slot committed earlier keeps its pages."""
+        huge = 2 * tokens >= self.capacity
+        for t in (self.k, self.v, self.pos):
+            if t is not None:
+                for layer in range(t.shape[0]):
+                    page_size(t[layer, s], huge)
 
     def claim(self) -> KVCache | None:
         """A new empty cache in the lowest free slot (its capacity: the pool's), or None when
@@ -313,6 +331,7 @@ class KVPool:
                     lo, top = min(slots), max(slots) + 1
                     if 2 * len(caches) >= top - lo:
                         for c, s in zip(joining, free):
+                            pool.advise(s, c.capacity)
                             pool._adopt(c, s)
                         return pool, lo, top
         spare = 1 << (len(caches) - 1).bit_length() if caches[0].k.device.type == "cpu" else 0

@@ -236,6 +236,7 @@ class Runner:
                         self.num_layers, self.num_kv_heads, self.head_dim, self.max_positions,
                         self.arena_slots, dtype, self.device, positions)
                     c = pool.claim()
+            pool.advise(c.slot, capacity)  # its pages: huge where it fills half the slot
             return c
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
                        dtype, self.device, positions=positions)
