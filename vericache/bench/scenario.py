@@ -23,8 +23,9 @@ that every variant (and the reference) loads from: the variants differ in decodi
 8k prefill per request per variant would dominate a CPU run. Each request still holds (and
 each offloaded verification loads) its own whole full KV. An offloaded variant's tier has
 its host memory in place before the timed run (`OffloadedTier.preallocate`: one host cache
-per request), as the resident variants' caches come from the runner's pooled arenas: a
-server that has run a while holds both, and neither run pays the OS for fresh pages.
+per request), and every local variant's caches come from the runner's pooled arenas,
+faulted in before its timed run as far as the run reaches (`warm_pools`): a server that has
+run a while holds both, and no variant pays the OS for fresh pages that another does not.
 
 remote-prefix: the shared prefix's full and compressed chunks sit in a store (published by
 an earlier request); the decoding node reaches it over a slow link (`drafter_link_gbps`), a
@@ -182,15 +183,43 @@ def drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
             store.delete(key)
 
 
+def warm_pools(lm, prompts, cfg: ScenarioConfig, budget: int | None) -> None:
+    """Fault in the runner's arena pools (`Runner.new_cache(arena=)`) as far as a run of
+    `prompts` at `budget` reaches, on both sides and in every scheduler group, as a server
+    that has served such requests holds them (the offloaded tier's host memory is in place
+    the same way: `OffloadedTier.preallocate`). The pools live as long as the runner, and a
+    slot is faulted in by the first cache that writes it, so without this the variant that
+    runs first pays for every variant after it: on a 2-vCPU Xeon at 16 x 8k, full_resident's
+    prefill jobs took 9.10 s (61387 page faults) the first time and 7.98 s (636) the second;
+    with the pools warmed first, 8.17 s (663) and 8.15 s (docs/performance.md,
+    thirty-second session: with the pool in small pages and a full slot in huge pages)."""
+    r = lm.runner
+    if not r.arena_slots or r.device.type != "cpu":
+        return
+    tokens = max(len(p.ids) for p in prompts) + cfg.params("full").extra_capacity
+    per_cache = tokens * r.kv_bytes_per_token()
+    n = len(prompts) if budget is None else max(1, min(len(prompts), budget // per_cache))
+    for group in range(cfg.groups):
+        for side, dtype, positions in (("verify", r.dtype, False),
+                                       ("draft", r.draft_dtype, r.windowed)):
+            caches = [r.new_cache(tokens, positions, (side, group), dtype)
+                      for _ in range(min(n, r.arena_slots))]
+            for c in caches:  # zeros are what `KVPool.ready` would write there anyway
+                c.k[:, :, :tokens].zero_()
+                c.v[:, :, :tokens].zero_()
+            del caches, c  # their slots are free again, and in place
+
+
 def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_name: str,
          budget: int | None, namespace: str = "", after_calibration: Callable[[], None] | None = None,
-         warm_prompts=()) -> dict:
+         warm_prompts=(), warm: bool = False) -> dict:
     """Run `variant` over every prompt at once on `backends` (closed afterwards, with `tier`).
     An adaptive vericache variant, and any variant over the offloaded `tier`, first calibrates
     its cost model over them (untimed, as a server's start-up; `cfg.calibrate`); an adaptive
     one then serves `warm_prompts` (untimed, as a server's earlier traffic;
     `cfg.warm_requests` of them); then `after_calibration` resets the
-    caller's transfer counters (its tier's or its links'), so they count the run alone."""
+    caller's transfer counters (its tier's or its links'), so they count the run alone.
+    `warm`: the runner's arena pools are faulted in first (`warm_pools`)."""
     mode = variant.split("_")[0]
     schedule = "staggered" if variant.partition(":")[0].endswith("staggered") else "lockstep"
     params = cfg.params(mode)
@@ -227,6 +256,8 @@ def _run(lm, prompts, cfg: ScenarioConfig, variant: str, backends, tier, tier_na
                         "pooled_reached": list(costs.pooled.reached)}
             if after_calibration is not None:
                 after_calibration()
+        if warm:
+            warm_pools(lm, prompts, cfg, budget)
         trace = serve(gens)
     finally:
         backends.close()
@@ -254,7 +285,7 @@ def run_long_context_variant(lm, prompts, cfg: ScenarioConfig, variant: str, sto
             tier.stats = TierStats()
 
     return _run(lm, prompts, cfg, variant, LocalBackends(lm, store, tier), tier, tier_name, budget,
-                after_calibration=reset_tier, warm_prompts=warm_prompts)
+                after_calibration=reset_tier, warm_prompts=warm_prompts, warm=True)
 
 
 def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, store,
@@ -274,7 +305,7 @@ def run_remote_prefix_variant(lm, prompts, cfg: ScenarioConfig, variant: str, st
             node.inner.bytes_read = node.inner.bytes_written = 0
 
     raw = _run(lm, prompts, cfg, variant, backends, None, "resident", None,
-               after_calibration=reset_links, warm_prompts=warm_prompts)
+               after_calibration=reset_links, warm_prompts=warm_prompts, warm=True)
     raw["links"] = {"near_bytes_read": near.inner.bytes_read, "near_bytes_written": near.inner.bytes_written,
                     "far_bytes_read": far.inner.bytes_read, "far_bytes_written": far.inner.bytes_written}
     return raw
