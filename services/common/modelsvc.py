@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from services.common.auth import add_token_arg
 from vericache.cli.common import BUDGET_FLAGS, add_memory_args, add_model_args, add_tier_args
 from vericache.engine.budget import MB, Ledger, budget_bytes
-from vericache.memory import IdleTrim, resident_mb
 from vericache.engine.remote import MODEL_MESSAGE_BYTES
 from vericache.engine.rounds import ARENA_SLOTS
 from vericache.engine.ttl import SessionClock
 from vericache.errors import VeriCacheError
+from vericache.memory import IdleTrim, resident_mb
 from vericache.model import load_model
 from vericache.store import open_store
 

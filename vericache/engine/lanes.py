@@ -39,11 +39,11 @@ import torch
 from vericache.engine.backends import Backends
 from vericache.engine.drafter import DraftOut
 from vericache.engine.generation import Generation
-from vericache.memory import IdleTrim
 from vericache.engine.rounds import commit_outcomes, draft_phase, start, verify_phase
 from vericache.engine.scheduler import (DONE, DRAFTING, LANES, PREFILL, VERIFYING, WAITING,
                                         Job, Scheduler)
 from vericache.errors import Unavailable, VeriCacheError
+from vericache.memory import IdleTrim
 from vericache.spec.costmodel import CostModel
 
 log = logging.getLogger(__name__)
