@@ -139,14 +139,18 @@ class ModelService:
 
     def start_idle_trim(self, sessions, period_s: float = 0.25) -> threading.Thread | None:
         """Give freed memory back once no session has been open for `idle.after_s`
-        (`vericache.memory`): `sessions()` counts the open ones, read under the lock
-        that serialises model work, so no pass runs while malloc trims."""
+        (`vericache.memory`): `sessions()` counts the open ones; the trim runs under the lock
+        that serialises model work, so no pass runs while malloc trims, and the thread takes
+        that lock only when no session is open."""
         if self.idle.after_s <= 0:
             return None
 
         def loop():
             while True:
                 time.sleep(period_s)
+                if sessions():  # busy: no need to wait for the lock a pass holds
+                    self.idle.busy()
+                    continue
                 with self.lock:
                     if sessions():
                         self.idle.busy()
