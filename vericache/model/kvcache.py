@@ -230,7 +230,6 @@ class KVPool:
         pool = cls(c0.num_layers, c0.k.shape[1], c0.k.shape[3], max(c.capacity for c in caches),
                    max(len(caches), slots), c0.k.dtype, c0.k.device, c0.pos is not None)
         for s, c in enumerate(caches):
-            pool.advise(s, c.capacity)
             pool._adopt(c, s)
         return pool
 
@@ -251,7 +250,9 @@ class KVPool:
         self._owners[s] = weakref.ref(c)
 
     def _adopt(self, c: KVCache, s: int) -> None:
-        """Move `c` into free slot `s`: its live tokens are copied, nothing else."""
+        """Move `c` into free slot `s` (advised for its capacity): its live tokens are copied,
+        nothing else."""
+        self.advise(s, c.capacity)
         n = c.length
         with torch.inference_mode(False):
             self.k[:, s, :, :n] = c.k[:, :, :n]
@@ -272,9 +273,10 @@ class KVPool:
                 for layer in range(t.shape[0]):
                     page_size(t[layer, s], huge)
 
-    def claim(self) -> KVCache | None:
+    def claim(self, tokens: int | None = None) -> KVCache | None:
         """A new empty cache in the lowest free slot (its capacity: the pool's), or None when
-        every slot is held. Nothing is copied: what the cache's owner writes lands in the pool."""
+        every slot is held. Nothing is copied: what the cache's owner writes lands in the pool.
+        `tokens`: how many it will hold at most, for its pages (`advise`)."""
         with _slots_lock:
             free = self.free_slots()
             if not free:
@@ -282,7 +284,9 @@ class KVPool:
             c = KVCache.__new__(KVCache)
             c.length = 0
             self._bind(c, free[0])
-            return c
+        if tokens is not None:
+            self.advise(c.slot, tokens)
+        return c
 
     def ready(self, lo: int, top: int, hi: int) -> None:
         """Make slots [lo, top) finite up to token `hi` (what one call over them reads):
@@ -331,7 +335,6 @@ class KVPool:
                     lo, top = min(slots), max(slots) + 1
                     if 2 * len(caches) >= top - lo:
                         for c, s in zip(joining, free):
-                            pool.advise(s, c.capacity)
                             pool._adopt(c, s)
                         return pool, lo, top
         spare = 1 << (len(caches) - 1).bit_length() if caches[0].k.device.type == "cpu" else 0

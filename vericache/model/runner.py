@@ -230,13 +230,12 @@ class Runner:
             key = (arena, positions, dtype)
             with self._arena_lock:
                 pool = self._arenas.get(key)
-                c = None if pool is None else pool.claim()
+                c = None if pool is None else pool.claim(capacity)
                 if c is None:
                     pool = self._arenas[key] = KVPool(
                         self.num_layers, self.num_kv_heads, self.head_dim, self.max_positions,
                         self.arena_slots, dtype, self.device, positions)
-                    c = pool.claim()
-            pool.advise(c.slot, capacity)  # its pages: huge where it fills half the slot
+                    c = pool.claim(capacity)
             return c
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
                        dtype, self.device, positions=positions)
