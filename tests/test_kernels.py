@@ -247,6 +247,42 @@ def test_linear_over_blocks_equals_a_float64_product_and_rows_are_invariant(line
         linear(torch.randn(2, 544), qw)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_drafters_head_over_blocks_keeps_the_exact_argmax(linear, bits):
+    """`Linear.draft_head`: x rounded to int8 a block of 32 for VNNI integer dot products
+    (`vc_linear_qw_q8x`), then each row's `top` largest logits computed again from x: those
+    entries are the exact product's (float32 rounding of the float64 product), the argmax
+    is the exact one, and the rest stay within the rounding's reach of it (a 4-bit block's q
+    centred on 8; 1 to 7 rows, bias or not, 1 or 2 threads). Without AVX512-VNNI (`q8x`
+    False) the head is the exact product itself. The refinement refuses a top outside
+    1..64."""
+    from vericache.model.qweights import blocks_of
+
+    n, k = 1031, 576
+    w = _quantized(n, k, bits, seed=20 + bits)
+    qw, g = blocks_of(w), torch.Generator().manual_seed(5)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(7, k, generator=g)
+    for m, bias, threads in ((1, None, 1), (4, b, 2), (7, None, 2)):
+        exact = linear(x[:m], qw, bias, threads)
+        rounded = linear(x[:m], qw, bias, threads, int8_x=True)
+        head = linear.draft_head(x[:m], qw, bias, threads, top=16)
+        if not linear.q8x:
+            assert torch.equal(rounded, exact) and torch.equal(head, exact)
+            continue
+        err = float((rounded - exact).norm() / exact.norm())
+        assert 0 < err < 0.015, err  # rounded, and not far: 0.6% here, 2.7% uncentred
+        top = rounded.topk(16, dim=-1).indices
+        assert torch.allclose(head.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-5)
+        rest = torch.ones_like(head, dtype=torch.bool).scatter_(1, top, False)
+        assert torch.equal(head[rest], rounded[rest])
+        assert torch.equal(head.argmax(-1), exact.argmax(-1))
+    if linear.q8x:
+        for top in (0, 65):
+            with pytest.raises(ValueError, match="top"):
+                linear.draft_head(x[:1], qw, None, 1, top=top)
+
+
 def test_linear_dots_bfloat16_where_the_cpu_has_avx512_bf16(linear):
     """The library is built for this CPU (-march=native): AVX512-BF16's dot products exactly
     where /proc/cpuinfo lists them."""
@@ -507,6 +543,51 @@ def test_the_drafters_weights_rule(monkeypatch):
     monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", "int8")
     with pytest.raises(InvalidArgument, match="auto, bfloat16, model"):
         draft_weights_dtype(torch.float32, torch.bfloat16)
+
+
+def test_the_drafters_head_rule(monkeypatch):
+    """VERICACHE_DRAFT_HEAD: `auto` by default, or `exact`; an unknown value is refused,
+    naming the choices."""
+    from vericache.errors import InvalidArgument
+    from vericache.model.kvcache import draft_head_choice
+
+    monkeypatch.delenv("VERICACHE_DRAFT_HEAD", raising=False)
+    assert draft_head_choice() == "auto"
+    monkeypatch.setenv("VERICACHE_DRAFT_HEAD", "exact")
+    assert draft_head_choice() == "exact"
+    monkeypatch.setenv("VERICACHE_DRAFT_HEAD", "int8")
+    with pytest.raises(InvalidArgument, match="auto, exact"):
+        draft_head_choice()
+
+
+def test_a_draft_passs_head_keeps_the_exact_heads_tokens(lm, prompts, monkeypatch):
+    """The default model's LM head is Q8_0 blocks: a draft pass over them takes
+    `draft_head` where the CPU has AVX512-VNNI (`VERICACHE_DRAFT_HEAD=auto`), the exact
+    block product with `exact`. On 40 rows of the code prompt, both give every row the same
+    greedy token, and auto's largest logit is the exact head's; its other logits differ
+    (rounded x) where the CPU has VNNI."""
+    r = lm.runner
+    ids = prompts["code"][:600]
+
+    def run():
+        c = r.new_cache(len(ids) + 8, dtype=r.draft_dtype)
+        r.step(ids[:-40], 0, c, logits="none")
+        return r.step(ids[-40:], len(ids) - 40, c, logits="all")[0]
+
+    saved = r._draft_w, r._draft_fused_w, r._draft_head_int8
+    out = {}
+    try:
+        for choice in ("exact", "auto"):
+            monkeypatch.setenv("VERICACHE_DRAFT_HEAD", choice)
+            r._draft_w = r._draft_fused_w = None
+            out[choice] = run()
+            assert r._draft_head_int8 == (choice == "auto" and r.linear_kernel.q8x)
+    finally:
+        r._draft_w, r._draft_fused_w, r._draft_head_int8 = saved
+    exact, fast = out["exact"], out["auto"]
+    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+    assert torch.allclose(fast.max(-1).values, exact.max(-1).values, rtol=0, atol=1e-4)
+    assert torch.equal(fast, exact) != r.linear_kernel.q8x
 
 
 def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts, monkeypatch):

@@ -11,6 +11,7 @@ from conftest import chat_ids, long_code_prompt
 from test_services_e2e import _grpc_ready, _kvstore_ready
 
 from vericache.cli import main as vericache_main
+from vericache.model import kernels
 from vericache.spec.costmodel import PRIOR_RATE
 from vericache.store.memory import MemoryStore
 from vericache.store.keys import (chunk_key, compressed_key, full_key, is_chunk_key,
@@ -124,6 +125,8 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     assert by["full_resident"]["draft_weight_form"] is None
     assert by["lossy"]["draft_weight_bytes"] == by["vericache_lockstep"]["draft_weight_bytes"] == 0
     assert by["vericache_lockstep"]["draft_weight_form"] == "blocks"
+    assert by["full_resident"]["draft_head"] is None
+    assert by["vericache_lockstep"]["draft_head"] == ("int8" if kernels.linear().q8x else "exact")
     assert by["vericache_lockstep"]["max_active"] == 1
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
     # where each lane's time went, per job kind: it adds up to the lane's busy time

@@ -39,6 +39,7 @@ from vericache.memory import page_size
 
 DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
 DRAFT_WEIGHTS = ("auto", "bfloat16", "model")
+DRAFT_HEADS = ("auto", "exact")
 
 
 def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
@@ -73,6 +74,21 @@ def draft_weights_choice() -> str:
         raise InvalidArgument("VERICACHE_DRAFT_WEIGHTS must be one of "
                               f"{', '.join(DRAFT_WEIGHTS)} (got {choice!r})",
                               "VERICACHE_DRAFT_WEIGHTS")
+    return choice
+
+
+def draft_head_choice() -> str:
+    """`VERICACHE_DRAFT_HEAD`: `auto` (a draft pass's LM head over the model's quantized weight
+    blocks rounds its input to int8 a block of 32, as llama.cpp's Q8 activations, for VNNI
+    integer dot products, then computes each row's 16 largest logits again exactly:
+    `kernels.Linear.draft_head`, where the CPU has AVX512-VNNI) or `exact` (the exact block
+    product, as every other pass takes); an unknown value is refused. Drafts are verified in
+    float32 either way: outputs do not change, τ may."""
+    choice = os.environ.get("VERICACHE_DRAFT_HEAD", "auto")
+    if choice not in DRAFT_HEADS:
+        raise InvalidArgument("VERICACHE_DRAFT_HEAD must be one of "
+                              f"{', '.join(DRAFT_HEADS)} (got {choice!r})",
+                              "VERICACHE_DRAFT_HEAD")
     return choice
 
 

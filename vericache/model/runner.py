@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
-from vericache.model.kvcache import (KVCache, KVPool, draft_kv_dtype, draft_weights_choice,
-                                     draft_weights_dtype)
+from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
+                                     draft_weights_choice, draft_weights_dtype)
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
 # A CPU pass of fewer tokens than this (decode, draft and small verify steps) runs torch's
@@ -87,6 +87,9 @@ LINEAR_ROWS = 256
 # 9.2 / 2.1, 16 rows 24.5 / 17.8, 33 rows 54.8 / 35.7, 64 rows 71.2 / 100.5 (thirtieth
 # session, /tmp probe).
 BLOCK_ROWS = 48
+# a draft pass's LM head over 8-bit blocks: the logits recomputed exactly after the int8 head
+# (`kernels.Linear.draft_head`, `VERICACHE_DRAFT_HEAD`)
+DRAFT_HEAD_TOP = 16
 WEIGHT_BLOCKS = ("auto", "off")  # VERICACHE_WEIGHT_BLOCKS: find the blocks, or never
 _outer = threading.local()  # .threads: a `_one_thread` pass's outer intra-op thread count
 
@@ -180,6 +183,7 @@ class Runner:
         self.draft_weights = draft_weights_dtype(self.dtype, self.draft_dtype,
                                                  self.linear_kernel is not None)
         self._draft_w: dict[int, torch.Tensor] | None = None  # a weight's data_ptr -> its copy
+        self._draft_head_int8 = False  # a draft pass's LM head is `draft_head`'s (`_draft_copy`)
         self._draft_fused_w = None
         self._draft_lock = threading.Lock()
         self.silu = w.activation == "silu"
@@ -436,6 +440,8 @@ class Runner:
                     head = self.lm_head.to(torch.bfloat16).contiguous()
                 self._draft_w = {w.data_ptr(): c for w, c in zip(mats + [self.lm_head],
                                                                   found + [head])}
+                self._draft_head_int8 = (self.linear_kernel is not None and self.linear_kernel.q8x
+                                         and draft_head_choice() == "auto")
             return self._draft_w
 
     def draft_weight_form(self) -> str:
@@ -447,6 +453,14 @@ class Runner:
             return ""
         first = self._draft_w[self.layers[0].w_qkv.data_ptr()]
         return "blocks" if isinstance(first, qweights.QWeight) else "bfloat16"
+
+    def draft_head_form(self) -> str:
+        """How a draft pass computes its LM head: "int8" (`kernels.Linear.draft_head`: x
+        rounded to int8, the largest DRAFT_HEAD_TOP logits exact) or "exact"; "" until a
+        draft pass made the copy."""
+        if self._draft_w is None:
+            return ""
+        return "int8" if self._draft_head_int8 else "exact"
 
     def _draft_fused(self) -> dict:
         """`_fused_w` with the products' pointers to the drafter's copies (`_draft_copy`)."""
@@ -466,9 +480,15 @@ class Runner:
     def _draft_linear(self, x: torch.Tensor, w: torch.Tensor,
                       b: torch.Tensor | None = None) -> torch.Tensor:
         """A draft pass's product: over w's copy (`_draft_copy`: blocks, `vc_linear_qw`, or
-        bfloat16, `vc_linear_bf16w`) up to LINEAR_ROWS rows, else `_linear`'s."""
+        bfloat16, `vc_linear_bf16w`) up to LINEAR_ROWS rows, else `_linear`'s. The LM head's
+        blocks take x rounded to int8 (`vc_linear_qw_q8x`) where `_draft_q8x`
+        (`VERICACHE_DRAFT_ACTIVATIONS`)."""
         if x.shape[0] <= LINEAR_ROWS:
-            return self.linear_kernel(x, self._draft_copy()[w.data_ptr()], b, self._threads())
+            c = self._draft_copy()[w.data_ptr()]
+            if (self._draft_head_int8 and w.data_ptr() == self.lm_head.data_ptr()
+                    and isinstance(c, qweights.QWeight)):
+                return self.linear_kernel.draft_head(x, c, b, self._threads(), DRAFT_HEAD_TOP)
+            return self.linear_kernel(x, c, b, self._threads())
         return self._linear(x, w, b)
 
     def _native_block(self) -> bool:

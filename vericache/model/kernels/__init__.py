@@ -187,6 +187,15 @@ class Linear:
         self._fn_qw = lib.vc_linear_qw
         self._fn_qw.argtypes = [p, p, p, p, i, i, i, i]
         self._fn_qw.restype = ctypes.c_int
+        self._fn_qw_q8x = lib.vc_linear_qw_q8x
+        self._fn_qw_q8x.argtypes = [p, p, p, p, i, i, i, i]
+        self._fn_qw_q8x.restype = ctypes.c_int
+        self._fn_qw_refine = lib.vc_linear_qw_refine
+        self._fn_qw_refine.argtypes = [p, p, p, p, i, i, i, i]
+        self._fn_qw_refine.restype = ctypes.c_int
+        # whether block products with x rounded to int8 run as VNNI integer dot products
+        # (AVX512-VNNI; else `int8_x` takes the exact block product)
+        self.q8x = bool(lib.vc_q8x())
         # whether bfloat16 weights meet x, split into two bfloat16 parts, in AVX512-BF16 dot
         # products (else x stays float32 and the weights are widened)
         self.bf16_dot = bool(lib.vc_bf16_dot())
@@ -256,12 +265,32 @@ class Linear:
         self._rope(x.data_ptr(), T, heads, D, x.stride(0), cos.data_ptr(), sin.data_ptr(), R)
         return x
 
+    def draft_head(self, x: torch.Tensor, w, b: torch.Tensor | None = None,
+                   threads: int = 1, top: int = 16) -> torch.Tensor:
+        """A drafter's LM head over the model's weight blocks (`QWeight`): x w^T + b with x
+        rounded to int8 a block of 32 (`vc_linear_qw_q8x`, VNNI integer dot products: an 8-bit
+        head read at about three times the exact product's rate), then each row's `top`
+        largest logits computed again from x itself (`vc_linear_qw_refine`), so that a greedy
+        draft takes the exact head's argmax unless that token fell out of the rounded head's
+        `top` (rounding alone, every logit from it, cost about one token of τ at 16 x 8k; the
+        drafts are verified either way). Without AVX512-VNNI (`q8x` False): the exact product."""
+        y = self(x, w, b, threads, int8_x=True)
+        if self.q8x:
+            x = x.contiguous()
+            m, k = x.shape
+            if self._fn_qw_refine(x.data_ptr(), w.address, None if b is None else b.data_ptr(),
+                                  y.data_ptr(), m, y.shape[1], k, top):
+                raise ValueError("draft_head: block weights (k a multiple of 32, 4 or 8 bits) "
+                                 "and 1 <= top <= 64")
+        return y
+
     def __call__(self, x: torch.Tensor, w, b: torch.Tensor | None = None,
-                 threads: int = 1) -> torch.Tensor:
+                 threads: int = 1, int8_x: bool = False) -> torch.Tensor:
         """x w^T + b; w float32, bfloat16 (a drafter's copy, `Runner.draft_weights`:
         `vc_linear_bf16w`, where x is split into two bfloat16 parts if `bf16_dot`), or a
         `vericache.model.qweights.QWeight` (the model's own quantized blocks: `vc_linear_qw`,
-        the bits float32 w gives)."""
+        the bits float32 w gives; with `int8_x`, `vc_linear_qw_q8x`: x rounded to int8 a block
+        of 32, a drafter's head only: `draft_head`)."""
         from vericache.model.qweights import QWeight
 
         blocks = isinstance(w, QWeight)
@@ -278,7 +307,10 @@ class Linear:
         args = (x.data_ptr(), w.address if blocks else w.data_ptr(),
                 None if b is None else b.data_ptr(), y.data_ptr(), m, n, k, threads)
         if blocks:
-            if self._fn_qw(*args):
+            rc = (self._fn_qw_q8x if int8_x else self._fn_qw)(*args)
+            if rc == -1:
+                raise MemoryError("linear: out of memory for x in int8")
+            if rc:
                 raise ValueError("linear: block weights need k a multiple of 32 and 4 or 8 bits")
         elif w.dtype == torch.float32:
             self._fn(*args)
