@@ -87,7 +87,7 @@ LINEAR_ROWS = 256
 # 9.2 / 2.1, 16 rows 24.5 / 17.8, 33 rows 54.8 / 35.7, 64 rows 71.2 / 100.5 (thirtieth
 # session, /tmp probe).
 BLOCK_ROWS = 48
-# a draft pass's LM head over 8-bit blocks: the logits recomputed exactly after the int8 head
+# a draft pass's LM head over weight blocks: the logits recomputed exactly after the int8 head
 # (`kernels.Linear.draft_head`, `VERICACHE_DRAFT_HEAD`)
 DRAFT_HEAD_TOP = 16
 WEIGHT_BLOCKS = ("auto", "off")  # VERICACHE_WEIGHT_BLOCKS: find the blocks, or never
@@ -481,8 +481,8 @@ class Runner:
                       b: torch.Tensor | None = None) -> torch.Tensor:
         """A draft pass's product: over w's copy (`_draft_copy`: blocks, `vc_linear_qw`, or
         bfloat16, `vc_linear_bf16w`) up to LINEAR_ROWS rows, else `_linear`'s. The LM head's
-        blocks take x rounded to int8 (`vc_linear_qw_q8x`) where `_draft_q8x`
-        (`VERICACHE_DRAFT_ACTIVATIONS`)."""
+        blocks: `kernels.Linear.draft_head` (x rounded to int8, the largest DRAFT_HEAD_TOP
+        logits exact) where `_draft_head_int8` (`VERICACHE_DRAFT_HEAD`, AVX512-VNNI)."""
         if x.shape[0] <= LINEAR_ROWS:
             c = self._draft_copy()[w.data_ptr()]
             if (self._draft_head_int8 and w.data_ptr() == self.lm_head.data_ptr()
