@@ -545,6 +545,14 @@ def test_the_drafters_weights_rule(monkeypatch):
         draft_weights_dtype(torch.float32, torch.bfloat16)
 
 
+def _last_logits(r, ids, last: int, dtype):
+    """The logits of ids' `last` tokens, after a pass over the others, in a cache of `dtype`
+    (the drafter's: a draft pass)."""
+    c = r.new_cache(len(ids) + 8, dtype=dtype)
+    r.step(ids[:-last], 0, c, logits="none")
+    return r.step(ids[-last:], len(ids) - last, c, logits="all")[0]
+
+
 def test_the_drafters_head_rule(monkeypatch):
     """VERICACHE_DRAFT_HEAD: `auto` by default, or `exact`; an unknown value is refused,
     naming the choices."""
@@ -568,19 +576,13 @@ def test_a_draft_passs_head_keeps_the_exact_heads_tokens(lm, prompts, monkeypatc
     (rounded x) where the CPU has VNNI."""
     r = lm.runner
     ids = prompts["code"][:600]
-
-    def run():
-        c = r.new_cache(len(ids) + 8, dtype=r.draft_dtype)
-        r.step(ids[:-40], 0, c, logits="none")
-        return r.step(ids[-40:], len(ids) - 40, c, logits="all")[0]
-
     saved = r._draft_w, r._draft_fused_w, r._draft_head_int8
     out = {}
     try:
         for choice in ("exact", "auto"):
             monkeypatch.setenv("VERICACHE_DRAFT_HEAD", choice)
             r._draft_w = r._draft_fused_w = None
-            out[choice] = run()
+            out[choice] = _last_logits(r, ids, 40, r.draft_dtype)
             assert r._draft_head_int8 == (choice == "auto" and r.linear_kernel.q8x)
     finally:
         r._draft_w, r._draft_fused_w, r._draft_head_int8 = saved
@@ -610,9 +612,7 @@ def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts,
     ids = prompts["code"][:600]
 
     def run(dtype):
-        c = r.new_cache(len(ids) + 8, dtype=dtype)
-        r.step(ids[:-5], 0, c, logits="none")
-        return r.step(ids[-5:], len(ids) - 5, c, logits="all")[0]
+        return _last_logits(r, ids, 5, dtype)
 
     saved = r._draft_w, r._draft_fused_w, r.draft_weights
     drafted = {}

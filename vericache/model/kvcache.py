@@ -42,6 +42,15 @@ DRAFT_WEIGHTS = ("auto", "bfloat16", "model")
 DRAFT_HEADS = ("auto", "exact")
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable `name`, one of `choices` (the first by default); an unknown
+    value is refused, naming them."""
+    choice = os.environ.get(name, choices[0])
+    if choice not in choices:
+        raise InvalidArgument(f"{name} must be one of {', '.join(choices)} (got {choice!r})", name)
+    return choice
+
+
 def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
                    kernel: bool = True) -> torch.dtype:
     """The dtype of a drafter's K/V for a model of `dtype` on `device`: the model's, except a
@@ -54,11 +63,7 @@ def draft_kv_dtype(device: torch.device | str, dtype: torch.dtype,
     `VERICACHE_DRAFT_KV_DTYPE`: `auto` (that rule), `model` (the model's dtype always),
     `bfloat16`. The drafter service reports the bytes a token in its Health, which the
     gateway admits by."""
-    choice = os.environ.get("VERICACHE_DRAFT_KV_DTYPE", "auto")
-    if choice not in DRAFT_KV_DTYPES:
-        raise InvalidArgument("VERICACHE_DRAFT_KV_DTYPE must be one of "
-                              f"{', '.join(DRAFT_KV_DTYPES)} (got {choice!r})",
-                              "VERICACHE_DRAFT_KV_DTYPE")
+    choice = env_choice("VERICACHE_DRAFT_KV_DTYPE", DRAFT_KV_DTYPES)
     if choice == "bfloat16" or (choice == "auto" and kernel and dtype == torch.float32
                                 and torch.device(device).type == "cpu"):
         return torch.bfloat16
@@ -69,12 +74,7 @@ def draft_weights_choice() -> str:
     """`VERICACHE_DRAFT_WEIGHTS`: `auto` (the blocks where the runner has them, else a
     bfloat16 copy), `bfloat16` (the bfloat16 copy even where blocks would serve) or `model`
     (no copy: the model's own float32 weights); an unknown value is refused."""
-    choice = os.environ.get("VERICACHE_DRAFT_WEIGHTS", "auto")
-    if choice not in DRAFT_WEIGHTS:
-        raise InvalidArgument("VERICACHE_DRAFT_WEIGHTS must be one of "
-                              f"{', '.join(DRAFT_WEIGHTS)} (got {choice!r})",
-                              "VERICACHE_DRAFT_WEIGHTS")
-    return choice
+    return env_choice("VERICACHE_DRAFT_WEIGHTS", DRAFT_WEIGHTS)
 
 
 def draft_head_choice() -> str:
@@ -84,12 +84,7 @@ def draft_head_choice() -> str:
     `kernels.Linear.draft_head`, where the CPU has AVX512-VNNI) or `exact` (the exact block
     product, as every other pass takes); an unknown value is refused. Drafts are verified in
     float32 either way: outputs do not change, τ may."""
-    choice = os.environ.get("VERICACHE_DRAFT_HEAD", "auto")
-    if choice not in DRAFT_HEADS:
-        raise InvalidArgument("VERICACHE_DRAFT_HEAD must be one of "
-                              f"{', '.join(DRAFT_HEADS)} (got {choice!r})",
-                              "VERICACHE_DRAFT_HEAD")
-    return choice
+    return env_choice("VERICACHE_DRAFT_HEAD", DRAFT_HEADS)
 
 
 def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,

@@ -178,21 +178,16 @@ class Linear:
 
     def __init__(self, lib: ctypes.CDLL):
         p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._fn = lib.vc_linear_f32
-        self._fn.argtypes = [p, p, p, p, i, i, i, i]
-        self._fn.restype = None
-        self._fn_bf16w = lib.vc_linear_bf16w
-        self._fn_bf16w.argtypes = [p, p, p, p, i, i, i, i]
-        self._fn_bf16w.restype = ctypes.c_int
-        self._fn_qw = lib.vc_linear_qw
-        self._fn_qw.argtypes = [p, p, p, p, i, i, i, i]
-        self._fn_qw.restype = ctypes.c_int
-        self._fn_qw_q8x = lib.vc_linear_qw_q8x
-        self._fn_qw_q8x.argtypes = [p, p, p, p, i, i, i, i]
-        self._fn_qw_q8x.restype = ctypes.c_int
-        self._fn_qw_refine = lib.vc_linear_qw_refine
-        self._fn_qw_refine.argtypes = [p, p, p, p, i, i, i, i]
-        self._fn_qw_refine.restype = ctypes.c_int
+        def product(name: str, restype=ctypes.c_int):  # (x, w, b, y, m, n, k, threads or top)
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [p, p, p, p, i, i, i, i], restype
+            return fn
+
+        self._fn = product("vc_linear_f32", None)
+        self._fn_bf16w = product("vc_linear_bf16w")
+        self._fn_qw = product("vc_linear_qw")
+        self._fn_qw_q8x = product("vc_linear_qw_q8x")
+        self._fn_qw_refine = product("vc_linear_qw_refine")
         # whether block products with x rounded to int8 run as VNNI integer dot products
         # (AVX512-VNNI; else `int8_x` takes the exact block product)
         self.q8x = bool(lib.vc_q8x())
