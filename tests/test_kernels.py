@@ -6,6 +6,7 @@
 - the runner's fast path gives the same logits with them as with torch's own;
 - torch's large buffers get huge pages once vericache is imported."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -545,6 +546,17 @@ def test_the_drafters_weights_rule(monkeypatch):
         draft_weights_dtype(torch.float32, torch.bfloat16)
 
 
+@contextlib.contextmanager
+def _draft_copy_restored(r):
+    """The runner's drafter weight copy, and what was chosen with it, as they were after a
+    test that remakes the copy (`Runner._draft_copy` reads its environment choices then)."""
+    saved = r._draft_w, r._draft_fused_w, r._draft_head_int8, r.draft_weights
+    try:
+        yield
+    finally:
+        r._draft_w, r._draft_fused_w, r._draft_head_int8, r.draft_weights = saved
+
+
 def _last_logits(r, ids, last: int, dtype):
     """The logits of ids' `last` tokens, after a pass over the others, in a cache of `dtype`
     (the drafter's: a draft pass)."""
@@ -576,16 +588,13 @@ def test_a_draft_passs_head_keeps_the_exact_heads_tokens(lm, prompts, monkeypatc
     (rounded x) where the CPU has VNNI."""
     r = lm.runner
     ids = prompts["code"][:600]
-    saved = r._draft_w, r._draft_fused_w, r._draft_head_int8
     out = {}
-    try:
+    with _draft_copy_restored(r):
         for choice in ("exact", "auto"):
             monkeypatch.setenv("VERICACHE_DRAFT_HEAD", choice)
             r._draft_w = r._draft_fused_w = None
             out[choice] = _last_logits(r, ids, 40, r.draft_dtype)
             assert r._draft_head_int8 == (choice == "auto" and r.linear_kernel.q8x)
-    finally:
-        r._draft_w, r._draft_fused_w, r._draft_head_int8 = saved
     exact, fast = out["exact"], out["auto"]
     assert torch.equal(fast.argmax(-1), exact.argmax(-1))
     assert torch.allclose(fast.max(-1).values, exact.max(-1).values, rtol=0, atol=1e-4)
@@ -614,9 +623,8 @@ def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts,
     def run(dtype):
         return _last_logits(r, ids, 5, dtype)
 
-    saved = r._draft_w, r._draft_fused_w, r.draft_weights
     drafted = {}
-    try:
+    with _draft_copy_restored(r):
         for choice in ("auto", "bfloat16"):
             monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", choice)
             r._draft_w = r._draft_fused_w = None
@@ -640,8 +648,6 @@ def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts,
         assert r._drafts([]) is False and r.draft_weight_form() == "model"
         assert torch.equal(run(r.dtype), verified)
         drafted_f32 = run(r.draft_dtype)
-    finally:
-        r._draft_w, r._draft_fused_w, r.draft_weights = saved
     top = float(drafted_f32.abs().max())
     for logits in drafted.values():
         assert torch.equal(logits.argmax(-1), drafted_f32.argmax(-1))
