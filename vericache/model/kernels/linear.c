@@ -321,6 +321,57 @@ static inline void q_vectors(const struct vc_qw *w, int64_t k, int64_t j, int64_
                 y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
             }                                                                               \
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* the VL (8) weights [c, c + VL) of row j's block kb, c a multiple of VL, in a vector: the
+ * values `q_block` writes, formed in registers (d * q is exact, so the fused form rounds
+ * once, as d * q + m does). Through q_block's buffer, a scalar store a weight, a draft step
+ * of the default model (batch 1, 2300 keys) took 90.7 ms on a 2-vCPU AVX2 EPYC (Zen 3). */
+static inline __attribute__((always_inline)) vf q_vec(const struct vc_qw *w, int64_t k,
+                                                      int64_t j, int64_t kb, int c,
+                                                      const int bits) {
+    const int64_t at = j * (k / QB) + kb;
+    __m256i q;
+    if (bits == 4) {
+        q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->q + at * (QB / 2) + c % (QB / 2))));
+        q = c < QB / 2 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
+    } else {
+        q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->q + at * QB + c)));
+    }
+    const __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(w->d[at]), _mm256_cvtepi32_ps(q),
+                                     _mm256_set1_ps(w->m ? w->m[at] : 0.0f));
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* `vc_linear_f32`'s order: per block, its VL-wide vectors c = 0, 8, 16, 24 in turn */
+#define QBLOCK_BITS(MI, BITS)                                                               \
+    for (int64_t kb = 0; kb < k / QB; kb++)                                                 \
+        for (int c = 0; c < QB; c += VL) {                                                  \
+            vf wv[JB];                                                                      \
+            for (int j = 0; j < JB; j++) wv[j] = q_vec(w, k, j0 + j, kb, c, BITS);          \
+            for (int i = 0; i < MI; i++) {                                                  \
+                const vf xv = load(x + (i0 + i) * k + kb * QB + c);                         \
+                for (int j = 0; j < JB; j++) acc[i][j] += xv * wv[j];                       \
+            }                                                                               \
+        }
+#define QBLOCK(MI)                                                                          \
+    static inline void qblock##MI(const float *x, const struct vc_qw *w, const float *b,    \
+                                  float *y, int64_t n, int64_t k, int64_t i0, int64_t j0) { \
+        vf acc[MI][JB];                                                                     \
+        memset(acc, 0, sizeof acc);                                                         \
+        if (w->bits == 4) {                                                                 \
+            QBLOCK_BITS(MI, 4)                                                              \
+        } else {                                                                            \
+            QBLOCK_BITS(MI, 8)                                                              \
+        }                                                                                   \
+        for (int i = 0; i < MI; i++)                                                        \
+            for (int j = 0; j < JB; j++) {                                                  \
+                const float s = hsum(acc[i][j]);                                            \
+                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
+            }                                                                               \
+    }
 #else
 #define QBLOCK(MI)                                                                          \
     static inline void qblock##MI(const float *x, const struct vc_qw *w, const float *b,    \
