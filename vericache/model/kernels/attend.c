@@ -136,8 +136,39 @@ static inline vf hsum(vf *a) {
 }
 #endif
 
+/* PV_ROWS: rows whose value products share each value vector's read (`pv_tile`) */
+#define PV_ROWS 3 /* 3 rows x 4 vectors: 12 accumulators, 7 loads for 12 products (a row alone:
+                     9 for 8) */
+
+/* rows [r0, r0 + TR) over the same n keys (values from element offset vj of vp, vn apart):
+ * acc[r] = acc[r] * cr[r] + sum_i sc[r, i] v_i, CV of the row's NV vectors at a time (TR CV
+ * accumulators in registers), each row's vector the sum a row alone gets: the same products,
+ * each added in key order. */
+static inline __attribute__((always_inline)) void
+pv_tile(float *acc, const float *sc, const float *cr, const void *vp, int64_t vj, int64_t vn,
+        int64_t n, int64_t r0, int64_t D, const int NV, const int TR, const int CV) {
+    for (int c0 = 0; c0 < NV; c0 += CV) {
+        vf o[TR][CV];
+        for (int r = 0; r < TR; r++)
+            for (int c = 0; c < CV; c++) o[r][c] = load(acc + (r0 + r) * D + W * (c0 + c)) * cr[r0 + r];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = vj + i * vn + W * c0;
+            for (int c = 0; c < CV; c++) {
+                const vf x = kv_load(vp, at + W * c, 0);
+                for (int r = 0; r < TR; r++) o[r][c] += sc[(r0 + r) * BLOCK + i] * x;
+            }
+        }
+        for (int r = 0; r < TR; r++)
+            for (int c = 0; c < CV; c++) store(acc + (r0 + r) * D + W * (c0 + c), o[r][c]);
+    }
+}
+
 /* Task t's rows over the keys [j_lo, j_hi) (each row's range clipped to it): the unnormalised
- * output acc [R, D], each row's running max m [R] and sum l [R]; s: BLOCK scratch.
+ * output acc [R, D], each row's running max m [R] and sum l [R]; scratch: sc [R, BLOCK] (each
+ * row's scores, then weights, in a block), cr [R] (its rescale), ra, rn [R] (its keys in
+ * the block: first, count). A block's scores come row by row, then its values in tiles of
+ * rows (`pv_tile`): the 33 x 3 rows of a verify pass over 8k keys took 14.9 ms a layer, one
+ * thread of a 2-vCPU AVX2 EPYC, row by row, and 13.8 in tiles; the same bits.
  * NV > 0: D = W NV, in vectors (W keys' scores at once, the row's output in registers);
  * NV = 0: any D, in scalar loops. BF: each block's bfloat16 keys and values are widened once
  * into wb (2 BLOCK D floats), which every row then reads: widening is exact, so a row's
@@ -148,7 +179,7 @@ static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
-     float *l, float *s, float *wb, uint16_t *qh) {
+     float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -199,9 +230,12 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
         }
         for (int64_t r = 0; r < R; r++) {
             const int64_t a = lob[r] > j0 ? lob[r] : j0, e = hib[r] < j1 ? hib[r] : j1;
+            rn[r] = a < e ? e - a : 0;
             if (a >= e) continue;
+            ra[r] = a;
             const float *qr = qb + r * D;
             const int64_t n = e - a;
+            float *s = sc + r * BLOCK; /* the row's scores, then weights, in this block */
             int64_t i = 0;
 #if BF_DOT
             if (dot) {
@@ -251,17 +285,9 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 s[i] = expf(s[i] - mx);
                 sum += s[i];
             }
-            float *ar = acc + r * D;
-            if (NV) {
-                vf o[NV > 0 ? NV : 1];
-                for (int c = 0; c < NV; c++) o[c] = load(ar + W * c) * corr;
-                for (i = 0; i < n; i++) {
-                    const int64_t vj = vr + (a + i) * vn;
-                    const float p = s[i];
-                    for (int c = 0; c < NV; c++) o[c] += p * kv_load(vp, vj + W * c, 0);
-                }
-                for (int c = 0; c < NV; c++) store(ar + W * c, o[c]);
-            } else {
+            cr[r] = corr;
+            if (!NV) {
+                float *ar = acc + r * D;
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
                     const int64_t vj = vr + (a + i) * vn;
@@ -271,6 +297,25 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             }
             l[r] = l[r] * corr + sum;
             m[r] = mx;
+        }
+        if (!NV) continue;
+        /* the values: consecutive rows over the same keys (a GQA group's, a token's) in
+           tiles of up to PV_ROWS, each value vector read once for the tile */
+        for (int64_t r = 0; r < R;) {
+            if (!rn[r]) {
+                r++;
+                continue;
+            }
+            int64_t tr = 1;
+            while (tr < PV_ROWS && r + tr < R && rn[r + tr] == rn[r] && ra[r + tr] == ra[r]) tr++;
+            const int64_t vj0 = vr + ra[r] * vn;
+            if (tr == 3)
+                pv_tile(acc, sc, cr, vp, vj0, vn, rn[r], r, D, NV, 3, 4);
+            else if (tr == 2)
+                pv_tile(acc, sc, cr, vp, vj0, vn, rn[r], r, D, NV, 2, 4);
+            else
+                pv_tile(acc, sc, cr, vp, vj0, vn, rn[r], r, D, NV, 1, NV < 8 ? NV : 8);
+            r += tr;
         }
     }
 }
@@ -297,10 +342,11 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
         const int64_t nt = tasks - t0 < wave ? tasks - t0 : wave, units = nt * parts;
 #pragma omp parallel num_threads(threads)
         {
-            float *s = malloc(sizeof(float) * BLOCK);
+            float *sc = malloc(sizeof(float) * BLOCK * (size_t)R), *cr = malloc(sizeof(float) * (size_t)R);
+            int64_t *ra = malloc(sizeof(int64_t) * 2 * (size_t)R), *rn = ra ? ra + R : NULL;
             float *wb = BF ? malloc(sizeof(float) * 2 * BLOCK * (size_t)D) : NULL;
             uint16_t *qh = BF ? malloc(sizeof(uint16_t) * (size_t)(R * D)) : NULL;
-            const int ok = s && (!BF || (wb && qh));
+            const int ok = sc && cr && ra && (!BF || (wb && qh));
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -315,15 +361,17 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 /* the common models' head sizes in vectors */
                 if (D == 64)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 64 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s, wb, qh);
+                         acc, m, l, sc, cr, ra, rn, wb, qh);
                 else if (D == 128)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 128 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s, wb, qh);
+                         acc, m, l, sc, cr, ra, rn, wb, qh);
                 else
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, s, wb, qh);
+                         acc, m, l, sc, cr, ra, rn, wb, qh);
             }
-            free(s);
+            free(sc);
+            free(cr);
+            free(ra);
             free(wb);
             free(qh);
 #pragma omp for schedule(static)
