@@ -79,9 +79,9 @@ def draft_weights_choice() -> str:
 
 def draft_head_choice() -> str:
     """`VERICACHE_DRAFT_HEAD`: `auto` (a draft pass's LM head over the model's quantized weight
-    blocks rounds its input to int8 a block of 32, as llama.cpp's Q8 activations, for VNNI
-    integer dot products, then computes each row's 16 largest logits again exactly:
-    `kernels.Linear.draft_head`, where the CPU has AVX512-VNNI) or `exact` (the exact block
+    blocks rounds its input to int8 a block of 32, as llama.cpp's Q8 activations, for integer
+    dot products, then computes each row's 16 largest logits again exactly:
+    `kernels.Linear.draft_head`, where the CPU has AVX512-VNNI or AVX2) or `exact` (the exact block
     product, as every other pass takes); an unknown value is refused. Drafts are verified in
     float32 either way: outputs do not change, τ may."""
     return env_choice("VERICACHE_DRAFT_HEAD", DRAFT_HEADS)

@@ -482,7 +482,7 @@ class Runner:
         """A draft pass's product: over w's copy (`_draft_copy`: blocks, `vc_linear_qw`, or
         bfloat16, `vc_linear_bf16w`) up to LINEAR_ROWS rows, else `_linear`'s. The LM head's
         blocks: `kernels.Linear.draft_head` (x rounded to int8, the largest DRAFT_HEAD_TOP
-        logits exact) where `_draft_head_int8` (`VERICACHE_DRAFT_HEAD`, AVX512-VNNI)."""
+        logits exact) where `_draft_head_int8` (`VERICACHE_DRAFT_HEAD`, AVX512-VNNI or AVX2)."""
         if x.shape[0] <= LINEAR_ROWS:
             c = self._draft_copy()[w.data_ptr()]
             if (self._draft_head_int8 and w.data_ptr() == self.lm_head.data_ptr()

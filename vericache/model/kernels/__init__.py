@@ -188,8 +188,8 @@ class Linear:
         self._fn_qw = product("vc_linear_qw")
         self._fn_qw_q8x = product("vc_linear_qw_q8x")
         self._fn_qw_refine = product("vc_linear_qw_refine")
-        # whether block products with x rounded to int8 run as VNNI integer dot products
-        # (AVX512-VNNI; else `int8_x` takes the exact block product)
+        # whether block products with x rounded to int8 run as integer dot products
+        # (AVX512-VNNI or AVX2; else `int8_x` takes the exact block product)
         self.q8x = bool(lib.vc_q8x())
         # whether bfloat16 weights meet x, split into two bfloat16 parts, in AVX512-BF16 dot
         # products (else x stays float32 and the weights are widened)
@@ -263,12 +263,13 @@ class Linear:
     def draft_head(self, x: torch.Tensor, w, b: torch.Tensor | None = None,
                    threads: int = 1, top: int = 16) -> torch.Tensor:
         """A drafter's LM head over the model's weight blocks (`QWeight`): x w^T + b with x
-        rounded to int8 a block of 32 (`vc_linear_qw_q8x`, VNNI integer dot products: an 8-bit
-        head read at about three times the exact product's rate), then each row's `top`
+        rounded to int8 a block of 32 (`vc_linear_qw_q8x`, VNNI's or AVX2's integer dot products:
+        an 8-bit head read at two to three times the exact product's rate), then each row's `top`
         largest logits computed again from x itself (`vc_linear_qw_refine`), so that a greedy
         draft takes the exact head's argmax unless that token fell out of the rounded head's
         `top` (rounding alone, every logit from it, cost about one token of τ at 16 x 8k; the
-        drafts are verified either way). Without AVX512-VNNI (`q8x` False): the exact product."""
+        drafts are verified either way). Without AVX512-VNNI or AVX2 (`q8x` False): the exact
+        product."""
         y = self(x, w, b, threads, int8_x=True)
         if self.q8x:
             x = x.contiguous()

@@ -423,22 +423,30 @@ int vc_linear_qw(const float *x, const struct vc_qw *w, const float *b, float *y
 
 /* y ~ x w^T (+ b) over block weights, for a drafter's LM head: x's rows quantized to int8 per
  * block of QB (scale amax / 127, to nearest: llama.cpp's Q8 activations), each block's
- * integer dot product with the weights' q by VNNI (vpdpbusd: unsigned bytes, q itself or, 8
- * bits, q + 128, times x's signed ones, 32 products a block into int32), scaled by d and x's
- * scale. 4 bits: q is centred on 8 (the integer sum less 8 sum(xq), exact) and m + 8 d times
+ * integer dot product with the weights' q (`q8x_dot`: VNNI's vpdpbusd, unsigned bytes, q
+ * itself or, 8 bits, q + 128, times x's signed ones, 32 products a block into int32; AVX2's
+ * vpmaddubsw and vpmaddwd, the same integers), scaled by d and x's scale. 4 bits: q is centred on 8 (the integer sum less 8 sum(xq), exact) and m + 8 d times
  * the block's float32 sum of x added, so x's rounding meets q - 8, not q (the weights' offset
  * m is about -8 d: against q, x's rounding errors came back about four times as large, 2.7%
  * of the product against 0.6% over the default model's layers). 8 bits: 128 sum(xq) taken
- * off, exact. The weights are the model's own; only x is rounded, as llama.cpp computes such
+ * off, exact (VNNI; AVX2 multiplies q itself). The weights are the model's own; only x is rounded, as llama.cpp computes such
  * a product (`vericache.model.kernels.Linear.draft_head` then computes each row's largest
  * logits again exactly: rounded logits alone cost τ). A row's
  * blocks and lanes add in an order fixed by k. Reads what `vc_linear_qw` reads, with about
  * a third of its vector work a weight (it forms each float32 weight, d * q + m, to keep
- * float32's bits). Without AVX512-VNNI it is `vc_linear_qw` (`vc_q8x` says which). */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+ * float32's bits). Without AVX512-VNNI or AVX2 it is `vc_linear_qw` (`vc_q8x` says which).
+ * The draft head's product, one thread, on a 2-vCPU AVX2 EPYC (Zen 3): 4.5 ms as
+ * `vc_linear_qw`. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVX2__)
 #define Q8X 1
 #define Q8X_ROWS 4 /* x rows and output features that share a block's loads: 16 accumulators */
 #define Q8X_JB 4
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8X_VNNI 1
+#else
+#define Q8X_VNNI 0
+#endif
+#define Q8X_CENTRE8 (Q8X_VNNI ? -128 : 0) /* 8 bits: the offset of the bytes q8x_dot takes */
 
 static inline float hsum8(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -447,7 +455,8 @@ static inline float hsum8(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-/* row j's block kb as 32 unsigned bytes in x's element order: 4 bits, q; 8 bits, q ^ 0x80 */
+/* row j's block kb as 32 bytes in x's element order: 4 bits, q (unsigned); 8 bits, VNNI:
+ * q ^ 0x80 (unsigned q + 128), AVX2: q (signed) */
 static inline __attribute__((always_inline)) __m256i
 q8x_weights(const uint8_t *q, int64_t at, const int bits) {
     if (bits == 4) {
@@ -455,8 +464,25 @@ q8x_weights(const uint8_t *q, int64_t at, const int bits) {
         const __m128i f = _mm_set1_epi8(15);
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));
     }
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + at * QB)),
-                            _mm256_set1_epi8((char)0x80));
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(q + at * QB));
+    return Q8X_VNNI ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
+}
+
+/* init + the block's integer dot product of the weights' bytes (`q8x_weights`) with x's, in 8
+ * int32 lanes: VNNI's vpdpbusd; AVX2's vpmaddubsw (pairs into int16: 4 bits, at most
+ * 2 x 15 x 127; 8 bits, |q| times x with q's sign, at most 2 x 128 x 127, so neither
+ * saturates) then vpmaddwd. Both give the exact integer sums. */
+static inline __attribute__((always_inline)) __m256i
+q8x_dot(__m256i init, __m256i wq, __m256i xv, const int bits) {
+#if Q8X_VNNI
+    (void)bits;
+    return _mm256_dpbusd_epi32(init, wq, xv);
+#else
+    const __m256i p = bits == 4 ? _mm256_maddubs_epi16(wq, xv)
+                                : _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq),
+                                                       _mm256_sign_epi8(xv, wq));
+    return _mm256_add_epi32(init, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
 }
 
 /* features [j0, j0 + nj) x rows [i0, i0 + rows), nj <= Q8X_JB, rows <= Q8X_ROWS: constants
@@ -472,7 +498,7 @@ q8x_tile(const struct vc_qw *w, const int8_t *xq, const float *xs, const float *
             acc[r][jj] = _mm256_setzero_ps();
             off[r][jj] = 0.0f;
         }
-    const int32_t centre = bits == 4 ? -8 : -128;
+    const int32_t centre = bits == 4 ? -8 : Q8X_CENTRE8;
     for (int64_t kb = 0; kb < nb; kb++) {
         __m256i wq[Q8X_JB];
         float d[Q8X_JB], mc[Q8X_JB];
@@ -488,7 +514,7 @@ q8x_tile(const struct vc_qw *w, const int8_t *xq, const float *xs, const float *
             const __m256i init = _mm256_setr_epi32(centre * xqs[at], 0, 0, 0, 0, 0, 0, 0);
             const float sx = xs[at], sum = xsum[at];
             for (int jj = 0; jj < nj; jj++) {
-                const __m256i dot = _mm256_dpbusd_epi32(init, wq[jj], xv);
+                const __m256i dot = q8x_dot(init, wq[jj], xv, bits);
                 acc[r][jj] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[jj] * sx),
                                              acc[r][jj]);
                 if (bits == 4) off[r][jj] += mc[jj] * sum;
