@@ -345,32 +345,49 @@ static inline __attribute__((always_inline)) vf q_vec(const struct vc_qw *w, int
     return out;
 }
 
-/* `vc_linear_f32`'s order: per block, its VL-wide vectors c = 0, 8, 16, 24 in turn */
-#define QBLOCK_BITS(MI, BITS)                                                               \
-    for (int64_t kb = 0; kb < k / QB; kb++)                                                 \
-        for (int c = 0; c < QB; c += VL) {                                                  \
-            vf wv[JB];                                                                      \
-            for (int j = 0; j < JB; j++) wv[j] = q_vec(w, k, j0 + j, kb, c, BITS);          \
-            for (int i = 0; i < MI; i++) {                                                  \
-                const vf xv = load(x + (i0 + i) * k + kb * QB + c);                         \
-                for (int j = 0; j < JB; j++) acc[i][j] += xv * wv[j];                       \
-            }                                                                               \
+/* rows [i0, i0 + MI) x features [j0, j0 + NJ) (MI <= 4, NJ <= JB, constants where inlined,
+ * so the accumulators stay in registers), in `vc_linear_f32`'s order: per block, its VL-wide
+ * vectors c = 0, 8, 16, 24 in turn */
+static inline __attribute__((always_inline)) void
+q_tile(const float *x, const struct vc_qw *w, const float *b, float *y, int64_t n, int64_t k,
+       int64_t i0, int64_t j0, const int MI, const int NJ, const int bits) {
+    vf acc[4][JB];
+    for (int i = 0; i < MI; i++)
+        for (int j = 0; j < NJ; j++) acc[i][j] = (vf){};
+    for (int64_t kb = 0; kb < k / QB; kb++)
+        for (int c = 0; c < QB; c += VL) {
+            vf wv[JB];
+            for (int j = 0; j < NJ; j++) wv[j] = q_vec(w, k, j0 + j, kb, c, bits);
+            for (int i = 0; i < MI; i++) {
+                const vf xv = load(x + (i0 + i) * k + kb * QB + c);
+                for (int j = 0; j < NJ; j++) acc[i][j] += xv * wv[j];
+            }
         }
+    for (int i = 0; i < MI; i++)
+        for (int j = 0; j < NJ; j++) {
+            const float s = hsum(acc[i][j]);
+            y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;
+        }
+}
+
+/* more than 2 rows: the block's features as 2 + 1, so that the accumulators, the weights'
+ * vectors and their temporaries fit AVX2's 16 registers (JB 3 x 4 rows spilled: 4 rows
+ * cost what two 2-row calls did) */
+#define QBLOCK_AS(MI, BITS)                                                                 \
+    if (MI <= 2)                                                                            \
+        q_tile(x, w, b, y, n, k, i0, j0, MI, JB, BITS);                                     \
+    else {                                                                                  \
+        q_tile(x, w, b, y, n, k, i0, j0, MI, 2, BITS);                                      \
+        q_tile(x, w, b, y, n, k, i0, j0 + 2, MI, 1, BITS);                                  \
+    }
 #define QBLOCK(MI)                                                                          \
     static inline void qblock##MI(const float *x, const struct vc_qw *w, const float *b,    \
                                   float *y, int64_t n, int64_t k, int64_t i0, int64_t j0) { \
-        vf acc[MI][JB];                                                                     \
-        memset(acc, 0, sizeof acc);                                                         \
         if (w->bits == 4) {                                                                 \
-            QBLOCK_BITS(MI, 4)                                                              \
+            QBLOCK_AS(MI, 4)                                                                \
         } else {                                                                            \
-            QBLOCK_BITS(MI, 8)                                                              \
+            QBLOCK_AS(MI, 8)                                                                \
         }                                                                                   \
-        for (int i = 0; i < MI; i++)                                                        \
-            for (int j = 0; j < JB; j++) {                                                  \
-                const float s = hsum(acc[i][j]);                                            \
-                y[(i0 + i) * n + j0 + j] = b ? s + b[j0 + j] : s;                           \
-            }                                                                               \
     }
 #else
 #define QBLOCK(MI)                                                                          \
