@@ -139,6 +139,7 @@ static inline vf hsum(vf *a) {
 /* PV_ROWS: rows whose value products share each value vector's read (`pv_tile`) */
 #define PV_ROWS 3 /* 3 rows x 4 vectors: 12 accumulators, 7 loads for 12 products (a row alone:
                      9 for 8) */
+_Static_assert(PV_ROWS == 3, "part() dispatches tiles of 1 to 3 rows to pv_tile");
 
 /* rows [r0, r0 + TR) over the same n keys (values from element offset vj of vp, vn apart):
  * acc[r] = acc[r] * cr[r] + sum_i sc[r, i] v_i, CV of the row's NV vectors at a time (TR CV
