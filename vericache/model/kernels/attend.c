@@ -151,7 +151,8 @@ pv_tile(float *acc, const float *sc, const float *cr, const void *vp, int64_t vj
     for (int c0 = 0; c0 < NV; c0 += CV) {
         vf o[TR][CV];
         for (int r = 0; r < TR; r++)
-            for (int c = 0; c < CV; c++) o[r][c] = load(acc + (r0 + r) * D + W * (c0 + c)) * cr[r0 + r];
+            for (int c = 0; c < CV; c++)
+                o[r][c] = load(acc + (r0 + r) * D + W * (c0 + c)) * cr[r0 + r];
         for (int64_t i = 0; i < n; i++) {
             const int64_t at = vj + i * vn + W * c0;
             for (int c = 0; c < CV; c++) {
@@ -343,7 +344,8 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
         const int64_t nt = tasks - t0 < wave ? tasks - t0 : wave, units = nt * parts;
 #pragma omp parallel num_threads(threads)
         {
-            float *sc = malloc(sizeof(float) * BLOCK * (size_t)R), *cr = malloc(sizeof(float) * (size_t)R);
+            float *sc = malloc(sizeof(float) * BLOCK * (size_t)R);
+            float *cr = malloc(sizeof(float) * (size_t)R);
             int64_t *ra = malloc(sizeof(int64_t) * 2 * (size_t)R), *rn = ra ? ra + R : NULL;
             float *wb = BF ? malloc(sizeof(float) * 2 * BLOCK * (size_t)D) : NULL;
             uint16_t *qh = BF ? malloc(sizeof(uint16_t) * (size_t)(R * D)) : NULL;

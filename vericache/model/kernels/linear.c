@@ -333,7 +333,8 @@ static inline __attribute__((always_inline)) vf q_vec(const struct vc_qw *w, int
     const int64_t at = j * (k / QB) + kb;
     __m256i q;
     if (bits == 4) {
-        q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->q + at * (QB / 2) + c % (QB / 2))));
+        const uint8_t *bytes = w->q + at * (QB / 2) + c % (QB / 2);
+        q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
         q = c < QB / 2 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
     } else {
         q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->q + at * QB + c)));
@@ -418,6 +419,19 @@ QBLOCK(2)
 QBLOCK(3)
 QBLOCK(4)
 
+/* one row xr's product with feature j over the blocks (the features past the last JB, and
+ * `vc_linear_qw_refine`'s entries): `vc_linear_f32`'s order, a block widened at a time */
+static float q_dot(const float *xr, const struct vc_qw *w, int64_t k, int64_t j) {
+    vf acc;
+    memset(&acc, 0, sizeof acc);
+    float wb[QB] __attribute__((aligned(64)));
+    for (int64_t kb = 0; kb < k / QB; kb++) {
+        q_block(w, k, j, kb, wb);
+        for (int c = 0; c < QB; c += VL) acc += load(xr + kb * QB + c) * load(wb + c);
+    }
+    return hsum(acc);
+}
+
 int vc_linear_qw(const float *x, const struct vc_qw *w, const float *b, float *y, int64_t m,
                  int64_t n, int64_t k, int64_t threads) {
     if (k % QB || (w->bits != 4 && w->bits != 8)) return -2;
@@ -425,14 +439,7 @@ int vc_linear_qw(const float *x, const struct vc_qw *w, const float *b, float *y
     PANELS(qblock, x, w, b, y)
     for (int64_t j = blocks * JB; j < n; j++)
         for (int64_t i = 0; i < m; i++) {
-            vf acc;
-            memset(&acc, 0, sizeof acc);
-            float wb[QB] __attribute__((aligned(64)));
-            for (int64_t kb = 0; kb < k / QB; kb++) {
-                q_block(w, k, j, kb, wb);
-                for (int c = 0; c < QB; c += VL) acc += load(x + i * k + kb * QB + c) * load(wb + c);
-            }
-            const float s = hsum(acc);
+            const float s = q_dot(x + i * k, w, k, j);
             y[i * n + j] = b ? s + b[j] : s;
         }
     return 0;
@@ -442,14 +449,15 @@ int vc_linear_qw(const float *x, const struct vc_qw *w, const float *b, float *y
  * block of QB (scale amax / 127, to nearest: llama.cpp's Q8 activations), each block's
  * integer dot product with the weights' q (`q8x_dot`: VNNI's vpdpbusd, unsigned bytes, q
  * itself or, 8 bits, q + 128, times x's signed ones, 32 products a block into int32; AVX2's
- * vpmaddubsw and vpmaddwd, the same integers), scaled by d and x's scale. 4 bits: q is centred on 8 (the integer sum less 8 sum(xq), exact) and m + 8 d times
- * the block's float32 sum of x added, so x's rounding meets q - 8, not q (the weights' offset
- * m is about -8 d: against q, x's rounding errors came back about four times as large, 2.7%
- * of the product against 0.6% over the default model's layers). 8 bits: 128 sum(xq) taken
- * off, exact (VNNI; AVX2 multiplies q itself). The weights are the model's own; only x is rounded, as llama.cpp computes such
- * a product (`vericache.model.kernels.Linear.draft_head` then computes each row's largest
- * logits again exactly: rounded logits alone cost τ). A row's
- * blocks and lanes add in an order fixed by k. Reads what `vc_linear_qw` reads, with about
+ * vpmaddubsw and vpmaddwd, the same integers), scaled by d and x's scale. 4 bits: q is
+ * centred on 8 (the integer sum less 8 sum(xq), exact) and m + 8 d times the block's float32
+ * sum of x added, so x's rounding meets q - 8, not q (the weights' offset m is about -8 d:
+ * against q, x's rounding errors came back about four times as large, 2.7% of the product
+ * against 0.6% over the default model's layers). 8 bits: 128 sum(xq) taken off, exact (VNNI;
+ * AVX2 multiplies q itself). The weights are the model's own; only x is rounded, as llama.cpp
+ * computes such a product (`vericache.model.kernels.Linear.draft_head` then computes each
+ * row's largest logits again exactly: rounded logits alone cost τ). A row's blocks and lanes
+ * add in an order fixed by k. Reads what `vc_linear_qw` reads, with about
  * a third of its vector work a weight (it forms each float32 weight, d * q + m, to keep
  * float32's bits). Without AVX512-VNNI or AVX2 it is `vc_linear_qw` (`vc_q8x` says which).
  * The draft head's product, one thread, on a 2-vCPU AVX2 EPYC (Zen 3): 4.5 ms as
@@ -653,14 +661,7 @@ int vc_linear_qw_refine(const float *x, const struct vc_qw *w, const float *b, f
         }
         for (int64_t c = 0; c < have; c++) {
             const int64_t j = idx[c];
-            vf acc;
-            memset(&acc, 0, sizeof acc);
-            float wb[QB] __attribute__((aligned(64)));
-            for (int64_t kb = 0; kb < k / QB; kb++) {
-                q_block(w, k, j, kb, wb);
-                for (int e = 0; e < QB; e += VL) acc += load(xr + kb * QB + e) * load(wb + e);
-            }
-            const float s = hsum(acc);
+            const float s = q_dot(xr, w, k, j);
             yr[j] = b ? s + b[j] : s;
         }
     }
