@@ -101,9 +101,9 @@ def test_exact_takes_fast_or_bitwise():
 
 
 def test_bitwise_runs_in_the_fast_pass_where_the_kernels_make_it_invariant(lm, monkeypatch):
-    """float32 on CPU: a bitwise verify pass and the decode steps over the same tokens run in
-    the fast pass (the native kernels place every row's sums by the row alone), and agree bit
-    for bit, logits and K/V; a bitwise pass the kernels do not serve whole (a chunk of more
+    """float32 on CPU: a bitwise verify pass (asking for votes or not) and the decode steps
+    over the same tokens run in the fast pass (the native kernels place every row's sums by
+    the row alone), and agree bit for bit, logits and K/V; a bitwise pass the kernels do not serve whole (a chunk of more
     than KERNEL_ROWS rows) still takes the invariant pass."""
     import torch
 
@@ -121,16 +121,21 @@ def test_bitwise_runs_in_the_fast_pass_where_the_kernels_make_it_invariant(lm, m
         r.step(prompt[:-8], 0, c, logits="none")
         return c
 
-    def item(lo, hi, c):
+    def item(lo, hi, c, votes=False):
         return SeqBatchItem(torch.tensor(prompt[lo:hi]), torch.arange(lo, hi), c, "all",
-                            bitwise=True)
+                            bitwise=True, votes=votes)
 
-    one, each = cache(), cache()
+    one, each, voting = cache(), cache(), cache()
     verify = r.forward([item(n - 8, n, one)])[0]
     steps = torch.cat([r.forward([item(i, i + 1, each)])[0] for i in range(n - 8, n)])
+    # a `verify` policy's pass: votes asked, the same bits, in the fast pass too
+    voted = item(n - 8, n, voting, votes=True)
+    assert torch.equal(r.forward([voted])[0], steps)
     assert calls == []
     assert torch.equal(verify, steps)
     assert all(torch.equal(a, b) for a, b in zip(one.view(), each.view()))
+    assert torch.allclose(voted.attn_votes.sum(-1), torch.full((r.num_layers, r.num_kv_heads),
+                                                               8.0 * r.group))
     r.forward([item(0, KERNEL_ROWS + 1, r.new_cache(KERNEL_ROWS + 8))])
     assert calls == [1]
 

@@ -115,6 +115,38 @@ def test_kernel_reads_bfloat16_as_its_float32_widening(attend, D, window, thread
         attend(q, k, v.float(), lo, hi, 1.0)
 
 
+@pytest.mark.parametrize("D,dtype,threads", [(64, torch.float32, 2), (128, torch.float32, 1),
+                                             (40, torch.float32, 3), (64, torch.bfloat16, 2)])
+def test_kernel_votes_are_the_softmax_rows_summed(attend, D, dtype, threads):
+    """`Attend.votes`: each key's attention mass summed over a task's rows (a float64
+    softmax's, to float32 rounding; 0 for keys no row sees, past them up to n), over ragged
+    ranges, a row with no keys and several parts of keys; the outputs are the bits of the call
+    without votes, and a votes-only call (no values) gives the same votes."""
+    g = torch.Generator().manual_seed(D + threads)
+    B, H, R, N, n = 3, 2, 7, 1300, 1310
+    q = torch.randn(B, H, R, D, generator=g)
+    k, v = (torch.randn(B, H, N, D, generator=g).to(dtype) for _ in range(2))
+    hi = torch.randint(1, N + 1, (B, R), generator=g)
+    lo = (hi - torch.randint(1, 900, (B, R), generator=g)).clamp(min=0)
+    lo[0, 0] = hi[0, 0]  # a row that sees nothing
+    votes = torch.full((B, H, n), 7.0)
+    out = attend.votes(q, k, v, lo, hi, D ** -0.5, threads, votes)
+    assert torch.equal(out, attend(q, k, v, lo, hi, D ** -0.5, threads))
+    qs = q.bfloat16().float() if dtype == torch.bfloat16 and attend.bf16_dot and D % 32 == 0 else q
+    s = torch.einsum("bhrd,bhnd->bhrn", qs.double(), k.double()) * D ** -0.5
+    keys = torch.arange(n)
+    seen = (keys[None, None, :] >= lo[:, :, None]) & (keys[None, None, :] < hi[:, :, None])
+    s = F.pad(s, (0, n - N)).masked_fill(~seen[:, None], float("-inf"))
+    want = torch.softmax(s, -1).nan_to_num(0.0).sum(2)
+    assert float((votes.double() - want).abs().max()) < 1e-5
+    assert bool((votes[:, :, N:] == 0).all()) and float(votes[0].sum()) == pytest.approx((R - 1) * H)
+    alone = torch.full((B, H, n), 7.0)
+    assert attend.votes(q, k, None, lo, hi, D ** -0.5, threads, alone) is None
+    assert torch.equal(alone, votes)
+    with pytest.raises(ValueError, match="votes"):
+        attend.votes(q, k, v, lo, hi, D ** -0.5, threads, torch.empty(B, H, int(hi.max()) - 1))
+
+
 def test_attention_dots_bfloat16_where_the_cpu_has_avx512_bf16(attend):
     """The library is built for this CPU (-march=native): bfloat16 keys are dotted as pairs
     exactly where /proc/cpuinfo lists AVX512-BF16."""
@@ -355,6 +387,39 @@ def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
         return r.forward(items)
 
     _same_with_and_without(r, "attend_kernel", run)
+
+
+def test_a_passs_votes_keep_its_bits_and_are_the_explicit_paths(lm, prompts):
+    """An item that asks for votes (the `verify` policy's verify pass) gets them from the
+    kernel's votes: its logits and K/V are the bits of the same pass without votes (so a
+    voting verify pass is the decode steps' bits, as any other), and its votes are those of
+    the explicit-score path (torch's softmax, taken without the kernel) to float32 rounding,
+    a row's mass 1 each (9 rows, 3 query heads a KV head)."""
+    from vericache.model.runner import SeqBatchItem
+
+    r = lm.runner
+    p = prompts["code"][:900]
+    n = len(p)
+
+    def run(votes: bool):
+        c = r.new_cache(n + 8)
+        r.step(p[:-9], 0, c, logits="none")
+        it = SeqBatchItem(torch.tensor(p[-9:]), torch.arange(n - 9, n), c, "all", votes=votes)
+        return r.forward([it])[0], it.attn_votes, c
+
+    plain, _, c0 = run(False)
+    voted, votes, c1 = run(True)
+    assert torch.equal(plain, voted)
+    assert torch.equal(c0.k[:, :, :n], c1.k[:, :, :n]) and torch.equal(c0.v[:, :, :n], c1.v[:, :, :n])
+    saved = r.attend_kernel
+    r.attend_kernel = None
+    try:
+        _, explicit, _ = run(True)
+    finally:
+        r.attend_kernel = saved
+    assert votes.shape == explicit.shape == (r.num_layers, r.num_kv_heads, n)
+    assert float((votes - explicit).abs().max()) < 1e-5
+    assert torch.allclose(votes.sum(-1), torch.full_like(votes[..., 0], 9.0 * r.group))
 
 
 def _with_and_without(r, attr: str, run) -> tuple:

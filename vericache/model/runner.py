@@ -17,10 +17,11 @@ over them, so that
   bfloat16 for a float32 model on CPU, `vericache.model.kvcache.draft_kv_dtype`): written
   rounded, read widened, every sum in the model's dtype; its passes' products take a copy
   of the weights (`draft_weights`, `_draft_copy`, `_draft_linear`): the model's own
-  quantized blocks where it came as them (a GGUF model's), else bfloat16. Items
-  that ask for votes take the explicit-score
-  path (`_attend`), and caches a pool cannot hold (the offloaded tier's working copies) a
-  call of their own per layer;
+  quantized blocks where it came as them (a GGUF model's), else bfloat16. An item that
+  asks for votes gets a kernel call of its own per layer that also sums each key's weights
+  (`Attend.votes`: its rows' outputs are the bits they get without votes), or, where the
+  kernel does not serve it, the explicit-score path (`_attend`); caches a pool cannot hold
+  (the offloaded tier's working copies) a call of their own per layer;
 - a fast pass of one batch group (decode, draft and verify steps of up to LINEAR_ROWS rows,
   ragged or not, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all its
   layers in one native call (`_fused`, `linear.c`'s `vc_layers_f32`): the same kernel
@@ -132,6 +133,9 @@ class _Plan:
     positions: torch.Tensor | None  # [B, Lq] rows' positions (caches with positions)
     write_slot: torch.Tensor | None  # [Tp] the batch row each new K/V goes to (a pool)
     write_pos: torch.Tensor | slice  # [Tp] the cache slot it goes to (one cache: a slice)
+    # one item that asks for votes, served by the kernel's votes (`Attend.votes`): its
+    # layers' votes are written into the item's `attn_votes`
+    votes: "SeqBatchItem | None" = None
 
 
 def _activation(name: str):
@@ -503,14 +507,13 @@ class Runner:
         every attention call (at most KERNEL_ROWS rows a sequence, no sliding window: a
         window's keys start inside a part), over the pre-norm block whose norms (q/k norms
         too), RoPE and silu * up are the library's row-wise functions (`_native_block`), and
-        no `bitwise` item needs what only the invariant pass gives it (votes, captured
-        queries)."""
+        no `bitwise` item captures queries (the invariant pass refuses them). Votes do not
+        stop it: the kernel's votes leave a row's bits as they are."""
         if not self._native_block():
             return False
         lens = [int(it.tokens.shape[0]) for it in items]
         return (not self.windowed and sum(lens) <= LINEAR_ROWS and max(lens) <= KERNEL_ROWS
-                and not any(it.bitwise and (it.votes or it.capture_q is not None)
-                            for it in items))
+                and not any(it.bitwise and it.capture_q is not None for it in items))
 
     def _invariant_pass(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
         """The pass with every row's reduction order fixed by that row's operands alone:
@@ -659,17 +662,20 @@ class Runner:
                      if pool is not None else slice(pasts[group[0]], pasts[group[0]] + lens[group[0]]))
 
     def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
+                      v: torch.Tensor, written: bool = False) -> torch.Tensor | None:
         """One layer of a plan: write the rows' K/V into their caches, then one attention call
         over every sequence (the native kernel where the plan has ranges, else SDPA).
         q: [T, Hq, D], k, v: [T, Hkv, D] (the pass's rows) -> [Tp, Hq D], the group's rows in
-        pass order."""
+        pass order. A plan with `votes` also writes its item's votes of the layer;
+        `written` (such a plan only): the K/V are in the cache already, and the call gives
+        the votes only (None)."""
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg, kg, vg = (q, k, v) if p.in_order else (q[p.src], k[p.src], v[p.src])
         if p.pool is None:
             ck, cv = p.cache.k[li], p.cache.v[li]  # [Hkv, cap, D]
-            ck[:, p.write_pos] = kg.transpose(0, 1)
-            cv[:, p.write_pos] = vg.transpose(0, 1)
+            if not written:
+                ck[:, p.write_pos] = kg.transpose(0, 1)
+                cv[:, p.write_pos] = vg.transpose(0, 1)
             ck, cv = ck[None], cv[None]
         else:
             span = slice(p.lo, p.lo + p.B)
@@ -683,7 +689,14 @@ class Runner:
             qp = qg.new_zeros(p.B * p.lq, self.num_heads, d)
             qp[p.pad] = qg
         qp = qp.view(p.B, p.lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p.B, hkv, g * p.lq, d)
-        if p.ranges is not None and lyr.window in p.ranges:
+        if p.votes is not None:  # one item: its rows over keys [lo, hi), hi <= its length
+            lo_r, hi_r = p.ranges[lyr.window]
+            out = self.attend_kernel.votes(qp, ck, None if written else cv, lo_r, hi_r,
+                                           self.scale, self._threads(),
+                                           p.votes.attn_votes[li][None])
+            if written:
+                return None
+        elif p.ranges is not None and lyr.window in p.ranges:
             lo_r, hi_r = p.ranges[lyr.window]
             out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale,
                                      self._threads())
@@ -716,10 +729,11 @@ class Runner:
                  invariant: bool = False) -> list[torch.Tensor | None]:
         """The pass. Attention: the items whose caches one pool can hold (plain caches, no
         votes asked) in one call per layer (`_batch_plan`); any other cache (the offloaded
-        tier's working copies) in a call of its own per layer; items that ask for votes on the
-        explicit-score path (`_attend`), which returns each key's attention mass.
-        `invariant`: the invariant pass's products and attention (`_invariant_pass`); the
-        explicit path then gives votes only."""
+        tier's working copies) in a call of its own per layer; an item that asks for votes in
+        a kernel call of its own that also sums each key's attention mass (where the kernel
+        serves it; else on the explicit-score path, `_attend`). `invariant`: the invariant
+        pass's products and attention (`_invariant_pass`); the votes then come from a
+        votes-only call."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         lens = [int(it.tokens.shape[0]) for it in items]
         tokens = torch.cat([it.tokens for it in items]).to(self.device)  # [T]
@@ -752,6 +766,15 @@ class Runner:
         rest = [] if invariant else [i for i in range(len(items)) if not items[i].votes]
         groups = [rest] if rest and KVPool.poolable([items[i].cache for i in rest]) else [[i] for i in rest]
         plans = [self._batch_plan(gr, items, lens, pasts, starts) for gr in groups]
+        voted = {}  # item index -> its plan, where the kernel serves its votes
+        for i in explicit:
+            vp = self._batch_plan([i], items, lens, pasts, starts)
+            if vp.ranges is not None and all(lyr.window in vp.ranges for lyr in self.layers):
+                vp.votes = items[i]
+                voted[i] = vp
+        explicit = [i for i in explicit if i not in voted]
+        if not invariant:
+            plans += voted.values()
         masks = {i: self._masks(items[i], lens[i], pasts[i]) for i in explicit}
         captures = [(it, s0, L) for it, s0, L in zip(items, starts, lens) if it.capture_q is not None]
         one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
@@ -761,7 +784,7 @@ class Runner:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         fused = (len(plans) == 1 and not explicit and not invariant and not captures
-                 and self._native_block()
+                 and plans[0].votes is None and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
                  # a cache whose layers arrive during the pass (the offloaded tier's
                  # `StreamedKV`) is read layer by layer, by the loop
@@ -784,7 +807,9 @@ class Runner:
                 for i, it in enumerate(items):
                     s0, L = starts[i], lens[i]
                     attn[s0: s0 + L] = self._attend_rows(it, li, lyr, q, k, v, s0, L, pasts[i])
-                    if it.votes:  # the votes only: the rows' output is the SDPA calls'
+                    if i in voted:  # the votes only: the rows' output is the SDPA calls'
+                        self._attend_batch(voted[i], li, lyr, q, k, v, written=True)
+                    elif it.votes:
                         self._attend_explicit(it, li, lyr, q, k, v, s0, L, pasts[i], masks[i],
                                               written=True)
             elif one:

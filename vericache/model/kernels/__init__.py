@@ -108,14 +108,21 @@ class Attend:
     slots), both float32 or both bfloat16 (a drafter's cache: widened, or its keys dotted
     with the query rounded to bfloat16 where `bf16_dot`; summed in float32); lo, hi [B, R] int64: row r of sequence b attends over keys
     [lo, hi) (none: zeros). `threads` OpenMP threads split the B * H tasks, or each task's
-    keys when the tasks are few (batch 1)."""
+    keys when the tasks are few (batch 1). `votes` also gives each key's attention mass
+    summed over the rows (the selection policies' votes), with the same outputs."""
 
     def __init__(self, lib: ctypes.CDLL):
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._fns = {dtype: getattr(lib, name) for dtype, name in
                      ((torch.float32, "vc_attend_f32"), (torch.bfloat16, "vc_attend_bf16"))}
+        self._votes = {dtype: getattr(lib, name) for dtype, name in
+                       ((torch.float32, "vc_attend_votes_f32"),
+                        (torch.bfloat16, "vc_attend_votes_bf16"))}
         for fn in self._fns.values():
             fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, i, ctypes.c_float, i]
+            fn.restype = ctypes.c_int
+        for fn in self._votes.values():
+            fn.argtypes = [p, p, p, i, i, i, p, p, p, p, i, i, i, i, i, ctypes.c_float, i]
             fn.restype = ctypes.c_int
         # per K/V dtype, for `Linear.layers`
         self.address = {dtype: ctypes.cast(fn, ctypes.c_void_p).value
@@ -126,20 +133,44 @@ class Attend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
                  hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
-        fn = self._fns.get(k.dtype)
-        if q.dtype != torch.float32 or fn is None or v.dtype != k.dtype:
+        q, lo, hi = self._check(q, k, v, lo, hi)
+        B, H, R, D = q.shape
+        out = torch.empty_like(q)
+        if self._fns[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                              k.stride(1), k.stride(2), lo.data_ptr(), hi.data_ptr(),
+                              out.data_ptr(), B, H, R, D, float(scale), threads):
+            raise MemoryError("attend: out of memory for its buffers")
+        return out
+
+    def votes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, lo: torch.Tensor,
+              hi: torch.Tensor, scale: float, threads: int, votes: torch.Tensor
+              ) -> torch.Tensor | None:
+        """The call's outputs (None where `v` is None: no value products), and each key's
+        attention mass summed over each task's rows written into `votes` ([B, H, n] float32,
+        unit stride along n, n at least every row's hi; keys no row sees get 0). The outputs
+        are the bits `__call__` gives."""
+        q, lo, hi = self._check(q, k, k if v is None else v, lo, hi)
+        B, H, R, D = q.shape
+        n = votes.shape[-1]
+        if (votes.dtype != torch.float32 or tuple(votes.shape) != (B, H, n)
+                or votes.stride(2) != 1 or votes.stride(0) != H * votes.stride(1)
+                or int(hi.max()) > n):
+            raise ValueError("attend: votes must be [B, H, n] float32, n past every row's keys")
+        out = None if v is None else torch.empty_like(q)
+        if self._votes[k.dtype](q.data_ptr(), k.data_ptr(), (k if v is None else v).data_ptr(),
+                                k.stride(0), k.stride(1), k.stride(2), lo.data_ptr(),
+                                hi.data_ptr(), None if out is None else out.data_ptr(),
+                                votes.data_ptr(), votes.stride(1), B, H, R, D, float(scale),
+                                threads):
+            raise MemoryError("attend: out of memory for its buffers")
+        return out
+
+    def _check(self, q, k, v, lo, hi):
+        if q.dtype != torch.float32 or k.dtype not in self._fns or v.dtype != k.dtype:
             raise TypeError("attend: float32 queries, float32 or bfloat16 keys and values")
         if k.stride() != v.stride() or k.stride(3) != 1 or q.device.type != "cpu":
             raise ValueError("attend: k and v must share strides, unit within a key, on CPU")
-        q = q.contiguous()
-        lo, hi = lo.contiguous(), hi.contiguous()
-        B, H, R, D = q.shape
-        out = torch.empty_like(q)
-        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                    k.stride(2), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), B, H, R, D,
-                    float(scale), threads):
-            raise MemoryError("attend: out of memory for its buffers")
-        return out
+        return q.contiguous(), lo.contiguous(), hi.contiguous()
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

@@ -18,6 +18,14 @@
  * So a batch of one sequence (a few KV heads) still keeps every thread busy, and a row whose
  * keys start at 0 (no sliding window) gets the same bits whatever the threads and whatever
  * rows share its call: its parts, blocks and vectors are placed by its own range alone.
+ *
+ * Votes (`vc_attend_votes_*`): each key's attention mass summed over the task's rows,
+ * votes[t, j] = sum_r softmax_r(j) (0 outside every row's range), for selection policies. The
+ * units keep their rows' weights exp(s - m) as they compute them, with the running max m of
+ * each block; once the rows' maxima M and sums are known, a pass over the kept weights adds
+ * each key's up, in row order, each block's scaled by exp(m - M) / sum (no exponential a
+ * key). The rows' outputs are the bits the call without votes gives (the same units, the
+ * same sums); `out` NULL: the votes only (no value products).
  */
 #include <float.h>
 #include <math.h>
@@ -30,6 +38,7 @@
 #define BLOCK 64
 #define PART_KEYS 512 /* a multiple of BLOCK */
 #define SCRATCH_FLOATS (16 << 20) /* 64 MB */
+#define PART_BLOCKS (PART_KEYS / BLOCK) /* a part's blocks (its first may start off BLOCK) */
 
 /* W: floats in a vector and keys scored at once, the machine's own width (AVX-512: 16; else 8,
  * AVX2's). 16 keys' dot products of 16-float vectors (32 registers' worth) on AVX2's 16
@@ -181,7 +190,8 @@ static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
-     float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh) {
+     float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh,
+     float *ss, int pv) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -214,11 +224,11 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 int64_t d = 0;
                 for (; NV && d + W <= D; d += W) {
                     if (!dot) store(wk + dst + d, kv_load(k, src + d, 1));
-                    store(wv + dst + d, kv_load(v, src + d, 1));
+                    if (pv) store(wv + dst + d, kv_load(v, src + d, 1));
                 }
                 for (; d < D; d++) {
                     wk[dst + d] = kv_get(k, src + d, 1);
-                    wv[dst + d] = kv_get(v, src + d, 1);
+                    if (pv) wv[dst + d] = kv_get(v, src + d, 1);
                 }
             }
             if (!dot) {
@@ -287,8 +297,12 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 s[i] = expf(s[i] - mx);
                 sum += s[i];
             }
+            if (ss) { /* kept for the votes: the weights at their keys' places, the block's max */
+                memcpy(ss + r * PART_KEYS + (a - j_lo), s, sizeof(float) * (size_t)n);
+                ss[R * PART_KEYS + r * PART_BLOCKS + (j0 - first) / BLOCK] = mx;
+            }
             cr[r] = corr;
-            if (!NV) {
+            if (!NV && pv) {
                 float *ar = acc + r * D;
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
@@ -300,7 +314,7 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             l[r] = l[r] * corr + sum;
             m[r] = mx;
         }
-        if (!NV) continue;
+        if (!NV || !pv) continue;
         /* the values: consecutive rows over the same keys (a GQA group's, a token's) in
            tiles of up to PV_ROWS, each value vector read once for the tile */
         for (int64_t r = 0; r < R;) {
@@ -324,21 +338,29 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
 
 static inline __attribute__((always_inline)) int
 attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
-       const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H, int64_t R,
-       int64_t D, float scale, int64_t threads, const int BF) {
+       const int64_t *lo, const int64_t *hi, float *out, float *votes, int64_t vs, int64_t B,
+       int64_t H, int64_t R, int64_t D, float scale, int64_t threads, const int BF) {
     const int64_t tasks = B * H;
     int64_t last = 0;
     for (int64_t i = 0; i < B * R; i++)
         if (lo[i] < hi[i] && hi[i] > last) last = hi[i];
     const int64_t parts = last > 0 ? (last + PART_KEYS - 1) / PART_KEYS : 1;
-    /* each unit (task, part): acc [R, D], m [R], l [R]; tasks in waves of at most
+    /* each unit (task, part): acc [R, D], m [R], l [R], with votes its rows' weights ss
+       [R, PART_KEYS] and their blocks' maxima [R, PART_BLOCKS]; tasks in waves of at most
        SCRATCH_FLOATS of them (the same sums: a task's units are all in its wave) */
-    const int64_t stride = R * (D + 2);
+    const int64_t head = R * (D + 2), stride = head + (votes ? R * (PART_KEYS + PART_BLOCKS) : 0);
     int64_t wave = SCRATCH_FLOATS / (parts * stride);
     if (wave < 1) wave = 1;
     if (wave > tasks) wave = tasks;
     float *scratch = malloc(sizeof(float) * (size_t)(wave * parts * stride));
-    if (!scratch) return -1;
+    /* with votes, each row's final max and inverse sum: [wave, R, 2] */
+    float *rs = votes ? malloc(sizeof(float) * 2 * (size_t)(wave * R)) : NULL;
+    if (!scratch || (votes && !rs)) {
+        free(scratch);
+        free(rs);
+        return -1;
+    }
+    const int pv = out != NULL;
     int failed = 0;
     for (int64_t t0 = 0; t0 < tasks && !failed; t0 += wave) {
         const int64_t nt = tasks - t0 < wave ? tasks - t0 : wave, units = nt * parts;
@@ -360,17 +382,17 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 const int64_t t = t0 + u / parts, p = u % parts;
                 const int64_t j_lo = p * PART_KEYS, j_hi = j_lo + PART_KEYS;
                 float *acc = scratch + u * stride;
-                float *m = acc + R * D, *l = m + R;
+                float *m = acc + R * D, *l = m + R, *ss = votes ? acc + head : NULL;
                 /* the common models' head sizes in vectors */
                 if (D == 64)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 64 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, sc, cr, ra, rn, wb, qh);
+                         acc, m, l, sc, cr, ra, rn, wb, qh, ss, pv);
                 else if (D == 128)
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 128 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, sc, cr, ra, rn, wb, qh);
+                         acc, m, l, sc, cr, ra, rn, wb, qh, ss, pv);
                 else
                     part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, sc, cr, ra, rn, wb, qh);
+                         acc, m, l, sc, cr, ra, rn, wb, qh, ss, pv);
             }
             free(sc);
             free(cr);
@@ -379,7 +401,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
             free(qh);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < nt; i++) {
-                float *ob = out + (t0 + i) * R * D;
+                float *ob = pv ? out + (t0 + i) * R * D : NULL;
                 const float *ut = scratch + i * parts * stride;
                 for (int64_t r = 0; r < R; r++) {
                     float mx = -FLT_MAX, total = 0.0f;
@@ -387,30 +409,70 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                         const float mp = ut[p * stride + R * D + r];
                         mx = mp > mx ? mp : mx;
                     }
-                    float *o = ob + r * D;
-                    memset(o, 0, sizeof(float) * (size_t)D);
+                    float *o = pv ? ob + r * D : NULL;
+                    if (pv) memset(o, 0, sizeof(float) * (size_t)D);
                     for (int64_t p = 0; p < parts; p++) {
                         const float *u = ut + p * stride;
                         const float lp = u[R * D + R + r];
                         if (lp <= 0.0f) continue; /* a part with no keys for this row */
                         const float w = expf(u[R * D + r] - mx);
                         total += w * lp;
-                        for (int64_t d = 0; d < D; d++) o[d] += w * u[r * D + d];
+                        if (pv)
+                            for (int64_t d = 0; d < D; d++) o[d] += w * u[r * D + d];
                     }
                     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                    if (pv)
+                        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                    if (votes) {
+                        rs[2 * (i * R + r)] = mx;
+                        rs[2 * (i * R + r) + 1] = inv;
+                    }
+                }
+            }
+            if (votes) {
+                /* each unit's keys (the last unit's: on to vs): the rows' weights, in row order */
+#pragma omp for schedule(static)
+                for (int64_t u = 0; u < units; u++) {
+                    const int64_t i = u / parts, p = u % parts, t = t0 + i, b = t / H;
+                    const int64_t j_lo = p * PART_KEYS;
+                    const int64_t j_hi = p + 1 == parts ? vs : (j_lo + PART_KEYS < vs ? j_lo + PART_KEYS : vs);
+                    if (j_lo >= j_hi) continue;
+                    float *vt = votes + t * vs;
+                    memset(vt + j_lo, 0, sizeof(float) * (size_t)(j_hi - j_lo));
+                    const float *ss = scratch + u * stride + head;
+                    const int64_t ke = j_lo + PART_KEYS; /* the part's keys, as part() clips */
+                    int64_t first = INT64_MAX; /* where part() started its blocks */
+                    for (int64_t r = 0; r < R; r++) {
+                        const int64_t a = lo[b * R + r] > j_lo ? lo[b * R + r] : j_lo;
+                        const int64_t e = hi[b * R + r] < ke ? hi[b * R + r] : ke;
+                        if (a < e && a < first) first = a;
+                    }
+                    for (int64_t r = 0; r < R; r++) {
+                        const int64_t a = lo[b * R + r] > j_lo ? lo[b * R + r] : j_lo;
+                        const int64_t e = hi[b * R + r] < ke ? hi[b * R + r] : ke;
+                        if (a >= e) continue;
+                        const float mx = rs[2 * (i * R + r)], inv = rs[2 * (i * R + r) + 1];
+                        const float *wr = ss + r * PART_KEYS - j_lo;
+                        const float *bm = ss + R * PART_KEYS + r * PART_BLOCKS;
+                        for (int64_t j0 = first + (a - first) / BLOCK * BLOCK; j0 < e; j0 += BLOCK) {
+                            const float f = expf(bm[(j0 - first) / BLOCK] - mx) * inv;
+                            const int64_t x0 = a > j0 ? a : j0, x1 = e < j0 + BLOCK ? e : j0 + BLOCK;
+                            for (int64_t j = x0; j < x1; j++) vt[j] += wr[j] * f;
+                        }
+                    }
                 }
             }
         }
     }
     free(scratch);
+    free(rs);
     return failed ? -1 : 0;
 }
 
 int vc_attend_f32(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                   int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                   int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
-    return attend(q, k, v, sb, sh, sn, lo, hi, out, B, H, R, D, scale, threads, 0);
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, B, H, R, D, scale, threads, 0);
 }
 
 /* 1: bfloat16 keys of a head size that is a multiple of 32 are scored by vdpbf16ps against
@@ -420,5 +482,21 @@ int vc_attend_bf16_dot(void) { return BF_DOT; }
 int vc_attend_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                    int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                    int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
-    return attend(q, k, v, sb, sh, sn, lo, hi, out, B, H, R, D, scale, threads, 1);
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, B, H, R, D, scale, threads, 1);
+}
+
+/* as vc_attend_*, with votes [B H, vs] (vs: at least every row's hi) written; out NULL: the
+ * votes only */
+int vc_attend_votes_f32(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
+                        int64_t sn, const int64_t *lo, const int64_t *hi, float *out,
+                        float *votes, int64_t vs, int64_t B, int64_t H, int64_t R, int64_t D,
+                        float scale, int64_t threads) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, B, H, R, D, scale, threads, 0);
+}
+
+int vc_attend_votes_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
+                         int64_t sn, const int64_t *lo, const int64_t *hi, float *out,
+                         float *votes, int64_t vs, int64_t B, int64_t H, int64_t R, int64_t D,
+                         float scale, int64_t threads) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, B, H, R, D, scale, threads, 1);
 }
