@@ -191,7 +191,7 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
      float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh,
-     float *ss, int pv) {
+     float *ss, const int VT, int pv) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -224,11 +224,11 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 int64_t d = 0;
                 for (; NV && d + W <= D; d += W) {
                     if (!dot) store(wk + dst + d, kv_load(k, src + d, 1));
-                    if (pv) store(wv + dst + d, kv_load(v, src + d, 1));
+                    store(wv + dst + d, kv_load(v, src + d, 1));
                 }
                 for (; d < D; d++) {
                     wk[dst + d] = kv_get(k, src + d, 1);
-                    if (pv) wv[dst + d] = kv_get(v, src + d, 1);
+                    wv[dst + d] = kv_get(v, src + d, 1);
                 }
             }
             if (!dot) {
@@ -297,12 +297,12 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 s[i] = expf(s[i] - mx);
                 sum += s[i];
             }
-            if (ss) { /* kept for the votes: the weights at their keys' places, the block's max */
+            if (VT) { /* kept for the votes: the weights at their keys' places, the block's max */
                 memcpy(ss + r * PART_KEYS + (a - j_lo), s, sizeof(float) * (size_t)n);
                 ss[R * PART_KEYS + r * PART_BLOCKS + (j0 - first) / BLOCK] = mx;
             }
             cr[r] = corr;
-            if (!NV && pv) {
+            if (!NV && (!VT || pv)) {
                 float *ar = acc + r * D;
                 for (int64_t d = 0; d < D; d++) ar[d] *= corr;
                 for (i = 0; i < n; i++) {
@@ -314,7 +314,7 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             l[r] = l[r] * corr + sum;
             m[r] = mx;
         }
-        if (!NV || !pv) continue;
+        if (!NV || (VT && !pv)) continue;
         /* the values: consecutive rows over the same keys (a GQA group's, a token's) in
            tiles of up to PV_ROWS, each value vector read once for the tile */
         for (int64_t r = 0; r < R;) {
@@ -383,16 +383,18 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                 const int64_t j_lo = p * PART_KEYS, j_hi = j_lo + PART_KEYS;
                 float *acc = scratch + u * stride;
                 float *m = acc + R * D, *l = m + R, *ss = votes ? acc + head : NULL;
-                /* the common models' head sizes in vectors */
+                /* the common models' head sizes in vectors; votes in their own instances, so
+                   a call without them runs the code it ran before they were added */
+#define PART(DD, NVV, VT)                                                                   \
+    part(q, k, v, sb, sh, sn, lo, hi, H, R, DD, NVV, BF, scale, t, j_lo, j_hi, acc, m, l, sc, \
+         cr, ra, rn, wb, qh, ss, VT, pv)
                 if (D == 64)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 64, 64 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, sc, cr, ra, rn, wb, qh, ss, pv);
+                    votes ? PART(64, 64 / W, 1) : PART(64, 64 / W, 0);
                 else if (D == 128)
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, 128, 128 / W, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, sc, cr, ra, rn, wb, qh, ss, pv);
+                    votes ? PART(128, 128 / W, 1) : PART(128, 128 / W, 0);
                 else
-                    part(q, k, v, sb, sh, sn, lo, hi, H, R, D, 0, BF, scale, t, j_lo, j_hi,
-                         acc, m, l, sc, cr, ra, rn, wb, qh, ss, pv);
+                    votes ? PART(D, 0, 1) : PART(D, 0, 0);
+#undef PART
             }
             free(sc);
             free(cr);
