@@ -689,17 +689,16 @@ class Runner:
             qp = qg.new_zeros(p.B * p.lq, self.num_heads, d)
             qp[p.pad] = qg
         qp = qp.view(p.B, p.lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p.B, hkv, g * p.lq, d)
-        if p.votes is not None:  # one item: its rows over keys [lo, hi), hi <= its length
+        if p.ranges is not None and lyr.window in p.ranges:
             lo_r, hi_r = p.ranges[lyr.window]
-            out = self.attend_kernel.votes(qp, ck, None if written else cv, lo_r, hi_r,
-                                           self.scale, self._threads(),
-                                           p.votes.attn_votes[li][None])
-            if written:
-                return None
-        elif p.ranges is not None and lyr.window in p.ranges:
-            lo_r, hi_r = p.ranges[lyr.window]
-            out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale,
-                                     self._threads())
+            if p.votes is None:
+                out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale, self._threads())
+            else:  # one item: its rows over keys [lo, hi), hi <= its length
+                out = self.attend_kernel.votes(qp, ck, None if written else cv, lo_r, hi_r,
+                                               self.scale, self._threads(),
+                                               p.votes.attn_votes[li][None])
+                if written:
+                    return None
         else:
             out = self._attend_sdpa(p, li, lyr, qp, ck, cv)
         out = out.view(p.B, hkv, g, p.lq, d).permute(0, 3, 1, 2, 4).reshape(p.B * p.lq, hkv * g * d)

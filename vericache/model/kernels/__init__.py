@@ -149,7 +149,8 @@ class Attend:
         attention mass summed over each task's rows written into `votes` ([B, H, n] float32,
         unit stride along n, n at least every row's hi; keys no row sees get 0). The outputs
         are the bits `__call__` gives."""
-        q, lo, hi = self._check(q, k, k if v is None else v, lo, hi)
+        vv = k if v is None else v  # (a votes-only call reads no values)
+        q, lo, hi = self._check(q, k, vv, lo, hi)
         B, H, R, D = q.shape
         n = votes.shape[-1]
         if (votes.dtype != torch.float32 or tuple(votes.shape) != (B, H, n)
@@ -157,7 +158,7 @@ class Attend:
                 or int(hi.max()) > n):
             raise ValueError("attend: votes must be [B, H, n] float32, n past every row's keys")
         out = None if v is None else torch.empty_like(q)
-        if self._votes[k.dtype](q.data_ptr(), k.data_ptr(), (k if v is None else v).data_ptr(),
+        if self._votes[k.dtype](q.data_ptr(), k.data_ptr(), vv.data_ptr(),
                                 k.stride(0), k.stride(1), k.stride(2), lo.data_ptr(),
                                 hi.data_ptr(), None if out is None else out.data_ptr(),
                                 votes.data_ptr(), votes.stride(1), B, H, R, D, float(scale),

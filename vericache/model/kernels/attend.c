@@ -185,13 +185,16 @@ pv_tile(float *acc, const float *sc, const float *cr, const void *vp, int64_t vj
  * into wb (2 BLOCK D floats), which every row then reads: widening is exact, so a row's
  * sums are those of widening as it reads, without widening a block again for each of the
  * GQA group's rows (a draft step's layer, 16 x 2000 keys, 3 rows a KV head, 2 threads, on
- * an AVX2 EPYC: 2.92 ms widening as it read, 1.90 ms widened once). */
+ * an AVX2 EPYC: 2.92 ms widening as it read, 1.90 ms widened once).
+ * VT (votes): each row's weights also go to ss [R, PART_KEYS] at their keys' places, each
+ * block's running max after them [R, PART_BLOCKS], and the first block's start to
+ * *first_out; pv 0 (with VT only): no value products. */
 static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
      float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh,
-     float *ss, const int VT, int pv) {
+     float *ss, int64_t *first_out, const int VT, int pv) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -206,6 +209,7 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
             if (e > last) last = e;
         }
     }
+    if (VT) *first_out = first; /* where the blocks start, for the votes' pass */
     memset(acc, 0, sizeof(float) * (size_t)(R * D));
     /* keys scored as bfloat16 pairs: the rows' queries rounded once (qh [R, D]) */
     const int dot = BF && BF_DOT && NV && D % 32 == 0;
@@ -353,11 +357,14 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
     if (wave < 1) wave = 1;
     if (wave > tasks) wave = tasks;
     float *scratch = malloc(sizeof(float) * (size_t)(wave * parts * stride));
-    /* with votes, each row's final max and inverse sum: [wave, R, 2] */
+    /* with votes, each row's final max and inverse sum [wave, R, 2], and each unit's first
+       block's start [wave parts] */
     float *rs = votes ? malloc(sizeof(float) * 2 * (size_t)(wave * R)) : NULL;
-    if (!scratch || (votes && !rs)) {
+    int64_t *uf = votes ? malloc(sizeof(int64_t) * (size_t)(wave * parts)) : NULL;
+    if (!scratch || (votes && (!rs || !uf))) {
         free(scratch);
         free(rs);
+        free(uf);
         return -1;
     }
     const int pv = out != NULL;
@@ -387,7 +394,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                    a call without them runs the code it ran before they were added */
 #define PART(DD, NVV, VT)                                                                   \
     part(q, k, v, sb, sh, sn, lo, hi, H, R, DD, NVV, BF, scale, t, j_lo, j_hi, acc, m, l, sc, \
-         cr, ra, rn, wb, qh, ss, VT, pv)
+         cr, ra, rn, wb, qh, ss, uf ? uf + u : NULL, VT, pv)
                 if (D == 64)
                     votes ? PART(64, 64 / W, 1) : PART(64, 64 / W, 0);
                 else if (D == 128)
@@ -443,12 +450,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                     memset(vt + j_lo, 0, sizeof(float) * (size_t)(j_hi - j_lo));
                     const float *ss = scratch + u * stride + head;
                     const int64_t ke = j_lo + PART_KEYS; /* the part's keys, as part() clips */
-                    int64_t first = INT64_MAX; /* where part() started its blocks */
-                    for (int64_t r = 0; r < R; r++) {
-                        const int64_t a = lo[b * R + r] > j_lo ? lo[b * R + r] : j_lo;
-                        const int64_t e = hi[b * R + r] < ke ? hi[b * R + r] : ke;
-                        if (a < e && a < first) first = a;
-                    }
+                    const int64_t first = uf[u]; /* where part() started its blocks */
                     for (int64_t r = 0; r < R; r++) {
                         const int64_t a = lo[b * R + r] > j_lo ? lo[b * R + r] : j_lo;
                         const int64_t e = hi[b * R + r] < ke ? hi[b * R + r] : ke;
@@ -468,6 +470,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
     }
     free(scratch);
     free(rs);
+    free(uf);
     return failed ? -1 : 0;
 }
 
