@@ -121,7 +121,8 @@ def test_kernel_votes_are_the_softmax_rows_summed(attend, D, dtype, threads):
     """`Attend.votes`: each key's attention mass summed over a task's rows (a float64
     softmax's, to float32 rounding; 0 for keys no row sees, past them up to n), over ragged
     ranges, a row with no keys and several parts of keys; the outputs are the bits of the call
-    without votes, and a votes-only call (no values) gives the same votes."""
+    without votes, a votes-only call (no values) gives the same votes, and `rows` sums the
+    rows it names only."""
     g = torch.Generator().manual_seed(D + threads)
     B, H, R, N, n = 3, 2, 7, 1300, 1310
     q = torch.randn(B, H, R, D, generator=g)
@@ -143,6 +144,10 @@ def test_kernel_votes_are_the_softmax_rows_summed(attend, D, dtype, threads):
     alone = torch.full((B, H, n), 7.0)
     assert attend.votes(q, k, None, lo, hi, D ** -0.5, threads, alone) is None
     assert torch.equal(alone, votes)
+    some = torch.full((B, H, n), 7.0)  # rows r with r % 4 >= 1 vote: 1, 2, 3, 5, 6
+    assert torch.equal(attend.votes(q, k, v, lo, hi, D ** -0.5, threads, some, (4, 1)), out)
+    part = torch.softmax(s, -1).nan_to_num(0.0)[:, :, [1, 2, 3, 5, 6]].sum(2)
+    assert float((some.double() - part).abs().max()) < 1e-5
     with pytest.raises(ValueError, match="votes"):
         attend.votes(q, k, v, lo, hi, D ** -0.5, threads, torch.empty(B, H, int(hi.max()) - 1))
 
@@ -389,12 +394,15 @@ def test_runner_fast_path_with_and_without_the_kernel(lm, prompts):
     _same_with_and_without(r, "attend_kernel", run)
 
 
-def test_a_passs_votes_keep_its_bits_and_are_the_explicit_paths(lm, prompts):
-    """An item that asks for votes (the `verify` policy's verify pass) gets them from the
-    kernel's votes: its logits and K/V are the bits of the same pass without votes (so a
-    voting verify pass is the decode steps' bits, as any other), and its votes are those of
-    the explicit-score path (torch's softmax, taken without the kernel) to float32 rounding,
-    a row's mass 1 each (9 rows, 3 query heads a KV head)."""
+@pytest.mark.parametrize("vote_from", [0, 5])
+def test_a_passs_votes_keep_its_bits_and_are_the_explicit_paths(lm, prompts, vote_from):
+    """An item that asks for votes (the `verify` policy's verify pass; with `vote_from`, a
+    prefill's question window) gets them from the kernel's votes: its logits and K/V are the
+    bits of the same pass without votes (so a voting verify pass is the decode steps' bits,
+    as any other), and its votes are those of the explicit-score path (torch's softmax, taken
+    without the kernel) to float32 rounding, a row's mass 1 each (9 rows, or the last 4, 3
+    query heads a KV head). Without the kernel too, the votes leave the pass's bits as they
+    are (its rows come from a call of its own, its votes after)."""
     from vericache.model.runner import SeqBatchItem
 
     r = lm.runner
@@ -404,22 +412,28 @@ def test_a_passs_votes_keep_its_bits_and_are_the_explicit_paths(lm, prompts):
     def run(votes: bool):
         c = r.new_cache(n + 8)
         r.step(p[:-9], 0, c, logits="none")
-        it = SeqBatchItem(torch.tensor(p[-9:]), torch.arange(n - 9, n), c, "all", votes=votes)
+        it = SeqBatchItem(torch.tensor(p[-9:]), torch.arange(n - 9, n), c, "all", votes=votes,
+                          vote_from=vote_from)
         return r.forward([it])[0], it.attn_votes, c
 
-    plain, _, c0 = run(False)
-    voted, votes, c1 = run(True)
-    assert torch.equal(plain, voted)
-    assert torch.equal(c0.k[:, :, :n], c1.k[:, :, :n]) and torch.equal(c0.v[:, :, :n], c1.v[:, :, :n])
+    def same(a, b):
+        assert torch.equal(a[0], b[0])
+        assert torch.equal(a[2].k[:, :, :n], b[2].k[:, :, :n])
+        assert torch.equal(a[2].v[:, :, :n], b[2].v[:, :, :n])
+
+    plain, voted = run(False), run(True)
+    same(plain, voted)
     saved = r.attend_kernel
     r.attend_kernel = None
     try:
-        _, explicit, _ = run(True)
+        plain_t, explicit = run(False), run(True)
     finally:
         r.attend_kernel = saved
+    same(plain_t, explicit)
+    votes, explicit = voted[1], explicit[1]
     assert votes.shape == explicit.shape == (r.num_layers, r.num_kv_heads, n)
     assert float((votes - explicit).abs().max()) < 1e-5
-    assert torch.allclose(votes.sum(-1), torch.full_like(votes[..., 0], 9.0 * r.group))
+    assert torch.allclose(votes.sum(-1), torch.full_like(votes[..., 0], (9.0 - vote_from) * r.group))
 
 
 def _with_and_without(r, attr: str, run) -> tuple:

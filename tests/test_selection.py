@@ -12,8 +12,7 @@ from vericache.engine.rounds import LocalBackends
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument, UnknownName
 from vericache.select import SelectionDelta, SelectionState, make_selection, selection_names
-from vericache.select.base import (SINKS, _take, move_towards, pooled, target_mask, upgrade_towards,
-                                   window_votes)
+from vericache.select.base import SINKS, _take, move_towards, pooled, target_mask, upgrade_towards
 from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.memory import MemoryStore
 
@@ -103,16 +102,15 @@ def test_question_first_move_bounded_by_first():
     best-scored of the unbounded move's; the default moves all the way, and keeps its spec."""
     L, H, n, D, w = 2, 3, 40, 8, 4
     g = torch.Generator().manual_seed(4)
-    q = [torch.randn(2 * H, w, D, generator=g) for _ in range(L)]
+    votes = torch.softmax(torch.randn(L, H, 2 * w, n, generator=g), -1).sum(2)
     k, v = torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g)
-    pos = torch.arange(n - w, n)
     full_pol, bounded = make_selection("question:pool=1"), make_selection("question:pool=1,first=2")
     assert full_pol.spec == "question:pool=1,window=32" and bounded.spec.startswith("question:first=2,")
     with pytest.raises(InvalidArgument):
         make_selection("question:first=-1")
     st_full, st_b = _state(m=12), _state(m=12)
-    d_full = full_pol.after_prefill(st_full, q, pos, k, v)
-    d_b = bounded.after_prefill(st_b, q, pos, k, v)
+    d_full = full_pol.after_prefill(st_full, votes, w, k, v)
+    d_b = bounded.after_prefill(st_b, votes, w, k, v)
     assert int((d_full.slots >= 0).sum(-1).max()) > 2  # the unbounded move is larger
     per_row = (d_b.slots >= 0).sum(-1)
     assert int(per_row.max()) == 2 and d_b.moved < d_full.moved
@@ -135,20 +133,32 @@ def test_entering_tokens_are_taken_from_any_cache_view():
         assert torch.equal(_take(t, pos), want)
 
 
-def test_window_votes_are_the_softmax_rows_summed():
-    """The question score of one layer: each key's attention mass summed over the window's
-    queries and a KV group's query heads, no query seeing past its position (each row sums
-    to 1, so the votes sum to G w per KV head)."""
-    g = torch.Generator().manual_seed(6)
-    q, k = torch.randn(6, 5, 16, generator=g), torch.randn(2, 40, 16, generator=g)
-    q_pos = torch.arange(35, 40)
-    s = torch.einsum("hgwd,hnd->hgwn", q.view(2, 3, 5, 16), k) * 16 ** -0.5
-    s = s.masked_fill(torch.arange(40)[None, None, None, :] > q_pos[None, None, :, None],
-                      float("-inf"))
-    want = torch.softmax(s, -1).sum((1, 2))
-    got = window_votes(q, k, q_pos)
-    assert torch.allclose(got, want, atol=1e-6)
-    assert torch.allclose(got.sum(-1), torch.full((2,), 15.0))
+@pytest.mark.parametrize("n", [300, 270, 356])
+def test_prefill_gives_the_question_windows_votes(lm, prompts, n):
+    """The prefill passes give the question score: each prompt token's attention mass from
+    the prompt's last 32 queries, summed over them and a KV group's query heads (a float64
+    softmax over the queries a pass over the whole prompt captures, to float32 rounding),
+    and asking for them leaves the cache and the logits bit for bit a plain prefill's. The
+    window sits in a last chunk of 44 rows (the native kernel's votes), spans two chunks (the
+    first one's 256 rows on the explicit-score path), or sits in a last chunk of 100 rows."""
+    from vericache.engine.prefill import prefill
+
+    r = lm.runner
+    ids = prompts["long"][:n]
+    got, plain = prefill(r, ids, 4, 256, question_window=32), prefill(r, ids, 4, 256)
+    assert torch.equal(got.logits, plain.logits)
+    for a, b in zip(got.cache.view(), plain.cache.view()):
+        assert torch.equal(a, b)
+    assert got.window_rows == 32 and got.window_votes.shape == (r.num_layers, r.num_kv_heads, n)
+    c = r.new_cache(n)
+    _, item = r.step(ids, 0, c, logits="none", capture_q=torch.arange(n - 32, n))
+    k = c.view()[0].double()  # [L, Hkv, n, D]
+    q = item.captured.double().view(r.num_layers, r.num_kv_heads, r.group, 32, -1)
+    s = torch.einsum("lhgwd,lhnd->lhgwn", q, k) * r.scale
+    future = torch.arange(n)[None, :] > torch.arange(n - 32, n)[:, None]
+    want = torch.softmax(s.masked_fill(future, float("-inf")), -1).sum((2, 3))
+    assert float((got.window_votes.double() - want).abs().max()) < 1e-4
+    assert torch.allclose(got.window_votes.sum(-1), torch.full_like(got.window_votes[..., 0], 32.0 * r.group))
 
 
 def test_pooling_by_max_or_mean():
@@ -304,7 +314,7 @@ def test_question_window_over_cached_chunks_recomputes_nothing(lm, prompts):
     """A prompt whose last 32 tokens (the question window) reach back into cached chunks: the
     whole cached prefix is loaded, as in `full` mode (before, one more chunk was recomputed
     for the window's queries), the verifier's cache is bit for bit `full` mode's, and the
-    window's queries are those a pass over the whole prompt computes, up to fp32 noise."""
+    window's votes are those of a prefill of the whole prompt, up to fp32 noise."""
     from vericache.engine.prefill import prefill
 
     long = prompts["long"]
@@ -325,8 +335,10 @@ def test_question_window_over_cached_chunks_recomputes_nothing(lm, prompts):
     fresh = prefill(lm.runner, ids, 8, 256, question_window=32)
     got = prefill(lm.runner, ids, 8, 256, cache=ver.cache("f").__class__.from_tensors(
         b.view(0, 1024)[0].clone(), b.view(0, 1024)[1].clone(), 18), question_window=32)
-    assert torch.equal(got.window_pos, fresh.window_pos) and got.window_pos.tolist() == list(range(1002, 1034))
-    assert torch.allclose(got.window_q, fresh.window_q, atol=1e-4, rtol=1e-4)
+    assert got.window_rows == fresh.window_rows == 32
+    assert got.window_votes.shape == fresh.window_votes.shape == (lm.runner.num_layers,
+                                                                  lm.runner.num_kv_heads, 1034)
+    assert float((got.window_votes - fresh.window_votes).abs().max()) < 1e-4
     for rid in ("q", "f"):
         ver.release(rid)
 

@@ -16,8 +16,10 @@ class Prefilled:
     cache: KVCache  # the full KV of the prompt
     logits: torch.Tensor  # [V] after the last prompt token
     obs_q: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> [L, Hq, w, D]
-    window_q: torch.Tensor | None = None  # [L, Hq, w, D]: the prompt's last computed queries
-    window_pos: torch.Tensor | None = None  # [w]: their positions
+    # [L, Hkv, n]: each prompt token's attention mass from the prompt's last `window_rows`
+    # queries, summed over them and each KV group's query heads (classic SnapKV's score)
+    window_votes: torch.Tensor | None = None
+    window_rows: int = 0
 
 
 def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int = 256,
@@ -25,11 +27,13 @@ def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int
             arena=None) -> Prefilled:
     """Run the prompt through the model `chunk_size` tokens per pass (from cache.length on,
     when a cache with a cached prefix is given). Captures the last `window` queries of every
-    complete chunk, for compressors that score tokens by them, and the prompt's last
-    `question_window` queries, for selection policies. Where the cached prefix reaches into
-    that window, its rows' queries come from a pass over them that leaves the cache as it was
-    (`_window_queries`), so a cached chunk is never recomputed for them. `arena`: the runner
-    pool key a new cache sits in (`Runner.new_cache`)."""
+    complete chunk, for compressors that score tokens by them, and the votes of the prompt's
+    last `question_window` queries, for selection policies: the passes that compute those
+    rows give them (`SeqBatchItem.vote_from`; votes never change a row's bits), so they cost
+    no second pass over the keys. Where the cached prefix reaches into that window, its rows'
+    votes come from a pass over them that leaves the cache as it was (`_window_votes`), so a
+    cached chunk is never recomputed for them. `arena`: the runner pool key a new cache sits
+    in (`Runner.new_cache`)."""
     n = len(ids)
     if cache is None:
         cache = runner.new_cache(n + extra_capacity, arena=arena)
@@ -40,53 +44,48 @@ def prefill(runner: Runner, ids: list[int], extra_capacity: int, chunk_size: int
     obs: dict[int, torch.Tensor] = {}
     logits = None
     s = cache.length
-    wq, wpos = [], []
-    if question_window and n - question_window < s:
-        lo = max(0, n - question_window)
-        wq.append(_window_queries(runner, ids, cache, lo))
-        wpos.append(torch.arange(lo, s))
+    qlo = max(0, n - question_window) if question_window else n  # the question window's first
+    votes = None
+    if qlo < s:
+        votes = _window_votes(runner, ids, cache, qlo)
     while s < n:
         e = min(n, (s // chunk_size + 1) * chunk_size)
         complete = e % chunk_size == 0 and s % chunk_size == 0
-        lo = max(s, n - question_window) if question_window else e
-        cap = None
-        if window and complete:
-            cap = torch.arange(e - s - window, e - s)
-        if lo < e:  # rows of the question window, after the chunk's observation rows
-            q_rows = torch.arange(lo - s, e - s)
-            cap = q_rows if cap is None else torch.cat([cap, q_rows])
+        cap = torch.arange(e - s - window, e - s) if window and complete else None
         out, item = runner.step(ids[s:e], s, cache, logits="last" if e == n else "none",
-                                capture_q=cap)
+                                capture_q=cap, vote_from=max(qlo, s) - s if qlo < e else None)
         if window and complete:
-            obs[s // chunk_size] = item.captured[:, :, :window]
-        if lo < e:
-            wq.append(item.captured[:, :, item.captured.shape[2] - (e - lo):])
-            wpos.append(torch.arange(lo, e))
+            obs[s // chunk_size] = item.captured
+        if qlo < e:  # each pass's votes reach its last key: the longer one gathers them
+            if votes is not None:
+                with torch.inference_mode():  # (the runner's tensors are inference tensors)
+                    item.attn_votes[..., :votes.shape[-1]] += votes
+            votes = item.attn_votes
         logits = out
         s = e
     pre = Prefilled(cache, logits[0], obs)
-    if wq:
-        pre.window_q, pre.window_pos = torch.cat(wq, dim=2), torch.cat(wpos)
+    if votes is not None:
+        pre.window_votes, pre.window_rows = votes, n - qlo
     return pre
 
 
-def _window_queries(runner: Runner, ids: list[int], cache: KVCache, lo: int) -> torch.Tensor:
-    """The queries ([L, Hq, m, D]) of cached positions lo .. cache.length - 1: one pass over
-    them as if the cache ended at lo, after which their stored K/V (the prefix cache's, which
-    every mode reads) are put back, so the cache is bit for bit what was loaded."""
+def _window_votes(runner: Runner, ids: list[int], cache: KVCache, lo: int) -> torch.Tensor:
+    """The votes ([L, Hkv, cache.length]) of cached positions lo .. cache.length - 1: one
+    pass over them as if the cache ended at lo, after which their stored K/V (the prefix
+    cache's, which every mode reads) are put back, so the cache is bit for bit what was
+    loaded."""
     end = cache.length
     saved = [t[:, :, lo:end].clone() for t in (cache.k, cache.v)]
     pos = cache.pos[:, :, lo:end].clone() if cache.pos is not None else None
     cache.length = lo
     try:
-        _, item = runner.step(ids[lo:end], lo, cache, logits="none",
-                              capture_q=torch.arange(end - lo))
+        _, item = runner.step(ids[lo:end], lo, cache, logits="none", vote_from=0)
     finally:
         cache.k[:, :, lo:end], cache.v[:, :, lo:end] = saved
         if pos is not None:
             cache.pos[:, :, lo:end] = pos
         cache.length = end
-    return item.captured
+    return item.attn_votes
 
 
 def tail_start(compressor: Compressor, prompt_len: int, chunk_size: int) -> int:

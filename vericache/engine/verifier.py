@@ -254,7 +254,7 @@ class Verifier:
         n = len(prompt_ids)
         chunk_kept = ([compressor.kept_positions(c) for c in chunks]
                       if selection is not None and compressor.drops_tokens else [])
-        window_q, window_pos = pre.window_q, pre.window_pos
+        window_votes, window_rows = pre.window_votes, pre.window_rows
 
         def drafter_part(cache: KVCache, stats: TransferStats) -> SelectionRecord | None:
             """The exact tail into the store; the selection's record and first moves."""
@@ -274,7 +274,7 @@ class Verifier:
                 state = SelectionState.empty_salient(self.runner.num_layers,
                                                      self.runner.num_kv_heads, salient, ts)
             record = SelectionRecord(selection, state, compressor)
-            record.add(selection.after_prefill(state, list(window_q.unbind(0)), window_pos,
+            record.add(selection.after_prefill(state, window_votes, window_rows,
                                                *cache.view(0, n)))
             record.seconds += time.perf_counter() - t
             return record

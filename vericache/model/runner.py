@@ -20,7 +20,9 @@ over them, so that
   quantized blocks where it came as them (a GGUF model's), else bfloat16. An item that
   asks for votes gets a kernel call of its own per layer that also sums each key's weights
   (`Attend.votes`: its rows' outputs are the bits they get without votes), or, where the
-  kernel does not serve it, the explicit-score path (`_attend`); caches a pool cannot hold
+  kernel does not serve it, a call of its own and then the explicit-score path (`_attend`)
+  for the votes alone: asking for votes never changes a row's bits, so a prefill chunk may
+  give its question window's votes (`vote_from`); caches a pool cannot hold
   (the offloaded tier's working copies) a call of their own per layer;
 - a fast pass of one batch group (decode, draft and verify steps of up to LINEAR_ROWS rows,
   ragged or not, over a family of pre-norm SiLU blocks, q/k norms allowed) runs all its
@@ -106,6 +108,7 @@ class SeqBatchItem:
     capture_q: torch.Tensor | None = None  # [R] row indices whose post-RoPE queries to return
     captured: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hq, R, D] out
     votes: bool = False  # return the attention mass each cached key gets from this pass
+    vote_from: int = 0  # with votes: the first of its rows that votes (a prompt's question window)
     attn_votes: torch.Tensor | None = field(default=None, repr=False)  # [layers, Hkv, n] out
     bitwise: bool = False  # the invariant pass: a row's bits whatever shares it (Runner.forward)
 
@@ -342,24 +345,37 @@ class Runner:
         return old if future is None else old | future
 
     def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                mask: torch.Tensor | None, votes: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None, votes: torch.Tensor | None = None, vote_from: int = 0,
+                values: bool = True) -> torch.Tensor | None:
         """q: [L, Hq, D]; k_all, v_all: [Hkv, n, D] -> [L, Hq D]. mask: [G L, n] or per KV
         head [Hkv, G L, n], True where not seen. With `votes` ([Hkv, n] fp32), each key's
-        attention mass summed over the rows is written there."""
+        attention mass summed over the rows from `vote_from` on is written there; `values`
+        False: the votes only (None), and only the voting rows are scored."""
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
-        qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * L, d)  # rows: (g, l)
-        qg = qg * self.scale
-        out = qg.new_empty(hkv, g * L, d)
+        qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
+        if not values and vote_from:
+            qg = qg[:, :, vote_from:]
+            if mask is not None:
+                lead, n = mask.shape[:-2], mask.shape[-1]
+                mask = mask.view(*lead, g, L, n)[..., vote_from:, :].reshape(*lead, -1, n)
+            L, vote_from = L - vote_from, 0
+        qg = qg.reshape(hkv, g * L, d) * self.scale  # rows: (g, l)
+        out = qg.new_empty(hkv, g * L, d) if values else None
         # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
         for h in range(hkv):
             scores = torch.mm(qg[h], k_all[h].t())  # [G L, n]
             if mask is not None:
                 scores.masked_fill_(mask if mask.dim() == 2 else mask[h], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            if votes is not None:
+            if votes is not None and vote_from:
+                torch.sum(probs.view(g, L, -1)[:, vote_from:], dim=(0, 1), out=votes[h])
+            elif votes is not None:
                 torch.sum(probs, dim=0, out=votes[h])
-            torch.mm(probs.to(v_all.dtype), v_all[h], out=out[h])
+            if values:
+                torch.mm(probs.to(v_all.dtype), v_all[h], out=out[h])
+        if not values:
+            return None
         return out.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, hkv * g * d)
 
     def forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
@@ -696,7 +712,8 @@ class Runner:
             else:  # one item: its rows over keys [lo, hi), hi <= its length
                 out = self.attend_kernel.votes(qp, ck, None if written else cv, lo_r, hi_r,
                                                self.scale, self._threads(),
-                                               p.votes.attn_votes[li][None])
+                                               p.votes.attn_votes[li][None],
+                                               (p.lq, p.votes.vote_from))
                 if written:
                     return None
         else:
@@ -730,9 +747,10 @@ class Runner:
         votes asked) in one call per layer (`_batch_plan`); any other cache (the offloaded
         tier's working copies) in a call of its own per layer; an item that asks for votes in
         a kernel call of its own that also sums each key's attention mass (where the kernel
-        serves it; else on the explicit-score path, `_attend`). `invariant`: the invariant
-        pass's products and attention (`_invariant_pass`); the votes then come from a
-        votes-only call."""
+        serves it; else a call of its own, then its votes on the explicit-score path,
+        `_attend`). So asking for votes never changes a row's bits. `invariant`: the
+        invariant pass's products and attention (`_invariant_pass`); the votes then come
+        from a votes-only call."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         lens = [int(it.tokens.shape[0]) for it in items]
         tokens = torch.cat([it.tokens for it in items]).to(self.device)  # [T]
@@ -771,6 +789,8 @@ class Runner:
             if vp.ranges is not None and all(lyr.window in vp.ranges for lyr in self.layers):
                 vp.votes = items[i]
                 voted[i] = vp
+            elif not invariant:  # its rows as without votes; its votes after (`written`)
+                plans.append(vp)
         explicit = [i for i in explicit if i not in voted]
         if not invariant:
             plans += voted.values()
@@ -817,9 +837,9 @@ class Runner:
                 attn = q.new_empty(q.shape[0], hq * d)
                 for p in plans:
                     attn[p.src] = self._attend_batch(p, li, lyr, q, k, v)
-                for i in explicit:
-                    attn[starts[i]: starts[i] + lens[i]] = self._attend_explicit(
-                        items[i], li, lyr, q, k, v, starts[i], lens[i], pasts[i], masks[i])
+                for i in explicit:  # the votes only: their plans gave the rows
+                    self._attend_explicit(items[i], li, lyr, q, k, v, starts[i], lens[i],
+                                          pasts[i], masks[i], written=True)
             attn = lin(attn, lyr.w_o)
             if lyr.ln_attn_out is not None:
                 attn = self._rms(attn, lyr.ln_attn_out)
@@ -916,8 +936,9 @@ class Runner:
 
     def _attend_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
                          past: int, item_masks: dict, written: bool = False) -> torch.Tensor:
-        """One item's layer on the explicit-score path (votes): [L, Hq D]. `written`: the
-        rows' K/V are in the cache already (the invariant pass wrote them)."""
+        """One item's layer on the explicit-score path: its votes (and its rows' outputs,
+        [L, Hq D]). `written`: the rows' K/V are in the cache already (their plan or the
+        invariant pass wrote them, and gave their outputs): the votes only (None)."""
         ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
         if not written:
             self._write_kv(it, li, k, v, s0, L, past)
@@ -929,7 +950,7 @@ class Runner:
         votes = it.attn_votes[li]
         votes[:, :lo] = 0  # keys outside the window get no attention
         return self._attend(q[s0: s0 + L], ck[:, lo: past + L], cv[:, lo: past + L], mask,
-                            votes[:, lo:])
+                            votes[:, lo:], it.vote_from, values=not written)
 
     def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin):
         """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
@@ -959,8 +980,11 @@ class Runner:
 
     # ---- helpers for one sequence -------------------------------------------------
     def step(self, tokens, start_pos: int, cache: KVCache, logits: str = "last",
-             capture_q: torch.Tensor | None = None) -> tuple[torch.Tensor | None, SeqBatchItem]:
+             capture_q: torch.Tensor | None = None, vote_from: int | None = None
+             ) -> tuple[torch.Tensor | None, SeqBatchItem]:
+        """One sequence's pass; `vote_from`: its rows from there on vote (`attn_votes`)."""
         toks = torch.as_tensor(tokens, dtype=torch.long)
         pos = torch.arange(start_pos, start_pos + toks.shape[0], dtype=torch.long)
-        item = SeqBatchItem(toks, pos, cache, logits, capture_q)
+        item = SeqBatchItem(toks, pos, cache, logits, capture_q, votes=vote_from is not None,
+                            vote_from=vote_from or 0)
         return self.forward([item])[0], item

@@ -20,8 +20,9 @@ Words (used across `vericache.select`, the verifier and the drafter):
 - policy: when and towards what the kept set moves (`static`, `question`, `verify`).
 
 Methods of a policy, when they are called and how often:
-- `after_prefill(state, window_q, window_pos, cache)`: once per request, after prefill (or the
-  load of a cached prefix), on the verifier. May return a delta.
+- `after_prefill(state, votes, queries, cache)`: once per request, after prefill (or the
+  load of a cached prefix), on the verifier, with the attention votes of the prompt's last
+  `window` queries over its tokens (the prefill passes give them). May return a delta.
 - `after_verify(state, votes, accepted, drafted, cache)`: once per verify round of the
   request, with the round's attention votes over the full KV when `needs_votes`. May return
   a delta.
@@ -189,29 +190,6 @@ def pooled(score: torch.Tensor, pool: int, avg: bool = False) -> torch.Tensor:
     return out[..., :n].reshape(L, H, n)
 
 
-def window_votes(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """Attention mass each key gets from a window of queries, summed over the window and the
-    query heads of each KV group (classic SnapKV scoring, one layer).
-    q: [Hq, w, D] post-RoPE; k: [Hkv, n, D]; q_pos: [w] positions of the queries (< n).
-    Returns [Hkv, n] float32 (each query row contributes a total of 1).
-    The rows' exponentials are summed weighted by their inverse sums (one product), not
-    normalised row by row first: one pass over the [Hkv, G w, n] scores fewer, and no second
-    tensor of their size (an 8k question score, 32 queries, SmolLM2's 30 layers from memory
-    on 2 threads of an AVX-512 EPYC: 176-206 ms as softmax then sum, 138-157 ms so; the two
-    agree to 1e-8)."""
-    hq, w, d = q.shape
-    hkv, n, _ = k.shape
-    g = hq // hkv
-    qg = q.float().reshape(hkv, g * w, d)
-    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(d ** -0.5)  # [Hkv, G w, n]
-    lo = int(q_pos.min()) + 1  # no query sees past its position: only columns >= lo mask
-    future = torch.arange(lo, n)[None, :] > q_pos.repeat(g)[:, None]  # rows: (g, w)
-    scores[..., lo:].masked_fill_(future, float("-inf"))
-    e = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    inv = e.sum(-1).reciprocal_()  # [Hkv, G w]
-    return torch.matmul(inv[:, None, :], e)[:, 0]
-
-
 def _ranked(score: torch.Tensor, pool: int) -> torch.Tensor:
     """The score a move ranks positions by: pooled, sinks first (a new tensor)."""
     s = pooled(score, pool).clone()
@@ -359,10 +337,11 @@ class SelectionPolicy(Named, ABC):
     needs_votes: ClassVar[bool] = False  # whether verify passes must return attention votes
     window: int = 0  # prompt queries after_prefill needs (the last `window` tokens)
 
-    def after_prefill(self, state: SelectionState, window_q: list[torch.Tensor],
-                      window_pos: torch.Tensor, k_full: torch.Tensor,
-                      v_full: torch.Tensor) -> SelectionDelta | None:
-        """window_q: per layer [Hq, w, D]; window_pos: [w]; k_full, v_full: [L, Hkv, n, D]."""
+    def after_prefill(self, state: SelectionState, votes: torch.Tensor, queries: int,
+                      k_full: torch.Tensor, v_full: torch.Tensor) -> SelectionDelta | None:
+        """votes: [L, Hkv, >= region_end] attention mass of the prompt's last `queries`
+        (`window`, fewer in a shorter prompt) rows per KV group (`Prefilled.window_votes`);
+        k_full, v_full: [L, Hkv, n, D]."""
         return None
 
     def after_verify(self, state: SelectionState, votes: torch.Tensor | None, queries: int,

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from vericache.errors import InvalidArgument
-from vericache.select.base import (BITS, SelectionPolicy, SelectionState, move, pooled,
-                                   window_votes)
+from vericache.select.base import BITS, SelectionPolicy, SelectionState, move, pooled
 
 
 class Static(SelectionPolicy):
@@ -50,18 +49,9 @@ class Question(SelectionPolicy):
             params["avg"] = self.avg
         super().__init__(window=self.window, pool=self.pool, **params)
 
-    def question_score(self, state: SelectionState, window_q: list[torch.Tensor],
-                       window_pos: torch.Tensor, k_full: torch.Tensor) -> torch.Tensor:
-        """[L, Hkv, region_end]: attention mass per window query (rows sum to 1 each)."""
-        n = int(window_pos.max()) + 1
-        rows = []
-        for layer, q in enumerate(window_q):
-            votes = window_votes(q.cpu(), k_full[layer, :, :n].cpu(), window_pos.cpu())
-            rows.append(votes[:, :state.region_end] / q.shape[1])
-        return torch.stack(rows)
-
-    def after_prefill(self, state, window_q, window_pos, k_full, v_full):
-        score = self.question_score(state, window_q, window_pos, k_full)
+    def after_prefill(self, state, votes, queries, k_full, v_full):
+        # the score: attention mass per window query (each query's row sums to 1)
+        score = votes[:, :, :state.region_end].float().cpu() / queries
         state.score = score
         return move(state, self.pooled(score), 1, self.first or None, k_full, v_full, self.bits,
                     self.prefill_fill(state))

@@ -122,7 +122,7 @@ class Attend:
             fn.argtypes = [p, p, p, i, i, i, p, p, p, i, i, i, i, ctypes.c_float, i]
             fn.restype = ctypes.c_int
         for fn in self._votes.values():
-            fn.argtypes = [p, p, p, i, i, i, p, p, p, p, i, i, i, i, i, ctypes.c_float, i]
+            fn.argtypes = [p, p, p, i, i, i, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
             fn.restype = ctypes.c_int
         # per K/V dtype, for `Linear.layers`
         self.address = {dtype: ctypes.cast(fn, ctypes.c_void_p).value
@@ -143,12 +143,13 @@ class Attend:
         return out
 
     def votes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, lo: torch.Tensor,
-              hi: torch.Tensor, scale: float, threads: int, votes: torch.Tensor
-              ) -> torch.Tensor | None:
+              hi: torch.Tensor, scale: float, threads: int, votes: torch.Tensor,
+              rows: tuple[int, int] = (1, 0)) -> torch.Tensor | None:
         """The call's outputs (None where `v` is None: no value products), and each key's
         attention mass summed over each task's rows written into `votes` ([B, H, n] float32,
         unit stride along n, n at least every row's hi; keys no row sees get 0). The outputs
-        are the bits `__call__` gives."""
+        are the bits `__call__` gives. `rows` (l, first): only the rows r with r % l >= first
+        vote (a task's R rows as query heads of l rows each; the default counts every row)."""
         vv = k if v is None else v  # (a votes-only call reads no values)
         q, lo, hi = self._check(q, k, vv, lo, hi)
         B, H, R, D = q.shape
@@ -161,8 +162,8 @@ class Attend:
         if self._votes[k.dtype](q.data_ptr(), k.data_ptr(), vv.data_ptr(),
                                 k.stride(0), k.stride(1), k.stride(2), lo.data_ptr(),
                                 hi.data_ptr(), None if out is None else out.data_ptr(),
-                                votes.data_ptr(), votes.stride(1), B, H, R, D, float(scale),
-                                threads):
+                                votes.data_ptr(), votes.stride(1), rows[0], rows[1], B, H, R,
+                                D, float(scale), threads):
             raise MemoryError("attend: out of memory for its buffers")
         return out
 

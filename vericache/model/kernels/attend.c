@@ -24,8 +24,10 @@
  * units keep their rows' weights exp(s - m) as they compute them, with the running max m of
  * each block; once the rows' maxima M and sums are known, a pass over the kept weights adds
  * each key's up, in row order, each block's scaled by exp(m - M) / sum (no exponential a
- * key). The rows' outputs are the bits the call without votes gives (the same units, the
- * same sums); `out` NULL: the votes only (no value products).
+ * key). Only the rows r with r % vl >= v0 vote (a task's rows are (query head, row) with vl
+ * rows a head: v0 = 0 counts them all; a prefill chunk's question window counts its last
+ * rows only). The rows' outputs are the bits the call without votes gives (the same units,
+ * the same sums); `out` NULL: the votes only (no value products).
  */
 #include <float.h>
 #include <math.h>
@@ -342,8 +344,9 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
 
 static inline __attribute__((always_inline)) int
 attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
-       const int64_t *lo, const int64_t *hi, float *out, float *votes, int64_t vs, int64_t B,
-       int64_t H, int64_t R, int64_t D, float scale, int64_t threads, const int BF) {
+       const int64_t *lo, const int64_t *hi, float *out, float *votes, int64_t vs, int64_t vl,
+       int64_t v0, int64_t B, int64_t H, int64_t R, int64_t D, float scale, int64_t threads,
+       const int BF) {
     const int64_t tasks = B * H;
     int64_t last = 0;
     for (int64_t i = 0; i < B * R; i++)
@@ -452,6 +455,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                     const int64_t ke = j_lo + PART_KEYS; /* the part's keys, as part() clips */
                     const int64_t first = uf[u]; /* where part() started its blocks */
                     for (int64_t r = 0; r < R; r++) {
+                        if (r % vl < v0) continue; /* a row that does not vote */
                         const int64_t a = lo[b * R + r] > j_lo ? lo[b * R + r] : j_lo;
                         const int64_t e = hi[b * R + r] < ke ? hi[b * R + r] : ke;
                         if (a >= e) continue;
@@ -477,7 +481,8 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
 int vc_attend_f32(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                   int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                   int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
-    return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, B, H, R, D, scale, threads, 0);
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, 1, 0, B, H, R, D, scale, threads,
+                  0);
 }
 
 /* 1: bfloat16 keys of a head size that is a multiple of 32 are scored by vdpbf16ps against
@@ -487,21 +492,24 @@ int vc_attend_bf16_dot(void) { return BF_DOT; }
 int vc_attend_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                    int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                    int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
-    return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, B, H, R, D, scale, threads, 1);
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, 1, 0, B, H, R, D, scale, threads,
+                  1);
 }
 
-/* as vc_attend_*, with votes [B H, vs] (vs: at least every row's hi) written; out NULL: the
- * votes only */
+/* as vc_attend_*, with votes [B H, vs] (vs: at least every row's hi) written, summed over the
+ * rows r with r % vl >= v0; out NULL: the votes only */
 int vc_attend_votes_f32(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                         int64_t sn, const int64_t *lo, const int64_t *hi, float *out,
-                        float *votes, int64_t vs, int64_t B, int64_t H, int64_t R, int64_t D,
-                        float scale, int64_t threads) {
-    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, B, H, R, D, scale, threads, 0);
+                        float *votes, int64_t vs, int64_t vl, int64_t v0, int64_t B, int64_t H,
+                        int64_t R, int64_t D, float scale, int64_t threads) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, vl, v0, B, H, R, D, scale,
+                  threads, 0);
 }
 
 int vc_attend_votes_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
                          int64_t sn, const int64_t *lo, const int64_t *hi, float *out,
-                         float *votes, int64_t vs, int64_t B, int64_t H, int64_t R, int64_t D,
-                         float scale, int64_t threads) {
-    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, B, H, R, D, scale, threads, 1);
+                         float *votes, int64_t vs, int64_t vl, int64_t v0, int64_t B, int64_t H,
+                         int64_t R, int64_t D, float scale, int64_t threads) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, vl, v0, B, H, R, D, scale,
+                  threads, 1);
 }
