@@ -176,6 +176,15 @@ pv_tile(float *acc, const float *sc, const float *cr, const void *vp, int64_t vj
     }
 }
 
+/* a voting row r's place among the rows that vote (r % vl >= v0), and how many of R vote */
+static inline int64_t voter(int64_t r, int64_t vl, int64_t v0) {
+    return r / vl * (vl - v0) + r % vl - v0;
+}
+
+static inline int64_t voters(int64_t R, int64_t vl, int64_t v0) {
+    return R / vl * (vl - v0) + (R % vl > v0 ? R % vl - v0 : 0);
+}
+
 /* Task t's rows over the keys [j_lo, j_hi) (each row's range clipped to it): the unnormalised
  * output acc [R, D], each row's running max m [R] and sum l [R]; scratch: sc [R, BLOCK] (each
  * row's scores, then weights, in a block), cr [R] (its rescale), ra, rn [R] (its keys in
@@ -188,15 +197,16 @@ pv_tile(float *acc, const float *sc, const float *cr, const void *vp, int64_t vj
  * sums are those of widening as it reads, without widening a block again for each of the
  * GQA group's rows (a draft step's layer, 16 x 2000 keys, 3 rows a KV head, 2 threads, on
  * an AVX2 EPYC: 2.92 ms widening as it read, 1.90 ms widened once).
- * VT (votes): each row's weights also go to ss [R, PART_KEYS] at their keys' places, each
- * block's running max after them [R, PART_BLOCKS], and the first block's start to
- * *first_out; pv 0 (with VT only): no value products. */
+ * VT (votes): each voting row's weights also go to ss [RV, PART_KEYS] at their keys' places
+ * (`voter`: its place among the RV rows that vote), each block's running max after them
+ * [RV, PART_BLOCKS], and the first block's start to *first_out; pv 0 (with VT only): no value
+ * products. */
 static inline __attribute__((always_inline)) void
 part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
      float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh,
-     float *ss, int64_t *first_out, const int VT, int pv) {
+     float *ss, int64_t vl, int64_t v0, int64_t RV, int64_t *first_out, const int VT, int pv) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -303,9 +313,10 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                 s[i] = expf(s[i] - mx);
                 sum += s[i];
             }
-            if (VT) { /* kept for the votes: the weights at their keys' places, the block's max */
-                memcpy(ss + r * PART_KEYS + (a - j_lo), s, sizeof(float) * (size_t)n);
-                ss[R * PART_KEYS + r * PART_BLOCKS + (j0 - first) / BLOCK] = mx;
+            if (VT && r % vl >= v0) { /* for the votes: the weights, the block's max */
+                const int64_t x = voter(r, vl, v0);
+                memcpy(ss + x * PART_KEYS + (a - j_lo), s, sizeof(float) * (size_t)n);
+                ss[RV * PART_KEYS + x * PART_BLOCKS + (j0 - first) / BLOCK] = mx;
             }
             cr[r] = corr;
             if (!NV && (!VT || pv)) {
@@ -352,10 +363,11 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
     for (int64_t i = 0; i < B * R; i++)
         if (lo[i] < hi[i] && hi[i] > last) last = hi[i];
     const int64_t parts = last > 0 ? (last + PART_KEYS - 1) / PART_KEYS : 1;
-    /* each unit (task, part): acc [R, D], m [R], l [R], with votes its rows' weights ss
-       [R, PART_KEYS] and their blocks' maxima [R, PART_BLOCKS]; tasks in waves of at most
+    /* each unit (task, part): acc [R, D], m [R], l [R], with votes its voting rows' weights
+       ss [RV, PART_KEYS] and their blocks' maxima [RV, PART_BLOCKS]; tasks in waves of at most
        SCRATCH_FLOATS of them (the same sums: a task's units are all in its wave) */
-    const int64_t head = R * (D + 2), stride = head + (votes ? R * (PART_KEYS + PART_BLOCKS) : 0);
+    const int64_t RV = votes ? voters(R, vl, v0) : 0; /* the rows that vote */
+    const int64_t head = R * (D + 2), stride = head + RV * (PART_KEYS + PART_BLOCKS);
     int64_t wave = SCRATCH_FLOATS / (parts * stride);
     if (wave < 1) wave = 1;
     if (wave > tasks) wave = tasks;
@@ -397,7 +409,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                    a call without them runs the code it ran before they were added */
 #define PART(DD, NVV, VT)                                                                   \
     part(q, k, v, sb, sh, sn, lo, hi, H, R, DD, NVV, BF, scale, t, j_lo, j_hi, acc, m, l, sc, \
-         cr, ra, rn, wb, qh, ss, uf ? uf + u : NULL, VT, pv)
+         cr, ra, rn, wb, qh, ss, vl, v0, RV, uf ? uf + u : NULL, VT, pv)
                 if (D == 64)
                     votes ? PART(64, 64 / W, 1) : PART(64, 64 / W, 0);
                 else if (D == 128)
@@ -460,8 +472,9 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                         const int64_t e = hi[b * R + r] < ke ? hi[b * R + r] : ke;
                         if (a >= e) continue;
                         const float mx = rs[2 * (i * R + r)], inv = rs[2 * (i * R + r) + 1];
-                        const float *wr = ss + r * PART_KEYS - j_lo;
-                        const float *bm = ss + R * PART_KEYS + r * PART_BLOCKS;
+                        const int64_t x = voter(r, vl, v0);
+                        const float *wr = ss + x * PART_KEYS - j_lo;
+                        const float *bm = ss + RV * PART_KEYS + x * PART_BLOCKS;
                         for (int64_t j0 = first + (a - first) / BLOCK * BLOCK; j0 < e; j0 += BLOCK) {
                             const float f = expf(bm[(j0 - first) / BLOCK] - mx) * inv;
                             const int64_t x0 = a > j0 ? a : j0, x1 = e < j0 + BLOCK ? e : j0 + BLOCK;
