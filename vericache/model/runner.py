@@ -20,7 +20,7 @@ over them, so that
   quantized blocks where it came as them (a GGUF model's), else bfloat16. An item that
   asks for votes gets a kernel call of its own per layer that also sums each key's weights
   (`Attend.votes`: its rows' outputs are the bits they get without votes), or, where the
-  kernel does not serve it, a call of its own and then the explicit-score path (`_attend`)
+  kernel does not serve it, a call of its own and then the explicit-score path (`_votes`)
   for the votes alone: asking for votes never changes a row's bits, so a prefill chunk may
   give its question window's votes (`vote_from`); caches a pool cannot hold
   (the offloaded tier's working copies) a call of their own per layer;
@@ -344,39 +344,25 @@ class Runner:
         old = kpos[:, None, :] <= (row_pos - window)[None, :, None]
         return old if future is None else old | future
 
-    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                mask: torch.Tensor | None, votes: torch.Tensor | None = None, vote_from: int = 0,
-                values: bool = True) -> torch.Tensor | None:
-        """q: [L, Hq, D]; k_all, v_all: [Hkv, n, D] -> [L, Hq D]. mask: [G L, n] or per KV
-        head [Hkv, G L, n], True where not seen. With `votes` ([Hkv, n] fp32), each key's
-        attention mass summed over the rows from `vote_from` on is written there; `values`
-        False: the votes only (None), and only the voting rows are scored."""
+    def _votes(self, q: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor | None,
+               votes: torch.Tensor, vote_from: int = 0) -> None:
+        """The explicit-score path's votes: q [L, Hq, D]; k_all [Hkv, n, D]; mask [G L, n] or
+        per KV head [Hkv, G L, n], True where not seen. Each key's attention mass summed over
+        the rows from `vote_from` on (only they are scored) and the KV group's query heads is
+        written into `votes` ([Hkv, n] fp32)."""
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
-        qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
-        if not values and vote_from:
-            qg = qg[:, :, vote_from:]
-            if mask is not None:
-                lead, n = mask.shape[:-2], mask.shape[-1]
-                mask = mask.view(*lead, g, L, n)[..., vote_from:, :].reshape(*lead, -1, n)
-            L, vote_from = L - vote_from, 0
-        qg = qg.reshape(hkv, g * L, d) * self.scale  # rows: (g, l)
-        out = qg.new_empty(hkv, g * L, d) if values else None
+        qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3)[:, :, vote_from:]  # [Hkv, G, rows, D]
+        if mask is not None and vote_from:
+            lead, n = mask.shape[:-2], mask.shape[-1]
+            mask = mask.view(*lead, g, L, n)[..., vote_from:, :].reshape(*lead, -1, n)
+        qg = qg.reshape(hkv, -1, d) * self.scale  # rows: (g, l)
         # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
         for h in range(hkv):
-            scores = torch.mm(qg[h], k_all[h].t())  # [G L, n]
+            scores = torch.mm(qg[h], k_all[h].t())  # [G rows, n]
             if mask is not None:
                 scores.masked_fill_(mask if mask.dim() == 2 else mask[h], float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            if votes is not None and vote_from:
-                torch.sum(probs.view(g, L, -1)[:, vote_from:], dim=(0, 1), out=votes[h])
-            elif votes is not None:
-                torch.sum(probs, dim=0, out=votes[h])
-            if values:
-                torch.mm(probs.to(v_all.dtype), v_all[h], out=out[h])
-        if not values:
-            return None
-        return out.view(hkv, g, L, d).permute(2, 0, 1, 3).reshape(L, hkv * g * d)
+            torch.sum(torch.softmax(scores, dim=-1, dtype=torch.float32), dim=0, out=votes[h])
 
     def forward(self, items: list[SeqBatchItem]) -> list[torch.Tensor | None]:
         """Run one pass over every item's new tokens; returns each item's logits (fp32).
@@ -748,7 +734,7 @@ class Runner:
         tier's working copies) in a call of its own per layer; an item that asks for votes in
         a kernel call of its own that also sums each key's attention mass (where the kernel
         serves it; else a call of its own, then its votes on the explicit-score path,
-        `_attend`). So asking for votes never changes a row's bits. `invariant`: the
+        `_votes`). So asking for votes never changes a row's bits. `invariant`: the
         invariant pass's products and attention (`_invariant_pass`); the votes then come
         from a votes-only call."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -829,8 +815,7 @@ class Runner:
                     if i in voted:  # the votes only: the rows' output is the SDPA calls'
                         self._attend_batch(voted[i], li, lyr, q, k, v, written=True)
                     elif it.votes:
-                        self._attend_explicit(it, li, lyr, q, k, v, s0, L, pasts[i], masks[i],
-                                              written=True)
+                        self._votes_explicit(it, li, lyr, q, s0, L, pasts[i], masks[i])
             elif one:
                 attn = self._attend_batch(plans[0], li, lyr, q, k, v)
             else:
@@ -838,8 +823,8 @@ class Runner:
                 for p in plans:
                     attn[p.src] = self._attend_batch(p, li, lyr, q, k, v)
                 for i in explicit:  # the votes only: their plans gave the rows
-                    self._attend_explicit(items[i], li, lyr, q, k, v, starts[i], lens[i],
-                                          pasts[i], masks[i], written=True)
+                    self._votes_explicit(items[i], li, lyr, q, starts[i], lens[i], pasts[i],
+                                         masks[i])
             attn = lin(attn, lyr.w_o)
             if lyr.ln_attn_out is not None:
                 attn = self._rms(attn, lyr.ln_attn_out)
@@ -934,14 +919,12 @@ class Runner:
         cv[:, past: past + L] = v[s0: s0 + L].transpose(0, 1)
         return ck, cv
 
-    def _attend_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, k, v, s0: int, L: int,
-                         past: int, item_masks: dict, written: bool = False) -> torch.Tensor:
-        """One item's layer on the explicit-score path: its votes (and its rows' outputs,
-        [L, Hq D]). `written`: the rows' K/V are in the cache already (their plan or the
-        invariant pass wrote them, and gave their outputs): the votes only (None)."""
-        ck, cv = it.cache.k[li], it.cache.v[li]  # [Hkv, cap, D]
-        if not written:
-            self._write_kv(it, li, k, v, s0, L, past)
+    def _votes_explicit(self, it: SeqBatchItem, li: int, lyr: Layer, q, s0: int, L: int,
+                        past: int, item_masks: dict) -> None:
+        """One item's layer's votes on the explicit-score path (`_votes`), into its
+        `attn_votes`: its rows' K/V are in the cache already (their plan or the invariant
+        pass wrote them, and gave their outputs)."""
+        ck = it.cache.k[li]  # [Hkv, cap, D]
         if lyr.window in item_masks:
             lo, mask = item_masks[lyr.window]
         else:  # a windowed layer over a cache with positions: per layer and KV head
@@ -949,8 +932,7 @@ class Runner:
                                             lyr.window, item_masks[None][1])
         votes = it.attn_votes[li]
         votes[:, :lo] = 0  # keys outside the window get no attention
-        return self._attend(q[s0: s0 + L], ck[:, lo: past + L], cv[:, lo: past + L], mask,
-                            votes[:, lo:], it.vote_from, values=not written)
+        self._votes(q[s0: s0 + L], ck[:, lo: past + L], mask, votes[:, lo:], it.vote_from)
 
     def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin):
         """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
