@@ -150,6 +150,8 @@ def test_kernel_votes_are_the_softmax_rows_summed(attend, D, dtype, threads):
     assert float((some.double() - part).abs().max()) < 1e-5
     with pytest.raises(ValueError, match="votes"):
         attend.votes(q, k, v, lo, hi, D ** -0.5, threads, torch.empty(B, H, int(hi.max()) - 1))
+    with pytest.raises(ValueError, match="rows"):
+        attend.votes(q, k, v, lo, hi, D ** -0.5, threads, some, (0, 0))
 
 
 def test_attention_dots_bfloat16_where_the_cpu_has_avx512_bf16(attend):

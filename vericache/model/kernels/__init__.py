@@ -158,6 +158,8 @@ class Attend:
                 or votes.stride(2) != 1 or votes.stride(0) != H * votes.stride(1)
                 or int(hi.max()) > n):
             raise ValueError("attend: votes must be [B, H, n] float32, n past every row's keys")
+        if rows[0] < 1 or rows[1] < 0:
+            raise ValueError("attend: votes' rows (l, first) need l >= 1 and first >= 0")
         out = None if v is None else torch.empty_like(q)
         if self._votes[k.dtype](q.data_ptr(), k.data_ptr(), vv.data_ptr(),
                                 k.stride(0), k.stride(1), k.stride(2), lo.data_ptr(),
