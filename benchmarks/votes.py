@@ -1,10 +1,11 @@
 """What a verify pass's votes cost: one request's pass of `--rows` new tokens over a cache of
 `--context-tokens` (the built-in shared-document prompt, prefilled), without votes, with votes
 from the native attention (`Attend.votes`, what a `verify` selection policy's pass runs now),
-and with votes on the explicit-score path (the runner without its attention kernel for the
-pass: what such a pass ran before the kernel gave votes). Also checks that the kernel's
-votes leave the pass's logits as they are without votes, bit for bit, and gives the largest
-difference of the explicit path's logits from them.
+and with votes without the kernel (`explicit_votes_*`: the runner without its attention
+kernel, as where the kernel does not serve a pass: the rows from torch's SDPA, the votes from
+the explicit-score path; until 5845b18 the rows came from that path too). Also checks that the
+kernel's votes leave the pass's logits as they are without votes, bit for bit, and gives the
+largest difference of the pass without the kernel's logits from them.
 
     PYTHONPATH=. .venv/bin/python benchmarks/votes.py --context-tokens 8000 --rows 33 \\
         --json votes.json
@@ -74,7 +75,7 @@ def main() -> int:
     for name in ("no_votes_ms", "kernel_votes_ms", "explicit_votes_ms"):
         print(f"{name[:-3]:16s} best {min(res[name]):7.1f} ms  runs {res[name]}")
     print(f"kernel votes: logits equal to the pass without votes: {res['kernel_votes_logits_equal']}; "
-          f"explicit path: largest logit difference {res['explicit_votes_max_abs_logit']:.3g}")
+          f"without the kernel: largest logit difference {res['explicit_votes_max_abs_logit']:.3g}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
