@@ -60,12 +60,14 @@ def test_kernel_equals_sdpa(attend, batch, rows, window, threads, D):
         assert bool((out[1] == 0).all())
 
 
-def test_kernel_rows_are_invariant(attend):
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernel_rows_are_invariant(attend, D):
     """A row whose keys start at 0 gets the same bits on 1 to 3 threads, alone or beside
-    other sequences, and as one row of a verify pass or as its own decode step: its key parts,
-    blocks and vectors are placed by its own range."""
+    other sequences, as one row of a verify pass, as its own decode step (its GQA group's rows)
+    or as a call of its one row: its key parts, blocks and vectors are placed by its own range,
+    and the rows that share a tile of scores (`qk_tile`) each get the sums a row alone gets."""
     g = torch.Generator().manual_seed(3)
-    B, H, G, D, cap = 4, 3, 3, 64, 3000
+    B, H, G, cap = 4, 3, 3, 3000
     k, v = torch.randn(B, H, cap, D, generator=g), torch.randn(B, H, cap, D, generator=g)
     L = 5  # verify rows a sequence, GQA's query heads folded in: rows (g, l)
     q = torch.randn(B, H, G * L, D, generator=g)
@@ -83,6 +85,10 @@ def test_kernel_rows_are_invariant(attend):
             step = attend(q[b: b + 1, :, rows], k[b: b + 1], v[b: b + 1], lo[b: b + 1, rows],
                           hi[b: b + 1, rows], 0.125, 1)
             assert torch.equal(step, full[b: b + 1, :, rows])
+            for r in rows.tolist():  # one row: a tile of its own
+                one = attend(q[b: b + 1, :, r: r + 1], k[b: b + 1], v[b: b + 1],
+                             lo[b: b + 1, r: r + 1], hi[b: b + 1, r: r + 1], 0.125, 1)
+                assert torch.equal(one, full[b: b + 1, :, r: r + 1])
 
 
 @pytest.mark.parametrize("D,window,threads", [(64, None, 2), (128, 50, 1), (40, None, 3)])
