@@ -9,8 +9,13 @@ and prints the top functions. It times `LaneRunner._execute` from outside, so it
 any commit of the engine (before `busy_by_job` was in the scenario JSON too). Each job kind
 also gets the CPU time and page faults of its lane's own thread (getrusage RUSAGE_THREAD;
 the OpenMP workers a job fans out to, the tier's loader and storer are not in it), and each
-variant the whole process's; `--timeline` prints every job's start and end. Outputs are not
-checked against full decoding here: run `vericache bench --scenario long-context` for that.
+variant the whole process's; `--timeline` prints every job's start and end. `--perf` also
+samples every thread with Linux's `perf record` (call stacks, 499 Hz) over the variant and
+prints, for its timed run only (the lanes' first job to their last), the CPU seconds in each
+kind of native code (the attention kernel, the weight products, page faults, torch's other
+kernels, Python, ...) in all and per thread name, and the leaf functions that took the most.
+Outputs are not checked against full decoding here: run `vericache bench --scenario
+long-context` for that.
 
     PYTHONPATH=. .venv/bin/python benchmarks/lane_profile.py --concurrency 16 \\
         --context-tokens 8000 --variants vericache_lockstep,vericache_staggered --admit 2
@@ -47,6 +52,9 @@ def main() -> int:
                     help="also profile N admissions alone (cProfile)")
     ap.add_argument("--timeline", action="store_true",
                     help="print each job: lane, kind, requests, start and end (seconds)")
+    ap.add_argument("--perf", action="store_true",
+                    help="sample the variant with `perf record` and print where the timed run's "
+                         "CPU went, by kind of native code and thread (needs Linux's perf)")
     a = ap.parse_args()
 
     import vericache.engine.lanes as lanes
@@ -115,9 +123,11 @@ def main() -> int:
         spent.clear()
         timeline.clear()
         sampler = _ThreadSampler()
+        recorder = _PerfRecorder() if a.perf else None
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         raw = run_long_context_variant(lm, prompts, cfg, v, store)
         u1 = resource.getrusage(resource.RUSAGE_SELF)
+        samples = recorder.stop() if recorder is not None else None
         by_name = sampler.stop()
         drop_new_keys(store, published)
         gens, tr = raw["gens"], raw["trace"]
@@ -143,7 +153,98 @@ def main() -> int:
         if st is not None:
             print(f"  link: loaded {st.bytes_loaded / 1e9:.2f} GB, stored {st.bytes_stored / 1e9:.2f} GB, "
                   f"loader {st.transfer_s:.1f} s, pass waited {st.stall_s:.1f} s", flush=True)
+        if samples is not None and timeline:
+            _print_perf(samples, min(t[3] for t in timeline), max(t[4] for t in timeline),
+                        sampler.names)
     return 0
+
+
+PERF_HZ = 499
+# kinds of native code, by a sample's leaf function (the first pattern that matches); a sample
+# with a page fault among its frames counts as "page faults"
+KINDS = (("attention kernel", ("attend", "expf")),
+         ("weight products", ("qblock", "block", "vc_linear", "sgemm", "gemm")),
+         ("other native kernels", ("vc_",)),
+         ("torch's other kernels", ("at::", "c10::", "mkl", "omp", "gomp", "GOMP")),
+         ("memory copies and fills", ("memmove", "memcpy", "memset", "clear_page")),
+         ("Python", ("Py", "_Py", "py")),
+         ("the kernel's scheduling", ("sched", "futex", "finish_task_switch", "spin_unlock",
+                                      "do_syscall", "irq")))
+
+
+def _kind(frames: list[str]) -> str:
+    if any("page_fault" in f for f in frames):
+        return "page faults"
+    leaf = frames[0] if frames else "?"
+    for kind, patterns in KINDS:
+        if any(pat in leaf for pat in patterns):
+            return kind
+    return "other"
+
+
+class _PerfRecorder:
+    """`perf record` of this process (every thread, call stacks, CLOCK_MONOTONIC times, which
+    `time.perf_counter` reads on Linux) from construction to `stop`, which returns the samples
+    as (thread id, seconds, leaf-first frames)."""
+
+    def __init__(self):
+        import shutil
+        import subprocess
+        import tempfile
+        if shutil.which("perf") is None:
+            raise SystemExit("--perf needs Linux's perf (Debian: apt-get install linux-perf)")
+        self._dir = tempfile.TemporaryDirectory()
+        self._data = os.path.join(self._dir.name, "perf.data")
+        self._proc = subprocess.Popen(
+            ["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-F", str(PERF_HZ), "-g",
+             "-p", str(os.getpid()), "-o", self._data],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # attached before the variant starts
+        if self._proc.poll() is not None:
+            raise SystemExit(f"perf record failed: {self._proc.stderr.read().decode().strip()}")
+
+    def stop(self) -> list[tuple[int, float, list[str]]]:
+        import signal
+        import subprocess
+        self._proc.send_signal(signal.SIGINT)
+        self._proc.wait()
+        text = subprocess.run(["perf", "script", "-F", "tid,time,ip,sym", "-i", self._data],
+                              capture_output=True, text=True).stdout
+        self._dir.cleanup()
+        samples: list[tuple[int, float, list[str]]] = []
+        for line in text.splitlines():
+            head = line.split()
+            if len(head) == 2 and head[1].endswith(":") and head[0].isdigit():
+                samples.append((int(head[0]), float(head[1][:-1]), []))
+            elif head and samples:
+                samples[-1][2].append(head[1] if len(head) > 1 else head[0])
+        return samples
+
+
+def _print_perf(samples, start: float, end: float, names: dict[int, str]) -> None:
+    """Where the CPU went between `start` and `end` (perf_counter seconds)."""
+    inside = [s for s in samples if start <= s[1] <= end]
+    kinds: dict[str, int] = defaultdict(int)
+    by_thread: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    leaves: dict[str, int] = defaultdict(int)
+    for tid, _, frames in inside:
+        k = _kind(frames)
+        kinds[k] += 1
+        name = names.get(tid, "(not Python's: OpenMP)").rstrip("0123456789_")
+        by_thread[name][k] += 1
+        leaves[frames[0] if frames else "?"] += 1
+    cores = os.cpu_count() or 1
+    total = len(inside) / PERF_HZ
+    print(f"  perf over the timed run ({end - start:.1f} s, {cores} CPUs: {cores * (end - start):.1f} "
+          f"CPU s): {total:.1f} CPU s sampled")
+    for k, n in sorted(kinds.items(), key=lambda x: -x[1]):
+        print(f"    {k:26s} {n / PERF_HZ:7.2f} CPU s  {n / max(1, len(inside)):6.1%}")
+    for name, ks in sorted(by_thread.items(), key=lambda x: -sum(x[1].values())):
+        top = ", ".join(f"{k} {n / PERF_HZ:.2f}" for k, n in sorted(ks.items(), key=lambda x: -x[1])[:4])
+        print(f"    thread {name:24s} {sum(ks.values()) / PERF_HZ:6.2f} CPU s: {top}")
+    print("    leaf functions:")
+    for leaf, n in sorted(leaves.items(), key=lambda x: -x[1])[:12]:
+        print(f"      {n / PERF_HZ:7.2f} CPU s  {leaf[:90]}")
 
 
 class _ThreadSampler:
@@ -177,6 +278,11 @@ class _ThreadSampler:
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             self._last.update(self._sample())
+
+    @property
+    def names(self) -> dict[int, str]:
+        """Every thread seen, by native id."""
+        return {tid: s[0] for tid, s in {**self._start, **self._last}.items()}
 
     def stop(self) -> dict[str, list]:
         self._stop.set()
