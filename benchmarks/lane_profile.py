@@ -165,9 +165,9 @@ PERF_HZ = 499
 KINDS = (("attention kernel", ("attend", "expf")),
          ("weight products", ("qblock", "block", "vc_linear", "sgemm", "gemm")),
          ("other native kernels", ("vc_",)),
-         ("torch's other kernels", ("at::", "c10::", "mkl", "omp", "gomp", "GOMP")),
+         ("torch's other kernels", ("at::", "c10::", "mkl", "gomp_", "GOMP")),
          ("memory copies and fills", ("memmove", "memcpy", "memset", "clear_page")),
-         ("Python", ("Py", "_Py", "py")),
+         ("Python", ("Py", "_Py")),
          ("the kernel's scheduling", ("sched", "futex", "finish_task_switch", "spin_unlock",
                                       "do_syscall", "irq")))
 

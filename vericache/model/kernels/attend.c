@@ -177,11 +177,13 @@ pv_tile(float *acc, const float *sc, const float *cr, const void *vp, int64_t vj
 }
 
 /* QK_ROWS: rows whose scores share each key vector's read (`qk_tile`), by head size in
- * vectors. A decode row's GQA group (3 rows a KV head for SmolLM2) is a tile: one layer's
- * call over 8k float32 keys, 2-vCPU Zen 4 EPYC, the median of 12 alternated runs, ran 1.12x
- * (16 sequences, 2 threads) and 1.04-1.11x (one) as fast as row by row, a verify pass's 33
- * x 3 rows 1.03x (thirty-seventh session, /tmp probe). On AVX2's 16 registers tiles spilled
- * (the same probe built for Zen 3: 0.68-0.89x), so there a tile is one row. */
+ * vectors. A decode step's GQA group (3 rows a KV head for SmolLM2) is a tile. One layer's
+ * call against row by row (`benchmarks/attend_ab.py --baseline 5d273ba`, a 2-vCPU Zen 4
+ * EPYC, medians of 12 alternated rounds, 1 / 2 threads): decode over 8k float32 keys 1.19 /
+ * 1.17x for one sequence and 1.29 / 1.23x for 16, a verify pass's 33 rows 1.14 / 1.15x
+ * (thirty-seventh session). Built for Zen 3 (AVX2's 16 registers, head size 64 in 8 vectors:
+ * tiles of at most 2 rows) the same calls ran 0.98-1.07x on one thread, so there a tile is
+ * one row, the loop it replaced. */
 #define QK_ROWS(NV) (W == 16 ? ((NV) <= 4 ? 4 : 2) : 1)
 
 /* rows [r0, r0 + TR) over the same n keys (key i's elements at kr + (a + i) kn of kp): each
