@@ -29,6 +29,10 @@ import io
 import os
 import pstats
 import resource
+import shutil
+import signal
+import subprocess
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -188,9 +192,6 @@ class _PerfRecorder:
     as (thread id, seconds, leaf-first frames)."""
 
     def __init__(self):
-        import shutil
-        import subprocess
-        import tempfile
         if shutil.which("perf") is None:
             raise SystemExit("--perf needs Linux's perf (Debian: apt-get install linux-perf)")
         self._dir = tempfile.TemporaryDirectory()
@@ -204,8 +205,6 @@ class _PerfRecorder:
             raise SystemExit(f"perf record failed: {self._proc.stderr.read().decode().strip()}")
 
     def stop(self) -> list[tuple[int, float, list[str]]]:
-        import signal
-        import subprocess
         self._proc.send_signal(signal.SIGINT)
         self._proc.wait()
         text = subprocess.run(["perf", "script", "-F", "tid,time,ip,sym", "-i", self._data],
