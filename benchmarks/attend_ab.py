@@ -6,9 +6,9 @@ timed alternately and compared bit for bit.
     PYTHONPATH=. .venv/bin/python benchmarks/attend_ab.py --baseline 5d273ba --march znver3
 
 `attend.c` of --baseline (`git show`) and of this checkout are each compiled with the
-runner's flags (`vericache.model.kernels.LIBRARIES`; `--march` replaces `-march=native`, so
-that an AVX2 build can run on an AVX-512 machine) into a temporary folder and loaded with
-ctypes. For each shape and thread count, --reps rounds each time both builds' calls (the
+runner's compiler ($CC, else cc) and flags (`vericache.model.kernels.LIBRARIES`; `--march`
+replaces `-march=native`, so that an AVX2 build can run on an AVX-512 machine) into a
+temporary folder and loaded with ctypes. For each shape and thread count, --reps rounds each time both builds' calls (the
 best of 3 calls each) and the baseline's / this checkout's time is their ratio: the median
 and the range over the rounds are printed (a ratio over 1: this checkout is faster). Every
 shape's outputs must be equal bit for bit between the builds (the script fails otherwise):
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import tempfile
 import time
@@ -42,8 +43,9 @@ def build(source: str, folder: Path, name: str, march: str | None) -> ctypes.CDL
         cflags = [f"-march={march}" if f.startswith("-march=") else f for f in cflags]
     src, obj, lib = folder / f"{name}.c", folder / f"{name}.o", folder / f"{name}.so"
     src.write_text(source)
-    subprocess.run(["cc", *cflags, "-c", "-o", str(obj), str(src)], check=True)
-    subprocess.run(["cc", "-shared", "-o", str(lib), str(obj), *ldflags], check=True)
+    cc = os.environ.get("CC", "cc")  # the compiler the runner builds with (`kernels._build`)
+    subprocess.run([cc, *cflags, "-c", "-o", str(obj), str(src)], check=True)
+    subprocess.run([cc, "-shared", "-o", str(lib), str(obj), *ldflags], check=True)
     dll = ctypes.CDLL(str(lib))
     for fn in ("vc_attend_f32", "vc_attend_bf16"):
         getattr(dll, fn).argtypes = [PTR] * 3 + [I64] * 3 + [PTR] * 3 + [I64] * 4 + [F32, I64]
