@@ -127,6 +127,9 @@ def test_long_context_scenario_with_budget_and_roofline(tmp_path):
     assert by["vericache_lockstep"]["draft_weight_form"] == "blocks"
     assert by["full_resident"]["draft_head"] is None
     assert by["vericache_lockstep"]["draft_head"] == ("int8" if kernels.linear().q8x else "exact")
+    assert by["vericache_lockstep"]["draft_layers"] == ("int8x2" if kernels.linear().q8x_vnni
+                                                        else "exact")
+    assert by["full_resident"]["draft_layers"] is None
     assert by["vericache_lockstep"]["max_active"] == 1
     assert by["full_offloaded"]["kv_bytes_moved_per_token"] > by["vericache_lockstep"]["kv_bytes_moved_per_token"]
     # where each lane's time went, per job kind: it adds up to the lane's busy time

@@ -459,7 +459,8 @@ def run_scenario(lm, prompts, cfg: ScenarioConfig,
                 kv, dw = lm.runner.kv_bytes_per_token(), lm.runner.draft_weight_bytes()
                 runs.setdefault(v, []).append(variant_measures(raw, reference, kv, dw,
                                                                lm.runner.draft_weight_form(),
-                                                               lm.runner.draft_head_form()))
+                                                               lm.runner.draft_head_form(),
+                                                               lm.runner.draft_layers_form()))
     rows = [median_run(r) for r in runs.values()]
     doc = {"scenario": cfg.scenario, "model": lm.name,
            "settings": {**cfg.__dict__, "context_tokens": [len(p.ids) for p in prompts],

@@ -50,12 +50,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int,
                      draft_weight_bytes: int | None = None,
                      draft_weight_form: str | None = None,
-                     draft_head: str | None = None) -> dict:
+                     draft_head: str | None = None,
+                     draft_layers: str | None = None) -> dict:
     """The variant's row of the report, from `vericache.bench.scenario.run_variant`'s record.
     `draft_weight_bytes`: the drafter's weight copy (`Runner.draft_weight_bytes`), memory a
     variant that drafts holds beside its KV (None: not known here, as the drafter service's),
-    `draft_weight_form` its form (`Runner.draft_weight_form`) and `draft_head` how a draft
-    pass computes the LM head (`Runner.draft_head_form`)."""
+    `draft_weight_form` its form (`Runner.draft_weight_form`), `draft_head` how a draft
+    pass computes the LM head (`Runner.draft_head_form`) and `draft_layers` its layers'
+    products (`Runner.draft_layers_form`)."""
     gens, tr, st = raw["gens"], raw["trace"], raw["tier_stats"]
     tokens = sum(len(g.output_ids) for g in gens)
     wall = tr.end - tr.start
@@ -100,6 +102,8 @@ def variant_measures(raw: dict, reference: list[list[int]], kv_per_token: int,
         "draft_weight_form": draft_weight_form if raw["mode"] != "full" else None,
         # a draft pass's LM head (`Runner.draft_head_form`: "int8", "exact"; None: not known)
         "draft_head": draft_head if raw["mode"] != "full" else None,
+        # its layers' products (`Runner.draft_layers_form`: "int8x2", "exact"; None: not known)
+        "draft_layers": draft_layers if raw["mode"] != "full" else None,
         "draft_busy_s": _r(sum(b - a for a, b in tr.busy[DRAFT_LANE])),
         "verify_busy_s": _r(sum(b - a for a, b in tr.busy[VERIFY_LANE])),
         "admit_busy_s": _r(sum(b - a for a, b in tr.busy[ADMIT_LANE])),

@@ -40,6 +40,7 @@ from vericache.memory import page_size
 DRAFT_KV_DTYPES = ("auto", "model", "bfloat16")
 DRAFT_WEIGHTS = ("auto", "bfloat16", "model")
 DRAFT_HEADS = ("auto", "exact")
+DRAFT_LAYERS = ("auto", "exact")
 
 
 def env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -85,6 +86,16 @@ def draft_head_choice() -> str:
     product, as every other pass takes); an unknown value is refused. Drafts are verified in
     float32 either way: outputs do not change, τ may."""
     return env_choice("VERICACHE_DRAFT_HEAD", DRAFT_HEADS)
+
+
+def draft_layers_choice() -> str:
+    """`VERICACHE_DRAFT_LAYERS`: `auto` (a draft pass's layer products over the model's 4-bit or
+    8-bit weight blocks take their input in two int8 parts a block of 32, the second the
+    first's rounding error in 256ths, for integer dot products: `linear.c`'s
+    `vc_linear_qw_q8x2`, where the CPU has AVX512-VNNI) or `exact` (the exact block product, as
+    every other pass takes); an unknown value is refused. Drafts are verified in float32
+    either way: outputs do not change, τ may."""
+    return env_choice("VERICACHE_DRAFT_LAYERS", DRAFT_LAYERS)
 
 
 def draft_weights_dtype(dtype: torch.dtype, draft_dtype: torch.dtype,

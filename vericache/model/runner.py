@@ -53,6 +53,7 @@ from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
 from vericache.model.families import SUPPORTED, Layer, Weights, extract
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
+                                     draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
 
 __all__ = ["SUPPORTED", "Runner", "SeqBatchItem"]
@@ -191,6 +192,8 @@ class Runner:
                                                  self.linear_kernel is not None)
         self._draft_w: dict[int, torch.Tensor] | None = None  # a weight's data_ptr -> its copy
         self._draft_head_int8 = False  # a draft pass's LM head is `draft_head`'s (`_draft_copy`)
+        # a draft pass's layer products over blocks take x in two int8 parts (`_draft_copy`)
+        self._draft_layers_x2 = False
         self._draft_fused_w = None
         self._draft_lock = threading.Lock()
         self.silu = w.activation == "silu"
@@ -448,6 +451,10 @@ class Runner:
                                                                   found + [head])}
                 self._draft_head_int8 = (self.linear_kernel is not None and self.linear_kernel.q8x
                                          and draft_head_choice() == "auto")
+                self._draft_layers_x2 = (self.linear_kernel is not None
+                                         and self.linear_kernel.q8x_vnni
+                                         and isinstance(found[0], qweights.QWeight)
+                                         and draft_layers_choice() == "auto")
             return self._draft_w
 
     def draft_weight_form(self) -> str:
@@ -467,6 +474,14 @@ class Runner:
         if self._draft_w is None:
             return ""
         return "int8" if self._draft_head_int8 else "exact"
+
+    def draft_layers_form(self) -> str:
+        """How a draft pass computes its layers' products: "int8x2" (over the model's weight
+        blocks with x in two int8 parts, `vc_linear_qw_q8x2`) or "exact"; "" until a draft pass
+        made the copy."""
+        if self._draft_w is None:
+            return ""
+        return "int8x2" if self._draft_layers_x2 else "exact"
 
     def _draft_fused(self) -> dict:
         """`_fused_w` with the products' pointers to the drafter's copies (`_draft_copy`)."""
@@ -491,10 +506,11 @@ class Runner:
         logits exact) where `_draft_head_int8` (`VERICACHE_DRAFT_HEAD`, AVX512-VNNI or AVX2)."""
         if x.shape[0] <= LINEAR_ROWS:
             c = self._draft_copy()[w.data_ptr()]
-            if (self._draft_head_int8 and w.data_ptr() == self.lm_head.data_ptr()
-                    and isinstance(c, qweights.QWeight)):
+            head = w.data_ptr() == self.lm_head.data_ptr()
+            if self._draft_head_int8 and head and isinstance(c, qweights.QWeight):
                 return self.linear_kernel.draft_head(x, c, b, self._threads(), DRAFT_HEAD_TOP)
-            return self.linear_kernel(x, c, b, self._threads())
+            return self.linear_kernel(x, c, b, self._threads(),
+                                      int8_x=2 if self._draft_layers_x2 and not head else 0)
         return self._linear(x, w, b)
 
     def _native_block(self) -> bool:
@@ -874,8 +890,8 @@ class Runner:
         hi = kernels.pointers([p.ranges[lyr.window][1] for lyr in self.layers])
         if drafts:
             weights = self._draft_fused()
-            w_type = (kernels.W_BLOCKS if self.draft_weight_form() == "blocks"
-                      else kernels.W_BFLOAT16)
+            w_type = (kernels.W_BFLOAT16 if self.draft_weight_form() != "blocks"
+                      else kernels.W_BLOCKS_X2 if self._draft_layers_x2 else kernels.W_BLOCKS)
         elif self._blocks_fused_w is not None and T <= BLOCK_ROWS:
             weights, w_type = self._blocks_fused_w, kernels.W_BLOCKS
         else:

@@ -193,8 +193,9 @@ class Pass(ctypes.Structure):
                 + [(n, _P) for n in ("wslot", "wpos", "pad", "lo", "hi", "attend")]
                 + [("kv_bf16", _I), ("w_type", _I)])
 
-# `Pass.w_type`: what the products' weight pointers point to
-W_FLOAT32, W_BFLOAT16, W_BLOCKS = 0, 1, 2
+# `Pass.w_type`: what the products' weight pointers point to (W_BLOCKS_X2: blocks, each
+# product's input in two int8 parts, `vc_linear_qw_q8x2`: a drafter's layers)
+W_FLOAT32, W_BFLOAT16, W_BLOCKS, W_BLOCKS_X2 = 0, 1, 2, 3
 
 
 def pointers(tensors) -> ctypes.Array:
@@ -222,10 +223,13 @@ class Linear:
         self._fn_bf16w = product("vc_linear_bf16w")
         self._fn_qw = product("vc_linear_qw")
         self._fn_qw_q8x = product("vc_linear_qw_q8x")
+        self._fn_qw_q8x2 = product("vc_linear_qw_q8x2")
         self._fn_qw_refine = product("vc_linear_qw_refine")
         # whether block products with x rounded to int8 run as integer dot products
         # (AVX512-VNNI or AVX2; else `int8_x` takes the exact block product)
         self.q8x = bool(lib.vc_q8x())
+        # whether those are VNNI's (AVX512-VNNI): `int8_x=2` (x in two int8 parts) pays there
+        self.q8x_vnni = bool(lib.vc_q8x_vnni())
         # whether bfloat16 weights meet x, split into two bfloat16 parts, in AVX512-BF16 dot
         # products (else x stays float32 and the weights are widened)
         self.bf16_dot = bool(lib.vc_bf16_dot())
@@ -305,7 +309,7 @@ class Linear:
         `top` (rounding alone, every logit from it, cost about one token of τ at 16 x 8k; the
         drafts are verified either way). Without AVX512-VNNI or AVX2 (`q8x` False): the exact
         product."""
-        y = self(x, w, b, threads, int8_x=True)
+        y = self(x, w, b, threads, int8_x=1)
         if self.q8x:
             x = x.contiguous()
             m, k = x.shape
@@ -316,12 +320,13 @@ class Linear:
         return y
 
     def __call__(self, x: torch.Tensor, w, b: torch.Tensor | None = None,
-                 threads: int = 1, int8_x: bool = False) -> torch.Tensor:
+                 threads: int = 1, int8_x: int = 0) -> torch.Tensor:
         """x w^T + b; w float32, bfloat16 (a drafter's copy, `Runner.draft_weights`:
         `vc_linear_bf16w`, where x is split into two bfloat16 parts if `bf16_dot`), or a
         `vericache.model.qweights.QWeight` (the model's own quantized blocks: `vc_linear_qw`,
-        the bits float32 w gives; with `int8_x`, `vc_linear_qw_q8x`: x rounded to int8 a block
-        of 32, a drafter's head only: `draft_head`)."""
+        the bits float32 w gives; `int8_x` 1, `vc_linear_qw_q8x`: x rounded to int8 a block
+        of 32, a drafter's head: `draft_head`; `int8_x` 2, `vc_linear_qw_q8x2`: x in two int8
+        parts, a drafter's layers where `q8x_vnni`)."""
         from vericache.model.qweights import QWeight
 
         blocks = isinstance(w, QWeight)
@@ -338,7 +343,7 @@ class Linear:
         args = (x.data_ptr(), w.address if blocks else w.data_ptr(),
                 None if b is None else b.data_ptr(), y.data_ptr(), m, n, k, threads)
         if blocks:
-            rc = (self._fn_qw_q8x if int8_x else self._fn_qw)(*args)
+            rc = {0: self._fn_qw, 1: self._fn_qw_q8x, 2: self._fn_qw_q8x2}[int(int8_x)](*args)
             if rc == -1:
                 raise MemoryError("linear: out of memory for x in int8")
             if rc:
