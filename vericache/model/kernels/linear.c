@@ -842,8 +842,8 @@ int vc_linear_qw_q8x(const float *x, const struct vc_qw *w, const float *b, floa
  * the first's + the second's): x within about 1/65000 of its block's largest |x|, against
  * 1/254 for one part (the default model's layers, batch 1: 2e-5 of the product's largest
  * value against 5e-3). One thread of a Zen 4 (AVX512-VNNI, `q4z_tile`), its Q4_1 layer
- * products at batch 1: 0.15 ms a layer against the exact product's 0.25 (thirty-eighth
- * session). Elsewhere `vc_q8x_vnni` is 0 and the runner keeps the exact product (AVX2's
+ * products at batch 1: 0.15-0.18 ms a layer against the exact product's 0.25-0.28
+ * (`benchmarks/draft_step.py --products`, thirty-eighth session). Elsewhere `vc_q8x_vnni` is 0 and the runner keeps the exact product (AVX2's
  * integer path, the same integers, was not measured against it). The exact product where
  * `vc_q8x` is 0. */
 int vc_linear_qw_q8x2(const float *x, const struct vc_qw *w, const float *b, float *y,
