@@ -167,7 +167,7 @@ PERF_HZ = 499
 # kinds of native code, by a sample's leaf function (the first pattern that matches); a sample
 # with a page fault among its frames counts as "page faults"
 KINDS = (("attention kernel", ("attend", "expf")),
-         ("weight products", ("qblock", "block", "vc_linear", "sgemm", "gemm")),
+         ("weight products", ("qblock", "block", "vc_linear", "q8x_", "sgemm", "gemm")),
          ("other native kernels", ("vc_",)),
          ("torch's other kernels", ("at::", "c10::", "mkl", "gomp_", "GOMP")),
          ("memory copies and fills", ("memmove", "memcpy", "memset", "clear_page")),
