@@ -686,19 +686,22 @@ def _last_logits(r, ids, last: int, dtype):
     return r.step(ids[-last:], len(ids) - last, c, logits="all")[0]
 
 
-def test_the_drafters_head_rule(monkeypatch):
-    """VERICACHE_DRAFT_HEAD: `auto` by default, or `exact`; an unknown value is refused,
-    naming the choices."""
+@pytest.mark.parametrize("var", ["VERICACHE_DRAFT_HEAD", "VERICACHE_DRAFT_LAYERS"])
+def test_the_drafters_int8_rules(monkeypatch, var):
+    """VERICACHE_DRAFT_HEAD and VERICACHE_DRAFT_LAYERS: `auto` by default, or `exact`; an
+    unknown value is refused, naming the choices."""
     from vericache.errors import InvalidArgument
-    from vericache.model.kvcache import draft_head_choice
+    from vericache.model.kvcache import draft_head_choice, draft_layers_choice
 
-    monkeypatch.delenv("VERICACHE_DRAFT_HEAD", raising=False)
-    assert draft_head_choice() == "auto"
-    monkeypatch.setenv("VERICACHE_DRAFT_HEAD", "exact")
-    assert draft_head_choice() == "exact"
-    monkeypatch.setenv("VERICACHE_DRAFT_HEAD", "int8")
+    choice = {"VERICACHE_DRAFT_HEAD": draft_head_choice,
+              "VERICACHE_DRAFT_LAYERS": draft_layers_choice}[var]
+    monkeypatch.delenv(var, raising=False)
+    assert choice() == "auto"
+    monkeypatch.setenv(var, "exact")
+    assert choice() == "exact"
+    monkeypatch.setenv(var, "int8")
     with pytest.raises(InvalidArgument, match="auto, exact"):
-        draft_head_choice()
+        choice()
 
 
 def test_a_draft_passs_head_keeps_the_exact_heads_tokens(lm, prompts, monkeypatch):
@@ -720,21 +723,6 @@ def test_a_draft_passs_head_keeps_the_exact_heads_tokens(lm, prompts, monkeypatc
     assert torch.equal(fast.argmax(-1), exact.argmax(-1))
     assert torch.allclose(fast.max(-1).values, exact.max(-1).values, rtol=0, atol=1e-4)
     assert torch.equal(fast, exact) != r.linear_kernel.q8x
-
-
-def test_the_drafters_layers_rule(monkeypatch):
-    """VERICACHE_DRAFT_LAYERS: `auto` by default, or `exact`; an unknown value is refused,
-    naming the choices."""
-    from vericache.errors import InvalidArgument
-    from vericache.model.kvcache import draft_layers_choice
-
-    monkeypatch.delenv("VERICACHE_DRAFT_LAYERS", raising=False)
-    assert draft_layers_choice() == "auto"
-    monkeypatch.setenv("VERICACHE_DRAFT_LAYERS", "exact")
-    assert draft_layers_choice() == "exact"
-    monkeypatch.setenv("VERICACHE_DRAFT_LAYERS", "int8")
-    with pytest.raises(InvalidArgument, match="auto, exact"):
-        draft_layers_choice()
 
 
 def test_a_draft_passs_layers_take_x_in_two_int8_parts(lm, prompts, monkeypatch):

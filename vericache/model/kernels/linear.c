@@ -771,23 +771,25 @@ q8x_product(const float *x, const struct vc_qw *w, const float *b, float *y, int
         xqs[i] = parts == 2 ? 256 * qs + qs2 : qs;
     }
     const int64_t tiles = (n + Q8X_JB - 1) / Q8X_JB;
+    /* 4-bit blocks four at a time (`q4z_tile`): x's bytes in its order, each block's centring */
+    const int64_t groups = Q4Z && w->bits == 4 ? nb / 4 : 0;
+    int32_t *init = groups ? malloc(sizeof(int32_t) * (size_t)(m * groups * 16)) : NULL;
+    if (groups && !init) {
+        free(xq);
+        free(xs);
+        free(xqs);
+        return -1;
+    }
 #if Q4Z
-    if (w->bits == 4 && nb >= 4) {
-        const int64_t groups = nb / 4;
-        int32_t *init = malloc(sizeof(int32_t) * (size_t)(m * groups * 16));
-        if (!init) {
-            free(xq);
-            free(xs);
-            free(xqs);
-            return -1;
-        }
-        for (int64_t i = 0; i < m; i++)
-            q4z_x(xq + i * k, xq2 ? xq2 + i * k : NULL, xqs + i * nb, init + i * groups * 16,
-                  groups);
+    for (int64_t i = 0; groups && i < m; i++)
+        q4z_x(xq + i * k, xq2 ? xq2 + i * k : NULL, xqs + i * nb, init + i * groups * 16, groups);
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t j0 = t * Q8X_JB;
-            const int nj = n - j0 < Q8X_JB ? (int)(n - j0) : Q8X_JB;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t j0 = t * Q8X_JB;
+        const int nj = n - j0 < Q8X_JB ? (int)(n - j0) : Q8X_JB;
+#if Q4Z
+        if (groups) {
             for (int64_t i0 = 0; i0 < m; i0 += Q4Z_ROWS) {
                 const int rows = m - i0 < Q4Z_ROWS ? (int)(m - i0) : Q4Z_ROWS;
 #define Q4Z_CALL(NJ, R) q4z_tile(w, xq, xq2, xs, xsum, xqs, init, b, y, n, nb, k, j0, NJ, i0, R, parts)
@@ -798,18 +800,9 @@ q8x_product(const float *x, const struct vc_qw *w, const float *b, float *y, int
                 }
 #undef Q4Z_CALL
             }
+            continue;
         }
-        free(init);
-        free(xq);
-        free(xs);
-        free(xqs);
-        return 0;
-    }
 #endif
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t j0 = t * Q8X_JB;
-        const int nj = n - j0 < Q8X_JB ? (int)(n - j0) : Q8X_JB;
         for (int64_t i0 = 0; i0 < m; i0 += Q8X_ROWS) {
             const int rows = m - i0 < Q8X_ROWS ? (int)(m - i0) : Q8X_ROWS;
             if (w->bits == 4)
@@ -818,6 +811,7 @@ q8x_product(const float *x, const struct vc_qw *w, const float *b, float *y, int
                 Q8X_TILES(8)
         }
     }
+    free(init);
     free(xq);
     free(xs);
     free(xqs);
