@@ -37,8 +37,11 @@ SHAPES = {"decode 16 x 8k": (16, 1, 8000, False), "decode 1 x 8k": (1, 1, 8000, 
           "prefill 56 rows x 8k": (1, 56, 8000, False)}
 
 
-def build(source: str, folder: Path, name: str, march: str | None) -> ctypes.CDLL:
-    _, cflags, ldflags = LIBRARIES["attend"]
+def build(source: str, folder: Path, name: str, march: str | None,
+          library: str = "attend") -> ctypes.CDLL:
+    """`source` compiled as the runner compiles `library` (its flags, `--march` for native)
+    into `folder`, loaded; for "attend", its entry points typed."""
+    _, cflags, ldflags = LIBRARIES[library]
     if march:
         cflags = [f"-march={march}" if f.startswith("-march=") else f for f in cflags]
     src, obj, lib = folder / f"{name}.c", folder / f"{name}.o", folder / f"{name}.so"
@@ -47,7 +50,7 @@ def build(source: str, folder: Path, name: str, march: str | None) -> ctypes.CDL
     subprocess.run([cc, *cflags, "-c", "-o", str(obj), str(src)], check=True)
     subprocess.run([cc, "-shared", "-o", str(lib), str(obj), *ldflags], check=True)
     dll = ctypes.CDLL(str(lib))
-    for fn in ("vc_attend_f32", "vc_attend_bf16"):
+    for fn in ("vc_attend_f32", "vc_attend_bf16") if library == "attend" else ():
         getattr(dll, fn).argtypes = [PTR] * 3 + [I64] * 3 + [PTR] * 3 + [I64] * 4 + [F32, I64]
         getattr(dll, fn).restype = ctypes.c_int
     return dll

@@ -8,8 +8,9 @@ it (the cache cropped back after each), and prints the median. The summary gives
 choice's medians per thread count and exact / auto of their medians (above 1: auto is
 faster). `--products` first times each product of one layer and the LM head alone at
 batch 1 on one thread (exact, x in one int8 part, x in two), with each one's largest error
-against a float64 product as a share of that product's largest value. Outputs are not
-checked here (drafts are lossy and verified): the suite checks the
+against a float64 product as a share of that product's largest value; with `--march`,
+over `linear.c` built for that -march instead of this CPU (`--march znver3`: AVX2 without
+VNNI, where the runner keeps the exact product). Outputs are not checked here (drafts are lossy and verified): the suite checks the
 drafts' logits (tests/test_kernels.py) and `vericache bench` the outputs and τ.
 
     PYTHONPATH=. .venv/bin/python benchmarks/draft_step.py --products --threads 1,2 --rounds 3
@@ -46,13 +47,22 @@ def child(context: int, steps: int, threads: int) -> None:
     print(f"{r.draft_layers_form()} {statistics.median(times[1:]) * 1e3:.3f}")
 
 
-def products(layer: int = 3, repeats: int = 50) -> None:
+def products(march: str | None = None, layer: int = 3, repeats: int = 50) -> None:
+    import tempfile
+    from pathlib import Path
+
     import torch
 
+    from attend_ab import build
     from vericache.model import kernels, load_model
 
     lm = load_model(None, dtype="float32", device="cpu")
     r, lin = lm.runner, kernels.linear()
+    if march:
+        source = (Path(kernels.__file__).parent / "linear.c").read_text()
+        lin = kernels.Linear(build(source, Path(tempfile.mkdtemp()), "linear", march, "linear"))
+        print(f"linear.c built for -march={march}: int8 products {'VNNI' if lin.q8x_vnni else 'AVX2'}"
+              if lin.q8x else f"linear.c built for -march={march}: no int8 products")
     lyr = r.layers[layer]
     mats = [(n, getattr(lyr, n)) for n in ("w_qkv", "w_o", "w_gate_up", "w_down")]
     g = torch.Generator().manual_seed(0)
@@ -91,13 +101,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternated runs per choice")
     ap.add_argument("--products", action="store_true",
                     help="first time one layer's products and the LM head alone")
+    ap.add_argument("--march", default=None,
+                    help="--products over linear.c built for this -march (e.g. znver3)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.context, args.steps, int(args.threads))
         return 0
     if args.products:
-        products()
+        products(args.march)
     results: dict[tuple[int, str], list[float]] = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         for rnd in range(args.rounds):

@@ -837,9 +837,10 @@ int vc_linear_qw_q8x(const float *x, const struct vc_qw *w, const float *b, floa
  * 1/254 for one part (the default model's layers, batch 1: 2e-5 of the product's largest
  * value against 5e-3). One thread of a Zen 4 (AVX512-VNNI, `q4z_tile`), its Q4_1 layer
  * products at batch 1: 0.15-0.18 ms a layer against the exact product's 0.25-0.28
- * (`benchmarks/draft_step.py --products`, thirty-eighth session). Elsewhere `vc_q8x_vnni` is 0 and the runner keeps the exact product (AVX2's
- * integer path, the same integers, was not measured against it). The exact product where
- * `vc_q8x` is 0. */
+ * (`benchmarks/draft_step.py --products`, thirty-eighth session). Without VNNI
+ * (`vc_q8x_vnni` 0) the runner keeps the exact product: AVX2's integer path, the same
+ * integers a block at a time, ran a layer's products at 0.84-0.91x the exact product's speed
+ * (a Zen 3 build on that Zen 4: `--march znver3`). The exact product where `vc_q8x` is 0. */
 int vc_linear_qw_q8x2(const float *x, const struct vc_qw *w, const float *b, float *y,
                       int64_t m, int64_t n, int64_t k, int64_t threads) {
 #if Q8X
