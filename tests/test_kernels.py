@@ -678,6 +678,13 @@ def _draft_copy_restored(r):
          r.draft_weights) = saved
 
 
+def _choose_for_drafts(r, monkeypatch, var: str, choice: str) -> None:
+    """`var` set to `choice`, and the drafter's copy dropped so that the next draft pass
+    remakes it under that choice (inside `_draft_copy_restored`)."""
+    monkeypatch.setenv(var, choice)
+    r._draft_w = r._draft_fused_w = None
+
+
 def _last_logits(r, ids, last: int, dtype):
     """The logits of ids' `last` tokens, after a pass over the others, in a cache of `dtype`
     (the drafter's: a draft pass)."""
@@ -715,8 +722,7 @@ def test_a_draft_passs_head_keeps_the_exact_heads_tokens(lm, prompts, monkeypatc
     out = {}
     with _draft_copy_restored(r):
         for choice in ("exact", "auto"):
-            monkeypatch.setenv("VERICACHE_DRAFT_HEAD", choice)
-            r._draft_w = r._draft_fused_w = None
+            _choose_for_drafts(r, monkeypatch, "VERICACHE_DRAFT_HEAD", choice)
             out[choice] = _last_logits(r, ids, 40, r.draft_dtype)
             assert r._draft_head_int8 == (choice == "auto" and r.linear_kernel.q8x)
     exact, fast = out["exact"], out["auto"]
@@ -739,8 +745,7 @@ def test_a_draft_passs_layers_take_x_in_two_int8_parts(lm, prompts, monkeypatch)
     out, full = {}, {}
     with _draft_copy_restored(r):
         for choice in ("exact", "auto"):
-            monkeypatch.setenv("VERICACHE_DRAFT_LAYERS", choice)
-            r._draft_w = r._draft_fused_w = None
+            _choose_for_drafts(r, monkeypatch, "VERICACHE_DRAFT_LAYERS", choice)
             out[choice] = _last_logits(r, ids, 40, r.draft_dtype)
             assert r._draft_layers_x2 == (choice == "auto" and r.linear_kernel.q8x_vnni)
             fused, loop = _with_and_without(r, "_fused_w",
@@ -783,8 +788,7 @@ def test_draft_passes_take_the_models_own_blocks_or_a_bfloat16_copy(lm, prompts,
     drafted = {}
     with _draft_copy_restored(r):
         for choice in ("auto", "bfloat16"):
-            monkeypatch.setenv("VERICACHE_DRAFT_WEIGHTS", choice)
-            r._draft_w = r._draft_fused_w = None
+            _choose_for_drafts(r, monkeypatch, "VERICACHE_DRAFT_WEIGHTS", choice)
             drafted[choice] = run(r.draft_dtype)
             if choice == "auto":
                 assert r.draft_weight_form() == "blocks"
