@@ -510,6 +510,16 @@ q8x_dot(__m256i init, __m256i wq, __m256i xv, const int bits) {
 #endif
 }
 
+/* init + a block's integer dot product of the weights' bytes with x's: x's bytes xv (parts 1),
+ * or 256 x its first part's (xv) + its second's (xv2) (parts 2), exact in int32 */
+static inline __attribute__((always_inline)) __m256i
+q8x_parts_dot(__m256i init, __m256i wq, __m256i xv, __m256i xv2, const int bits,
+              const int parts) {
+    if (parts == 1) return q8x_dot(init, wq, xv, bits);
+    const __m256i hi = _mm256_slli_epi32(q8x_dot(_mm256_setzero_si256(), wq, xv, bits), 8);
+    return q8x_dot(_mm256_add_epi32(hi, init), wq, xv2, bits);
+}
+
 /* features [j0, j0 + nj) x rows [i0, i0 + rows), nj <= Q8X_JB, rows <= Q8X_ROWS: constants
  * where it is inlined, so that the accumulators stay in registers */
 static inline __attribute__((always_inline)) void
@@ -541,16 +551,12 @@ q8x_tile(const struct vc_qw *w, const int8_t *xq, const int8_t *xq2, const float
             /* parts 2: x's second byte, the first's rounding error in 256ths */
             const __m256i xv2 = parts == 2 ? _mm256_loadu_si256((const __m256i *)(xq2 + at * QB)) : xv;
             for (int jj = 0; jj < nj; jj++) {
-                __m256i dot;
-                if (parts == 2)
-                    dot = q8x_dot(_mm256_add_epi32(_mm256_slli_epi32(
-                                      q8x_dot(_mm256_setzero_si256(), wq[jj], xv, bits), 8), init),
-                                  wq[jj], xv2, bits);
-                else
-                    dot = q8x_dot(init, wq[jj], xv, bits);
+                const __m256i dot = q8x_parts_dot(init, wq[jj], xv, xv2, bits, parts);
                 acc[r][jj] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[jj] * sx),
                                              acc[r][jj]);
-                if (bits == 4) off[r][jj] += mc[jj] * sum;
+                /* fmaf: one rounding in every tile's copy (a contraction the compiler
+                   chose per copy gave a row other bits among others than alone) */
+                if (bits == 4) off[r][jj] = fmaf(mc[jj], sum, off[r][jj]);
             }
         }
     }
@@ -678,17 +684,12 @@ q4z_tile(const struct vc_qw *w, const int8_t *xq, const int8_t *xq2, const float
                 const __m256i wq = q8x_weights(w->q, at, 4);
                 const __m256i in = _mm256_setr_epi32(-8 * xqs[xa], 0, 0, 0, 0, 0, 0, 0);
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xa * QB));
-                __m256i t;
-                if (parts == 2) {
-                    const __m256i xv2 = _mm256_loadu_si256((const __m256i *)(xq2 + xa * QB));
-                    t = _mm256_add_epi32(_mm256_slli_epi32(
-                                             q8x_dot(_mm256_setzero_si256(), wq, xv, 4), 8), in);
-                    t = q8x_dot(t, wq, xv2, 4);
-                } else {
-                    t = q8x_dot(in, wq, xv, 4);
-                }
+                const __m256i xv2 =
+                    parts == 2 ? _mm256_loadu_si256((const __m256i *)(xq2 + xa * QB)) : xv;
+                const __m256i t = q8x_parts_dot(in, wq, xv, xv2, 4, parts);
                 const float dd = w->d[at], mm = w->m ? w->m[at] : 0.0f;
-                tail += hsum8(_mm256_cvtepi32_ps(t)) * (dd * xs[xa]) + (mm + 8.0f * dd) * xsum[xa];
+                tail = fmaf(hsum8(_mm256_cvtepi32_ps(t)), dd * xs[xa],
+                            fmaf(fmaf(8.0f, dd, mm), xsum[xa], tail));
             }
             __m128 o = off[r][jj];
             o = _mm_add_ps(o, _mm_movehl_ps(o, o));
