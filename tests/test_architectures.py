@@ -420,7 +420,8 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
     sequence the logits and K/V of a pass of its own; the next pass over the same caches
     reads the same pool, a pass without one of them too (its slot is padding), a sequence
     that joins takes the slot of one released, and a batch the pool cannot hold (more
-    sequences than its free slots, or under half its slots) is pooled anew. With the native
+    sequences than its free slots, or, with SDPA, which reads every slot of the span, under
+    half of it) is pooled anew. With the native
     kernel, what a slot holds past its sequence's end is never read: it is NaN here; with
     SDPA, it is read masked and must be finite."""
     import gc
@@ -469,7 +470,11 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
               ([0, 4, 1, 2], [1, 3, 1, 1], "same"),  # 3 released: 4 joins in its slot
               ([4, 1], [1, 2], "same"),  # half the slots
               ([0, 1, 2, 4, 5], [1, 1, 1, 1, 2], "new"),  # five caches: the pool holds four
-              ([4, 5], [1, 1], "same"))  # two members of the new pool (of eight slots)
+              ([4, 5], [1, 1], "same"),  # two members of the new pool (of eight slots)
+              # two members five slots apart: the kernel reads only their rows' keys, so
+              # they stay; SDPA would read the span, more than twice theirs: a pool of two
+              ([0, 5], [1, 1], "same" if ranged else "new"))
+    sizes = [4] * 5 + [8, 8, 8 if ranged else 2]
     pool = None
     for step, (order, lens, expect) in enumerate(passes):
         if step == 3:
@@ -489,7 +494,7 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
         assert all(got[i].pool is now for i in order)
         assert (now is pool) == (expect == "same"), (step, order)
         # a new pool has slots to spare: the next power of two (eight for five caches)
-        assert now.size == (4 if step < 5 else 8), (step, now.size)
+        assert now.size == sizes[step], (step, now.size)
         if step == 3:
             assert got[4].slot == freed
         pool = now

@@ -19,10 +19,21 @@ from vericache.store.codec import decode_deltas, encode_deltas
 from vericache.store.keys import select_key
 
 
-# Slots of a group's pool each side (`Runner.new_cache`; on CPU unused slots cost address
-# space only): 16 caches of up to the model's context; a larger group fills a second pool,
-# and a pass over both copies its caches into one (`KVPool.hold`)
+# Slots of a pool (`Runner.new_cache`; on CPU unused slots cost address space only): 16
+# caches of up to the model's context; more fill a second pool, and a pass over both copies
+# its caches into one (`KVPool.hold`)
 ARENA_SLOTS = 16
+# The verifier's caches share one pool whatever their scheduler group (as in the services):
+# its passes read only their rows' keys (`KVPool.hold`'s sparse spans), so a group's pass
+# copies nothing, and a plain batch of both groups neither; in a pool per group such a batch
+# copied a cache from one to the other. The drafter's stay a pool per group: a windowed
+# model's drafter caches record positions, and its passes read every slot of their span.
+VERIFY_ARENA = "verify"
+
+
+def draft_arena(group: int) -> tuple[str, int]:
+    """The drafter's pool key for a request of scheduler group `group`."""
+    return ("draft", group)
 
 
 class LocalBackends(Backends):
@@ -66,7 +77,7 @@ class LocalBackends(Backends):
                                     g.sampling, g.seed, p.namespace, save_tail=via_store,
                                     selection=g.selection, top_logprobs=p.logprobs,
                                     bitwise=p.exact == "bitwise", draft_later=later,
-                                    arena=("verify", g.group))
+                                    arena=VERIFY_ARENA)
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -77,7 +88,7 @@ class LocalBackends(Backends):
             elif via_store:
                 tr = self.drafter.attach_from_store(
                     g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
-                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace, arena=("draft", g.group))
+                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace, arena=draft_arena(g.group))
                 g.stats.record_transfer(0, tr)
                 g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
             else:
@@ -92,7 +103,7 @@ class LocalBackends(Backends):
                 self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
                                     g.extra_capacity, g.sampling, g.seed + 1,
                                     region=k.shape[2] - tail, prompt=g.prompt, pos=pos,
-                                    arena=("draft", g.group))
+                                    arena=draft_arena(g.group))
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
             if g.rid not in self._attaching:
@@ -129,7 +140,7 @@ class LocalBackends(Backends):
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
                             g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt,
-                            pos=pos, arena=("draft", g.group))
+                            pos=pos, arena=draft_arena(g.group))
         g.stats.record_transfer(0, tr)
         g.stats.draft_kv_bytes = tr.bytes_read
         self._apply_deltas(g)

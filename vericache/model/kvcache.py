@@ -13,13 +13,14 @@ The runner writes the positions of the tokens it appends to a cache that has the
 `KVPool`: the caches of a batch side by side in one tensor per K and V, so that the runner's
 attention reads every sequence of a pass in one call per layer. A member cache's `k`, `v` (and
 `pos`) are views of its slot: the API above is unchanged. A cache is made in a pool's slot
-(`KVPool.claim`, through `Runner.new_cache(arena=)`: the engine's caches of one scheduler
-group share a pool from their first token, and a batch of them copies nothing), or on its own
-and then copied into a pool at the first pass it shares (`KVPool.hold`): a batch that stays
-the same is copied once; a cache that outgrows its slot leaves the pool (`reserve`) and the
-next pass re-pools. A batch that loses members keeps its pool (their slots become free), and
-a cache that joins takes the lowest free slot (its tokens copied, nothing else), while the
-pass fills at least half the span of slots it reads: re-pooling allocates and copies every
+(`KVPool.claim`, through `Runner.new_cache(arena=)`: the engine's caches of one side, or of
+one scheduler group, share a pool from their first token, and a batch of them copies
+nothing), or on its own and then copied into a pool at the first pass it shares
+(`KVPool.hold`): a batch that stays the same is copied once; a cache that outgrows its slot
+leaves the pool (`reserve`) and the next pass re-pools. A batch that loses members keeps its
+pool (their slots become free), and a cache that joins takes the lowest free slot (its tokens
+copied, nothing else), while the pass fills at least half the span of slots it reads (any
+part of it, where the call reads only its rows' keys: the native kernel): re-pooling allocates and copies every
 member (1.9 GB for 8 requests of 5k tokens in this model), and with continuous batching,
 where requests end one by one, it did so at every end (passes of 1.9-4.5 s against 0.2 s on a
 2-core CPU, behind the services); a new pool on CPU has slots to spare (the next power of
@@ -339,13 +340,20 @@ class KVPool:
                    and (c.pos is None) == (c0.pos is None) for c in caches)
 
     @classmethod
-    def hold(cls, caches: list[KVCache]) -> tuple["KVPool", int, int]:
+    def hold(cls, caches: list[KVCache], sparse: bool = False) -> tuple["KVPool", int, int]:
         """(pool, lo, top): a pool holding every cache of `caches` in slots [lo, top), which
         they fill at least half of (the other slots of that span are free, or members not in
         this pass: padding rows of the call). The pool most of them share when the rest fit its
         free slots (the lowest) and its capacity; else a new one (`of`), with slots to spare on
         CPU (the next power of two: a batch growing one request at a time re-pools log2(n)
-        times, not n; unused slots cost no memory there, see the class docstring)."""
+        times, not n; unused slots cost no memory there, see the class docstring).
+        `sparse`: the call reads only its rows' own keys (the native kernel: a padding row
+        reads nothing and no slot is made finite), so the span may be of any size. The caches
+        then stay in the pool most of them share, and only the others are copied: an engine's
+        batches of one pool (a staggered schedule's groups, and a plain batch of both) copy
+        nothing. A plain batch of both groups' requests, each group in a pool of its own, copied
+        a 8k request's cache from one to the other in 0.84 s, against 0.07 s for the pass
+        (docs/performance.md, thirty-ninth session)."""
         pools = [c.pool for c in caches if c.pool is not None]
         pool = max(pools, key=lambda p: sum(q is p for q in pools), default=None)
         if pool is not None:
@@ -355,7 +363,7 @@ class KVPool:
                 if len(joining) <= len(free) and all(c.capacity <= pool.capacity for c in joining):
                     slots = [c.slot for c in caches if c.pool is pool] + free[:len(joining)]
                     lo, top = min(slots), max(slots) + 1
-                    if 2 * len(caches) >= top - lo:
+                    if sparse or 2 * len(caches) >= top - lo:
                         for c, s in zip(joining, free):
                             pool._adopt(c, s)
                         return pool, lo, top

@@ -625,7 +625,7 @@ class Runner:
         if len(group) == 1:
             pool, first, slots, B = None, 0, [0], 1
         else:
-            pool, first, top = KVPool.hold(caches)
+            pool, first, top = KVPool.hold(caches, sparse=kernel)
             slots, B = [c.slot - first for c in caches], top - first
             if not kernel:
                 pool.ready(first, top, max(pasts[i] + lens[i] for i in group))
