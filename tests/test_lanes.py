@@ -117,15 +117,16 @@ def test_a_plain_step_after_a_held_guess_drops_the_carried_drafts(lm, prompts):
 @pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
 def test_batch_engine_schedules_identical_to_full(lm, cases, schedule, monkeypatch):
     """The serving engine (`vericache serve --schedule`): four requests at once. Each
-    request's caches are made in its group's pools (`Runner.new_cache(arena=)`), so no pass
-    copies a cache into a pool."""
+    request's caches are made in a pool (`Runner.new_cache(arena=)`: with the native kernel,
+    one a side, `rounds.arena`), so no pass copies a cache into a pool, staggered passes
+    over both groups' requests included (with a pool per group, the staggered run copied a
+    cache into another pool four times)."""
     from vericache.engine.batch import BatchEngine
     from vericache.model.kvcache import KVPool
 
     copied = []
-    of = KVPool.of.__func__
-    monkeypatch.setattr(KVPool, "of", classmethod(
-        lambda cls, caches, *a, **k: copied.append(len(caches)) or of(cls, caches, *a, **k)))
+    adopt = KVPool._adopt  # every copy into a pool (`KVPool.of` adopts too)
+    monkeypatch.setattr(KVPool, "_adopt", lambda self, c, s: copied.append(s) or adopt(self, c, s))
     ids, refs = cases
     engine = BatchEngine(lm, max_batch=8, schedule=schedule)
     try:

@@ -331,13 +331,13 @@ def test_linked_store_paces_reads():
 
 def test_warm_pools_faults_in_the_slots_a_run_reaches_on_both_sides(lm):
     """Before a local variant's timed run the runner's arena pools are written as far as the
-    run reaches: as many slots as the budget holds full caches, in the verifier's pool and in
-    each scheduler group's drafter pool, over a request's whole room (zeros, which is what a
+    run reaches: as many slots as the budget holds full caches, in each pool the engine makes
+    caches in (`arena`: one a side with the native kernel), over a request's whole room (zeros, which is what a
     pass would make of them), and the slots are free again afterwards."""
     from types import SimpleNamespace
 
     from vericache.bench.scenario import ScenarioConfig, warm_pools
-    from vericache.engine.rounds import VERIFY_ARENA, LocalBackends, draft_arena
+    from vericache.engine.rounds import LocalBackends, arena
 
     r = lm.runner
     b = LocalBackends(lm)  # sets the runner's arena slots, as every local variant's does
@@ -346,21 +346,23 @@ def test_warm_pools_faults_in_the_slots_a_run_reaches_on_both_sides(lm):
         cfg = ScenarioConfig(groups=2, max_tokens=12, draft_len=8)
         tokens = 300 + cfg.params("full").extra_capacity
         per_cache = tokens * r.kv_bytes_per_token()
-        arenas = [(VERIFY_ARENA, r.dtype)] + [(draft_arena(g), r.draft_dtype) for g in range(2)]
-        for arena, dtype in arenas:  # slot 1 of every pool written before: not zero
-            held = [r.new_cache(tokens, False, arena, dtype) for _ in range(2)]
+        pools = {(arena(r, side, g), dtype) for g in range(2)
+                 for side, dtype in (("verify", r.dtype), ("draft", r.draft_dtype))}
+        assert len(pools) == 2  # the native kernel: one pool a side, whatever the group
+        for key, dtype in pools:  # slot 1 of every pool written before: not zero
+            held = [r.new_cache(tokens, False, key, dtype) for _ in range(2)]
             for c in held:
                 c.k[:, :, :tokens].fill_(1.0)
                 c.v[:, :, :tokens].fill_(1.0)
             del held, c
         warm_pools(lm, prompts, cfg, budget=per_cache)  # one full cache: one slot a pool
-        for arena, dtype in arenas:
-            pool = r._arenas[(arena, False, dtype)]
+        for key, dtype in pools:
+            pool = r._arenas[(key, False, dtype)]
             assert not pool.k[:, 0, :, :tokens].any() and not pool.v[:, 0, :, :tokens].any()
             assert bool((pool.k[:, 1, :, :tokens] == 1.0).all())  # past the budget: untouched
             assert pool.free_slots()[:2] == [0, 1]
         warm_pools(lm, prompts, cfg, budget=None)  # no budget: a slot per request
-        pool = r._arenas[(VERIFY_ARENA, False, r.dtype)]
+        pool = r._arenas[(arena(r, "verify", 1), False, r.dtype)]
         assert not pool.k[:, 1, :, :tokens].any()
     finally:
         b.close()

@@ -55,7 +55,7 @@ from vericache.engine.generation import Generation, GenParams
 from vericache.engine.kvtier import TierStats, make_tier
 from vericache.engine.lanes import run_requests
 from vericache.engine.local import generate
-from vericache.engine.rounds import VERIFY_ARENA, LocalBackends, draft_arena
+from vericache.engine.rounds import LocalBackends, arena
 from vericache.engine.verifier import Verifier
 from vericache.errors import InvalidArgument
 from vericache.select import make_selection
@@ -185,8 +185,8 @@ def drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
 
 def warm_pools(lm, prompts, cfg: ScenarioConfig, budget: int | None) -> None:
     """Fault in the runner's arena pools (`Runner.new_cache(arena=)`) as far as a run of
-    `prompts` at `budget` reaches, on both sides (the drafter's in every scheduler group), as
-    a server that has served such requests holds them (the offloaded tier's host memory is in
+    `prompts` at `budget` reaches, on both sides (every pool of `arena`'s), as a server that
+    has served such requests holds them (the offloaded tier's host memory is in
     place the same way: `OffloadedTier.preallocate`). The pools live as long as the runner, and a
     slot is faulted in by the first cache that writes it, so without this the variant that
     runs first pays for every variant after it: on a 2-vCPU Xeon at 16 x 8k, full_resident's
@@ -199,10 +199,11 @@ def warm_pools(lm, prompts, cfg: ScenarioConfig, budget: int | None) -> None:
     tokens = max(len(p.ids) for p in prompts) + cfg.params("full").extra_capacity
     per_cache = tokens * r.kv_bytes_per_token()
     n = len(prompts) if budget is None else max(1, min(len(prompts), budget // per_cache))
-    arenas = [(VERIFY_ARENA, r.dtype, False)]  # one pool, whatever the group
-    arenas += [(draft_arena(g), r.draft_dtype, r.windowed) for g in range(cfg.groups)]
-    for arena, dtype, positions in arenas:
-        caches = [r.new_cache(tokens, positions, arena, dtype) for _ in range(min(n, r.arena_slots))]
+    pools = {(arena(r, side, g), dtype, positions) for g in range(cfg.groups)
+             for side, dtype, positions in (("verify", r.dtype, False),
+                                            ("draft", r.draft_dtype, r.windowed))}
+    for key, dtype, positions in pools:
+        caches = [r.new_cache(tokens, positions, key, dtype) for _ in range(min(n, r.arena_slots))]
         for c in caches:  # zeros are what `KVPool.ready` would write there anyway
             c.k[:, :, :tokens].zero_()
             c.v[:, :, :tokens].zero_()

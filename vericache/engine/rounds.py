@@ -23,17 +23,21 @@ from vericache.store.keys import select_key
 # caches of up to the model's context; more fill a second pool, and a pass over both copies
 # its caches into one (`KVPool.hold`)
 ARENA_SLOTS = 16
-# The verifier's caches share one pool whatever their scheduler group (as in the services):
-# its passes read only their rows' keys (`KVPool.hold`'s sparse spans), so a group's pass
-# copies nothing, and a plain batch of both groups neither; in a pool per group such a batch
-# copied a cache from one to the other. The drafter's stay a pool per group: a windowed
-# model's drafter caches record positions, and its passes read every slot of their span.
-VERIFY_ARENA = "verify"
 
 
-def draft_arena(group: int) -> tuple[str, int]:
-    """The drafter's pool key for a request of scheduler group `group`."""
-    return ("draft", group)
+def arena(runner, side: str, group: int):
+    """The pool (`Runner.new_cache(arena=)`) of a request's caches on `side` ("verify" or
+    "draft") in scheduler group `group`: one pool a side where the native kernel reads that
+    side's passes, else one a group. The kernel reads only a pass's rows' own keys, so a pass
+    over any slots of one pool copies nothing (`KVPool.hold`'s sparse spans): a staggered
+    group's, and one that takes both groups' requests (plain requests, which belong to no
+    group, and draft-ahead jobs). In a pool per group such a pass copied the other group's
+    caches into its pool (an 8k verifier cache in 0.84 s, against 0.07 s for the pass;
+    docs/performance.md, thirty-ninth session). SDPA reads every slot of a pass's span, so
+    where it runs the passes (no native kernel; a windowed model's drafter, whose caches
+    record positions) a group keeps a pool of its own."""
+    ranged = runner.attend_kernel is not None and not (side == "draft" and runner.windowed)
+    return side if ranged else (side, group)
 
 
 class LocalBackends(Backends):
@@ -77,7 +81,7 @@ class LocalBackends(Backends):
                                     g.sampling, g.seed, p.namespace, save_tail=via_store,
                                     selection=g.selection, top_logprobs=p.logprobs,
                                     bitwise=p.exact == "bitwise", draft_later=later,
-                                    arena=VERIFY_ARENA)
+                                    arena=arena(self.lm.runner, "verify", g.group))
         t1 = time.perf_counter()
         g.stats.full_kv_bytes = len(g.prompt) * self.lm.runner.kv_bytes_per_token()
         g.stats.record_transfer(out.cached_tokens, out.transfer)
@@ -88,7 +92,8 @@ class LocalBackends(Backends):
             elif via_store:
                 tr = self.drafter.attach_from_store(
                     g.rid, g.prompt, g.compressor, p.chunk_size, out.tail_start, out.first_token,
-                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace, arena=draft_arena(g.group))
+                    g.extra_capacity, g.sampling, g.seed + 1, p.namespace,
+                    arena=arena(self.lm.runner, "draft", g.group))
                 g.stats.record_transfer(0, tr)
                 g.stats.draft_kv_bytes = tr.bytes_read  # compressed chunks + exact tail, as stored
             else:
@@ -103,7 +108,7 @@ class LocalBackends(Backends):
                 self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,
                                     g.extra_capacity, g.sampling, g.seed + 1,
                                     region=k.shape[2] - tail, prompt=g.prompt, pos=pos,
-                                    arena=draft_arena(g.group))
+                                    arena=arena(self.lm.runner, "draft", g.group))
                 g.stats.draft_kv_bytes = (sum(c.nbytes() for c in out.chunks)
                                           + tail * self.lm.runner.kv_bytes_per_token())
             if g.rid not in self._attaching:
@@ -140,7 +145,7 @@ class LocalBackends(Backends):
         tail = len(g.prompt) - self._tail_start[g.rid]
         self.drafter.attach(g.rid, k, v, verified, len(g.prompt) + len(verified), g.extra_capacity,
                             g.sampling, g.seed + 1, region=k.shape[2] - tail, prompt=g.prompt,
-                            pos=pos, arena=draft_arena(g.group))
+                            pos=pos, arena=arena(self.lm.runner, "draft", g.group))
         g.stats.record_transfer(0, tr)
         g.stats.draft_kv_bytes = tr.bytes_read
         self._apply_deltas(g)
