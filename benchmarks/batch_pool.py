@@ -3,8 +3,9 @@
 `--batch` (16) requests of about `--context-tokens` tokens (code and prose alternating, as in
 `benchmarks/exactness.py`) at once through one `BatchEngine` with the embedded server's
 memory:// prefix store, `--tokens` greedy tokens each, in each `--modes` mode, two ways:
-- `pools`: what the engine does now: a request's caches are made in its scheduler group's
-  pool, so a batch's passes find them pooled and copy nothing;
+- `pools`: what the engine does now: a request's caches are made in a pool (one a side with
+  the native kernel, else its scheduler group's: `vericache.engine.rounds.arena`), so a
+  batch's passes find them pooled and copy nothing;
 - `own`: caches of their own (`runner.arena_slots = 0`), copied into a pool at the first
   pass that batches them (`KVPool.hold`), the engine before this benchmark's commit.
 A first run (not timed) fills the prefix store, so every timed run prefills from it alike.
