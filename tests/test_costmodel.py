@@ -403,6 +403,28 @@ def test_a_drafter_starts_only_where_the_time_saved_pays_for_its_start():
     assert plan(10_000) == plan(START_HORIZON) > 0
 
 
+def test_a_drafter_starts_on_an_unseen_plain_step_only_by_the_wider_margin():
+    """Where the group's plain step is priced by the line alone (its shape not seen), a
+    drafter starts only if drafting beats it by START_MARGIN_UNSEEN; once that plain step has
+    been timed, START_MARGIN is enough. A drafter that runs drafts either way."""
+    from vericache.spec.costmodel import START_MARGIN, START_MARGIN_UNSEEN
+
+    prof = _profile(0.6)
+    costs = CostModel()
+    # fitted at 1000 tokens of context only; a pass costs the same at any context here, so the
+    # line prices the unseen 3000-token plain step at its true time
+    _simulate(costs, draft_step=0.004, verify_base=0.02, per_token=0.0, profile=prof)
+    e = prof.expected_tokens(costs.prior_rate)
+    gain = max(e[k] * 0.02 / (k * 0.004 + 0.02) for k in range(17))
+    assert START_MARGIN < gain < START_MARGIN_UNSEEN, gain
+    plan = lambda ctx, started: costs.plan([16], [ctx], [prof], [False],  # noqa: E731
+                                           started=[started]).ks[0]
+    assert plan(1000, False) > 0  # its plain step seen: the margin is START_MARGIN
+    assert plan(3000, False) == 0 and plan(3000, True) > 0  # unseen: the wider margin
+    costs.observe_verify(1, 3000, 3000, 0.02)  # the plain step at 3000 tokens, timed
+    assert plan(3000, False) > 0
+
+
 def test_the_engine_prices_a_drafters_start(lm, prompts):
     """A request whose drafter is loaded when it first drafts (a store: `draft_later`): that
     round's draft phase is not learned as steps, it prices the start."""

@@ -86,6 +86,15 @@ START_MARGIN = 1.2
 # first drafting round of 8 requests of 0.3k-4k tokens took 2.8-3.1 s beyond its steps, more
 # than drafting 1.2x faster than plain steps at 35 tok/s saves over 64-token answers)
 START_HORIZON = 256
+# ... and by this much where the group's plain step is priced by the line alone (its shape
+# not seen yet, and no offloaded load setting its price): a start is paid once, and the
+# line reaches shapes far from the ones it was fitted on. Remote prefix on a 2-vCPU Zen 4,
+# calibrated at 1-2k tokens: a plain step of one 8k request was priced 0.080 s against the
+# 0.036 s it took, of four 0.33 s against 0.07-0.09; in one of that session's runs the
+# verify policy's plan started drafters in its first rounds and ran 16.24 tok/s, against
+# 27.79 for the question policy's plain steps in the same run (docs/performance.md,
+# thirty-ninth session)
+START_MARGIN_UNSEEN = 2.0
 
 
 def nonnegative_lstsq(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -189,6 +198,11 @@ class LinearFit:
         y = np.array([b[2] for b in self._buckets.values()])
         w = np.minimum([b[0] for b in self._buckets.values()], self.CAP_WEIGHT).astype(float)
         self.theta = nonnegative_lstsq(X * np.sqrt(w)[:, None], y * np.sqrt(w))
+
+    def seen(self, bucket) -> int:
+        """How many observations `bucket` holds (0: its shape is priced by the line)."""
+        b = self._buckets.get(bucket)
+        return 0 if b is None else b[0]
 
     def ready(self, shapes: int = 1) -> bool:
         """Whether the fit has seen MIN_FIT observations of at least `shapes` shapes."""
@@ -564,11 +578,13 @@ class CostModel:
             drafting_tps = tps
             plain_t, plain_ks = self._round_s(0, caps, ctxs, dctx)
             plain_tps = sum(e[0] for e in gains) / plain_t
+            seen = self._priced_by_times(len(caps), dctx)
             if tps < DRAFT_MARGIN * plain_tps:
                 tps, ks = plain_tps, plain_ks
             if started is not None:
                 starts = sum(c for x, s, c in zip(ks, started, ctxs) if x and not s)
-                if starts and not self._starts_pay(tps, plain_tps, starts, remaining, len(caps)):
+                if starts and not self._starts_pay(tps, plain_tps, starts, remaining, len(caps),
+                                                   seen):
                     ks = [x if s else 0 for x, s in zip(ks, started)]
                     tps, _ = self._goodput(ks, ctxs, dctx, gains)
                     if tps < DRAFT_MARGIN * plain_tps:
@@ -597,7 +613,7 @@ class CostModel:
                     g = (sum(e[y] for j, (e, y) in enumerate(zip(gains, trial)) if j != i)
                          + hopeful[trial[i]]) / t
                     if (g > tps if started is None or started[i]
-                            else self._starts_pay(g, tps, ctxs[i], remaining, len(caps))):
+                            else self._starts_pay(g, tps, ctxs[i], remaining, len(caps), seen)):
                         ks = trial
             log.debug("plan: contexts %s -> k %s, %.2f tokens/s predicted (plain steps: %.2f in "
                       "%.4f s; the best common k: %.2f; commit %.4f s a request, start %.2e s a "
@@ -607,13 +623,24 @@ class CostModel:
             self._count(ks)
             return Plan(ks, tps)
 
+    def _priced_by_times(self, tokens: int, ctx_sum: float) -> bool:
+        """Whether a pass of `tokens` rows over `ctx_sum` context tokens is priced from
+        measured times: its shape's bucket seen, or its price the offloaded tier's measured
+        load (call with the lock held)."""
+        bucket = _verify_bucket(tokens, ctx_sum)
+        if self.verify.seen(bucket):
+            return True
+        return (self.load_s_per_token is not None and self.load_s_per_token * ctx_sum
+                >= self.verify.predict(_verify_x(tokens, ctx_sum, ctx_sum), bucket))
+
     def _starts_pay(self, tps: float, plain_tps: float, start_ctx: int,
-                    remaining: list[int] | None, n: int) -> bool:
+                    remaining: list[int] | None, n: int, seen: bool = True) -> bool:
         """Whether drafting at goodput `tps` against plain steps' `plain_tps` pays for
-        starting drafters of `start_ctx` context tokens: by START_MARGIN, and by the time it
+        starting drafters of `start_ctx` context tokens: by START_MARGIN (START_MARGIN_UNSEEN
+        where the plain step is not `seen`, priced by the line alone), and by the time it
         saves over the group's next tokens (START_HORIZON) against the start's measured
         price."""
-        if tps < START_MARGIN * plain_tps:
+        if tps < (START_MARGIN if seen else START_MARGIN_UNSEEN) * plain_tps:
             return False
         tokens = sum(min(r, START_HORIZON) for r in remaining) if remaining else n * START_HORIZON
         return tokens * (1.0 / plain_tps - 1.0 / tps) >= start_ctx * self.start.value
