@@ -332,8 +332,9 @@ def test_linked_store_paces_reads():
 def test_warm_pools_faults_in_the_slots_a_run_reaches_on_both_sides(lm):
     """Before a local variant's timed run the runner's arena pools are written as far as the
     run reaches: as many slots as the budget holds full caches, in each pool the engine makes
-    caches in (`arena`: one a side with the native kernel), over a request's whole room (zeros, which is what a
-    pass would make of them), and the slots are free again afterwards."""
+    caches in (`arena`: one a side with the native kernel), over a request's whole room
+    (zeros, which is what a pass would make of them), and the slots are free again
+    afterwards."""
     from types import SimpleNamespace
 
     from vericache.bench.scenario import ScenarioConfig, warm_pools

@@ -186,9 +186,9 @@ def drop_new_keys(store: MemoryStore, keep: set[str]) -> None:
 def warm_pools(lm, prompts, cfg: ScenarioConfig, budget: int | None) -> None:
     """Fault in the runner's arena pools (`Runner.new_cache(arena=)`) as far as a run of
     `prompts` at `budget` reaches, on both sides (every pool of `arena`'s), as a server that
-    has served such requests holds them (the offloaded tier's host memory is in
-    place the same way: `OffloadedTier.preallocate`). The pools live as long as the runner, and a
-    slot is faulted in by the first cache that writes it, so without this the variant that
+    has served such requests holds them (the offloaded tier's host memory is in place the
+    same way: `OffloadedTier.preallocate`). The pools live as long as the runner, and a slot
+    is faulted in by the first cache that writes it, so without this the variant that
     runs first pays for every variant after it: on a 2-vCPU Xeon at 16 x 8k, full_resident's
     prefill jobs took 9.10 s (61387 page faults) the first time and 7.98 s (636) the second;
     with the pools warmed first, 8.17 s (663) and 8.15 s (docs/performance.md,

@@ -20,11 +20,12 @@ nothing), or on its own and then copied into a pool at the first pass it shares
 leaves the pool (`reserve`) and the next pass re-pools. A batch that loses members keeps its
 pool (their slots become free), and a cache that joins takes the lowest free slot (its tokens
 copied, nothing else), while the pass fills at least half the span of slots it reads (any
-part of it, where the call reads only its rows' keys: the native kernel): re-pooling allocates and copies every
-member (1.9 GB for 8 requests of 5k tokens in this model), and with continuous batching,
-where requests end one by one, it did so at every end (passes of 1.9-4.5 s against 0.2 s on a
-2-core CPU, behind the services); a new pool on CPU has slots to spare (the next power of
-two), so a batch that grows one request at a time re-pools log2(n) times, not n.
+part of it where the call reads only its rows' keys, the native kernel's): re-pooling
+allocates and copies every member (1.9 GB for 8 requests of 5k tokens in this model), and
+with continuous batching, where requests end one by one, it did so at every end (passes of
+1.9-4.5 s against 0.2 s on a 2-core CPU, behind the services); a new pool on CPU has slots to
+spare (the next power of two), so a batch that grows one request at a time re-pools log2(n)
+times, not n.
 """
 
 from __future__ import annotations
@@ -348,12 +349,9 @@ class KVPool:
         CPU (the next power of two: a batch growing one request at a time re-pools log2(n)
         times, not n; unused slots cost no memory there, see the class docstring).
         `sparse`: the call reads only its rows' own keys (the native kernel: a padding row
-        reads nothing and no slot is made finite), so the span may be of any size. The caches
-        then stay in the pool most of them share, and only the others are copied: an engine's
-        batches of one pool (a staggered schedule's groups, and a plain batch of both) copy
-        nothing. A plain batch of both groups' requests, each group in a pool of its own, copied
-        a 8k request's cache from one to the other in 0.84 s, against 0.07 s for the pass
-        (docs/performance.md, thirty-ninth session)."""
+        reads nothing and no slot is made finite), so the span may be of any size: caches of
+        one pool stay where they are, and a pass over any of them copies nothing (the engine
+        keeps one pool a side for it: `vericache.engine.rounds.arena`)."""
         pools = [c.pool for c in caches if c.pool is not None]
         pool = max(pools, key=lambda p: sum(q is p for q in pools), default=None)
         if pool is not None:
