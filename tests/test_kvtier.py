@@ -25,17 +25,21 @@ def reference(lm, ids):
 
 @pytest.mark.parametrize("mode", ["full", "vericache"])
 def test_offloaded_identical_to_resident(lm, ids, reference, mode):
+    # a cost model that has seen loads cost far less than a plain step, as at 200 Gbit/s: on
+    # the engine's own timings alone, one suite run priced a load above a plain step here
+    # and held one (the assertion below rested on a machine's timing)
+    costs = _priced(len(ids), 1e-4, 0.02)
     tier = make_tier("offloaded", link_gbps=200.0)
     try:
         res = generate(lm, ids, GenParams(mode=mode, max_tokens=N, ignore_eos=True, draft_len=6),
-                       LocalBackends(lm, tier=tier))
+                       LocalBackends(lm, tier=tier), costs)
     finally:
         tier.close()
     assert res.token_ids == reference.token_ids
     st, per_tok = tier.stats, lm.runner.kv_bytes_per_token()
     rounds = res.stats.rounds
     assert st.loads == rounds - 1  # the first verification ran on the prefilled KV
-    assert res.stats.held_steps == 0  # at 200 Gbit/s a load costs less than a plain step
+    assert res.stats.held_steps == 0  # a load costs less than a plain step: nothing is held
     # every later verify pass loaded the whole KV so far: at least the prompt's
     assert st.bytes_loaded >= (rounds - 1) * len(ids) * per_tok
     # prefill stored the prompt; each round wrote back its kept tokens (emitted, but the last)
