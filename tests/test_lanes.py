@@ -114,6 +114,17 @@ def test_a_plain_step_after_a_held_guess_drops_the_carried_drafts(lm, prompts):
     assert d.draft([("a", 4)])[0].tokens == full[15:19]
 
 
+def _pool_copies(monkeypatch) -> list[int]:
+    """The slots of every cache copied into a pool from now on (`KVPool._adopt`; `KVPool.of`
+    adopts too)."""
+    from vericache.model.kvcache import KVPool
+
+    copied: list[int] = []
+    adopt = KVPool._adopt
+    monkeypatch.setattr(KVPool, "_adopt", lambda self, c, s: copied.append(s) or adopt(self, c, s))
+    return copied
+
+
 @pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
 def test_batch_engine_schedules_identical_to_full(lm, cases, schedule, monkeypatch):
     """The serving engine (`vericache serve --schedule`): four requests at once. Each
@@ -122,11 +133,8 @@ def test_batch_engine_schedules_identical_to_full(lm, cases, schedule, monkeypat
     over both groups' requests included (with a pool per group, the staggered run copied a
     cache into another pool four times)."""
     from vericache.engine.batch import BatchEngine
-    from vericache.model.kvcache import KVPool
 
-    copied = []
-    adopt = KVPool._adopt  # every copy into a pool (`KVPool.of` adopts too)
-    monkeypatch.setattr(KVPool, "_adopt", lambda self, c, s: copied.append(s) or adopt(self, c, s))
+    copied = _pool_copies(monkeypatch)
     ids, refs = cases
     engine = BatchEngine(lm, max_batch=8, schedule=schedule)
     try:
@@ -153,11 +161,8 @@ def test_a_plain_batch_of_both_groups_copies_no_cache(lm, cases, monkeypatch):
     the other group's caches (an 8k request's in 0.84 s, against 0.07 s for the pass)."""
     from vericache.engine.batch import BatchEngine
     from vericache.engine.lanes import LaneRunner
-    from vericache.model.kvcache import KVPool
 
-    copied, mixed = [], []
-    adopt = KVPool._adopt
-    monkeypatch.setattr(KVPool, "_adopt", lambda self, c, s: copied.append(s) or adopt(self, c, s))
+    copied, mixed = _pool_copies(monkeypatch), []
     execute = LaneRunner._execute
 
     def spy(self, job, threads):
