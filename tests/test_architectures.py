@@ -32,6 +32,16 @@ ARCHS = {
     "qwen2-sliding": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW,
                                           max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=64)),  # head_dim != hidden / heads
+    "ministral": ("MinistralConfig", dict(head_dim=32, sliding_window=WINDOW, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"])),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),  # layer 1 has no RoPE
+    # SmolLM3 slides only on its NoPE layers
+    "smollm3-sliding": ("SmolLM3Config", dict(no_rope_layers=[0, 1, 0], use_sliding_window=True,
+                                              sliding_window=WINDOW)),
+    # the residual multiplier is folded into o_proj and down_proj; not a power of two, so the
+    # folded products round differently from transformers' and the margins are checked
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.09, logits_scaling=3.0)),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=WINDOW)),
     # longrope is static up to its original context: the runner serves that much
     "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=128, rope_parameters=dict(
@@ -45,7 +55,8 @@ ARCHS = {
         # transformers' Gemma 3 ignores attn_logit_softcapping; set, it checks the runner does too
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
 }
-WINDOWED = {"mistral-sliding", "qwen2-sliding", "phi3", "gemma3_text"}
+WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
+            "gemma3_text"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -114,7 +125,8 @@ def arch(request, tmp_path_factory):
 def test_family_config(arch):
     name, lm, hf, _ = arch
     assert hf.config.model_type == {"llama-rope-llama3": "llama", "mistral-sliding": "mistral",
-                                    "qwen2-sliding": "qwen2", "phi3-longrope": "phi3"}.get(name, name)
+                                    "qwen2-sliding": "qwen2", "phi3-longrope": "phi3",
+                                    "smollm3-sliding": "smollm3"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -129,6 +141,20 @@ def test_family_config(arch):
     if name == "phi3-longrope":
         assert hf.config.rope_parameters["rope_type"] == "longrope"
         assert r.max_positions == lm.max_context == 128 < hf.config.max_position_embeddings
+    if name == "ministral":
+        assert windows == [WINDOW, None, WINDOW]
+    if name == "granite":
+        assert (r.scale, r.logit_divisor, float(r.embed_scale)) == (0.09, 3.0, 12.0)
+        o = hf.model.layers[0].self_attn.o_proj.weight
+        assert torch.equal(r.layers[0].w_o, o * 0.22) and not torch.equal(r.layers[0].w_o, o)
+    if name.startswith("smollm3"):
+        nope = [i for i, use in enumerate(hf.config.no_rope_layers) if not use]
+        assert nope == ([1] if name == "smollm3" else [0, 2])
+        assert [lyr.rope for lyr in r.layers] == [int(i in nope) for i in range(r.num_layers)]
+        cos, sin = r.ropes[1]
+        assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
+        if name == "smollm3-sliding":
+            assert windows == [WINDOW, None, WINDOW]
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
 
@@ -304,7 +330,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
     assert "'gpt2' is not supported" in msg
     for name in SUPPORTED:
         assert name in msg
-    assert set(SUPPORTED) >= {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"}
+    assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
+                              "granite", "phi3", "gemma3_text"}
 
 
 def test_output_and_mlp_biases_are_refused():

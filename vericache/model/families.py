@@ -46,6 +46,7 @@ class Weights:
     embed_scale: float | None = None  # Gemma: sqrt(hidden), applied in the model dtype
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
 
 
 def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -90,8 +91,8 @@ def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | No
 
 
 def _window(cfg, layer_idx: int) -> int | None:
-    """The layer's sliding window, or None. Layers with `layer_types` (Qwen2/3, Gemma 3) slide
-    only where marked "sliding_attention"; Mistral and Phi-3 slide on every layer."""
+    """The layer's sliding window, or None. Layers with `layer_types` (Qwen2/3, Ministral,
+    SmolLM3, Gemma 3) slide only where marked "sliding_attention"; Mistral and Phi-3 slide on every layer."""
     w = getattr(cfg, "sliding_window", None)
     if not w or w >= cfg.max_position_embeddings:
         return None
@@ -148,7 +149,8 @@ def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
 
 
 def _llama(hf, device) -> Weights:
-    """Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before RoPE)."""
+    """Llama, Mistral, Ministral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before
+    RoPE)."""
     cfg = hf.config
     layers = []
     for i, lyr in enumerate(hf.model.layers):
@@ -163,6 +165,43 @@ def _llama(hf, device) -> Weights:
             qk_norm=_qk_norm(cfg, a, device),
             window=_window(cfg, i)))
     return _common(hf, device, layers)
+
+
+def _smollm3(hf, device) -> Weights:
+    """SmolLM3: Llama's block, without RoPE on the layers `no_rope_layers` marks 0 (every
+    fourth by default). Those layers read an identity table (cos 1, sin 0, as wide as the
+    model's own so one fused pass serves every layer), which leaves q and k bit for bit as
+    they are: x * 1 - y * 0 = x. It is a stride-0 view, so it costs no memory."""
+    w = _llama(hf, device)
+    nope = [i for i, use in enumerate(hf.config.no_rope_layers) if not use]
+    if nope:
+        cos = w.ropes[0][0]
+        one = torch.ones(1, cos.shape[1], dtype=cos.dtype, device=cos.device)
+        w.ropes.append((one.expand_as(cos), torch.zeros_like(one).expand_as(cos)))
+        for i in nope:
+            w.layers[i].rope = len(w.ropes) - 1
+    return w
+
+
+def _granite(hf, device) -> Weights:
+    """Granite: Llama's block with four multipliers. The embedding's is `embed_scale`, the
+    attention's is its scale, and the logits are divided by `logits_scaling`. The residual
+    multiplier is folded into o_proj and down_proj (each weight times it in float32, rounded
+    once to the model's dtype), so the runner's block stays Llama's (the fused pass serves
+    it): a branch's output is (m W) x instead of m (W x), a rounding apart."""
+    cfg = hf.config
+    w = _llama(hf, device)
+    m = float(cfg.residual_multiplier)
+    if m != 1.0:
+        for lyr in w.layers:
+            lyr.w_o = (lyr.w_o.float() * m).to(lyr.w_o.dtype).contiguous()
+            lyr.w_down = (lyr.w_down.float() * m).to(lyr.w_down.dtype).contiguous()
+    w.attn_scale = float(cfg.attention_multiplier)
+    if float(cfg.embedding_multiplier) != 1.0:
+        w.embed_scale = float(cfg.embedding_multiplier)
+    if float(cfg.logits_scaling) != 1.0:
+        w.logit_divisor = float(cfg.logits_scaling)
+    return w
 
 
 def _phi3(hf, device) -> Weights:
@@ -221,8 +260,11 @@ def _gemma3(hf, device) -> Weights:
 FAMILIES: dict[str, Callable[..., Weights]] = {
     "llama": _llama,
     "mistral": _llama,
+    "ministral": _llama,  # Mistral's block; its windows by `layer_types`
     "qwen2": _llama,
     "qwen3": _llama,
+    "smollm3": _smollm3,
+    "granite": _granite,
     "phi3": _phi3,
     "gemma3_text": _gemma3,
 }

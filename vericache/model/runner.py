@@ -172,6 +172,7 @@ class Runner:
                             torch.tensor(w.embed_scale, dtype=self.dtype, device=self.device))
         self.norm_upcast = w.norm_upcast
         self.final_softcap = w.final_softcap
+        self.logit_divisor = w.logit_divisor
         self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
         self.windowed = bool(self.windows)  # caches with positions matter only then
         # slots of each arena pool (`new_cache`); 0: caches of their own. An engine serving
@@ -967,6 +968,8 @@ class Runner:
             return [None] * len(items)
         hs = self._rms(h[torch.cat(rows).to(self.device)], self.norm)
         logits = lin(hs, self.lm_head)
+        if self.logit_divisor:
+            logits = logits / self.logit_divisor
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         logits = logits.float()
