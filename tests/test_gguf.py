@@ -187,3 +187,33 @@ def test_gguf_conversion_raced_by_another_process(tmp_path):
     _convert_gguf(path, out)  # the slower process: its rename finds the folder in place
     assert (out / "model.safetensors").read_bytes() == first
     assert sorted(p.name for p in out.parent.iterdir()) == ["converted"]
+
+
+def test_gguf_of_an_architecture_transformers_does_not_read(tmp_path, monkeypatch):
+    """llama.cpp writes SmolLM3 as its own GGUF architecture, which transformers does not read:
+    the loader says so and names the families it can take from GGUF, instead of failing with
+    transformers' ValueError, and leaves no half-converted folder in its cache."""
+    import gguf
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.loader import load_model
+
+    path = tmp_path / "tiny-smollm3.gguf"
+    w = gguf.GGUFWriter(str(path), "smollm3")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(cache))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    msg = str(e.value)
+    assert "smollm3" in msg and "tiny-smollm3.gguf" in msg
+    readable = msg.split("runner's families: ")[1].split(";")[0].split(", ")
+    assert {"llama", "qwen2", "qwen3", "phi3", "gemma3"} <= set(readable) and "smollm3" not in readable
+    assert [p.name for p in (cache / "models").iterdir()] == []

@@ -86,9 +86,20 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s to fp32 weights (once; cached in %s)", gguf.name, out)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    except ValueError as e:  # transformers reads no GGUF of this architecture
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        from vericache.model.families import SUPPORTED
+
+        ours = sorted({a for a in GGUF_SUPPORTED_ARCHITECTURES
+                       if a in SUPPORTED or f"{a}_text" in SUPPORTED})
+        raise ModelLoadError(f"cannot read {gguf.name}: {e} From GGUF, transformers reads these "
+                             f"of the runner's families: {', '.join(ours)}; a Hugging Face "
+                             "folder of any supported family loads") from e
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
