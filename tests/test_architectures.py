@@ -47,6 +47,10 @@ ARCHS = {
     "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=128, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
         short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[2.0 + i for i in range(16)]))),
+    # a low cap, so that the soft-capped scores differ from the plain ones
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW,
+                                    query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
     "gemma3_text": ("Gemma3TextConfig", dict(
         num_hidden_layers=4, head_dim=64, sliding_window=WINDOW, query_pre_attn_scalar=48,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
@@ -56,7 +60,7 @@ ARCHS = {
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
 }
 WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
-            "gemma3_text"}
+            "gemma2", "gemma3_text"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -143,6 +147,9 @@ def test_family_config(arch):
         assert r.max_positions == lm.max_context == 128 < hf.config.max_position_embeddings
     if name == "ministral":
         assert windows == [WINDOW, None, WINDOW]
+    if name == "gemma2":  # soft-capped scores: the explicit attention path, one RoPE table
+        assert windows == [WINDOW, None, WINDOW, None] and len(r.ropes) == 1
+        assert r.attn_softcap == 2.0 and r.attend_kernel is None
     if name == "granite":
         assert (r.scale, r.logit_divisor, float(r.embed_scale)) == (0.09, 3.0, 12.0)
         o = hf.model.layers[0].self_attn.o_proj.weight
@@ -331,7 +338,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     for name in SUPPORTED:
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                              "granite", "phi3", "gemma3_text"}
+                              "granite", "phi3", "gemma2", "gemma3_text"}
 
 
 def test_output_and_mlp_biases_are_refused():
@@ -438,9 +445,10 @@ def test_caches_of_one_arena_are_pooled_from_their_first_token(positions, tmp_pa
     for w, o in zip(want, out):
         assert float((o - w).abs().max()) <= 1e-4 * float(w.abs().max())
 
-@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])
-@pytest.mark.parametrize("name", ["qwen3", "mistral-sliding", "gemma3_text"])
+@pytest.mark.parametrize("name,attention", [
+    (name, attention) for name in ("qwen3", "mistral-sliding", "gemma3_text")
+    for attention in ("kernel", "sdpa")] + [("gemma2", "sdpa")])  # Gemma 2: no kernel
 def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
     """Decode rows, a verify pass and a prefill chunk of sequences with different cached
     lengths in one pass (one attention call per layer over a pool of their caches) give each

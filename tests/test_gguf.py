@@ -4,8 +4,8 @@ GGUFWriter as llama.cpp's converter lays them out (Llama's q/k rows permuted, Ge
 stored as 1 + w), then loaded through the project's loader (`--model file.gguf`): the
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
-Transformers (5.24) reads these supported families from GGUF: llama, qwen2, qwen3, phi3 and
-gemma3. Mistral has no GGUF architecture of its own: llama.cpp writes it as a llama file,
+Transformers (5.24) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
+gemma2 and gemma3. Mistral has no GGUF architecture of its own: llama.cpp writes it as a llama file,
 which loads (and is served) as Llama, the same model without a sliding window; transformers'
 special case for a llama file named "mistral" fails (gguf-py knows no "mistral" tensor map).
 What a file can say is what transformers maps from its metadata: no per-layer types (Gemma 3
@@ -32,6 +32,10 @@ ARCHS = {
     "qwen2": ("qwen2", "Qwen2Config", {}),
     "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=128)),  # transformers reads no head_dim: 128
     "phi3": ("phi3", "Phi3Config", {}),
+    # transformers reads no soft-caps from a file: Gemma2Config's defaults (50 and 30)
+    "gemma2": ("gemma2", "Gemma2Config", dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=256,
+        tie_word_embeddings=True)),
     "gemma3_text": ("gemma3", "Gemma3TextConfig", dict(
         num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=256,
         tie_word_embeddings=True)),
@@ -82,7 +86,7 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_uint32(f"{arch}.vocab_size", VOCAB)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     tokens, merges = _tokens()
     w.add_tokenizer_model("gpt2")
@@ -105,7 +109,7 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
             a = _permute(a, cfg.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             a = _permute(a, cfg.num_key_value_heads)
-        elif arch == "gemma3" and "norm" in base:
+        elif arch in ("gemma2", "gemma3") and "norm" in base:
             a = a + 1.0  # llama.cpp stores Gemma's (1 + w)
         w.add_tensor(f"{gname}.{suffix}", a)
     w.write_header_to_file()

@@ -46,6 +46,7 @@ class Weights:
     embed_scale: float | None = None  # Gemma: sqrt(hidden), applied in the model dtype
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
 
 
@@ -225,10 +226,14 @@ def _gemma3(hf, device) -> Weights:
     """Gemma 3 text: (1 + w) RMSNorms (stored here with the 1 added, in fp32), four norms per
     layer, q/k norms, GeGLU, sqrt(hidden)-scaled embeddings, query_pre_attn_scalar, local
     RoPE for sliding layers, optional final-logit soft-capping. `attn_logit_softcapping` is
-    ignored, as transformers' Gemma 3 ignores it (unlike Gemma 2's)."""
+    ignored, as transformers' Gemma 3 ignores it (unlike Gemma 2's).
+
+    Gemma 2 is the same block without q/k norms, with one RoPE table for every layer and its
+    attention scores soft-capped (`attn_softcap`: the runner's explicit attention path)."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ModelLoadError("Gemma 3 with bidirectional attention is not a causal LM; not supported")
+    gemma2 = cfg.model_type == "gemma2"
 
     def g(w):  # Gemma3RMSNorm: x_norm * (1 + w.float()), then cast
         return _t(1.0 + w.float(), device)
@@ -236,7 +241,10 @@ def _gemma3(hf, device) -> Weights:
     kinds = sorted(set(cfg.layer_types))
     n = max_positions(cfg)
     dtype = m.embed_tokens.weight.dtype
-    ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
+    if gemma2:
+        ropes = [_rope_table(m.rotary_emb, n, dtype, device)]
+    else:
+        ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
     layers = []
     for i, lyr in enumerate(m.layers):
         a, mlp = lyr.self_attn, lyr.mlp
@@ -250,11 +258,12 @@ def _gemma3(hf, device) -> Weights:
             w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
             w_down=_t(mlp.down_proj.weight, device),
             qk_norm=_qk_norm(cfg, a, device, offset=1.0),
-            window=_window(cfg, i), rope=kinds.index(cfg.layer_types[i])))
+            window=_window(cfg, i), rope=0 if gemma2 else kinds.index(cfg.layer_types[i])))
     return _common(hf, device, layers, ropes=ropes, norm=g(m.norm.weight),
                    attn_scale=cfg.query_pre_attn_scalar ** -0.5,
                    embed_scale=math.sqrt(cfg.hidden_size), norm_upcast=True,
-                   final_softcap=cfg.final_logit_softcapping, activation=cfg.hidden_activation)
+                   final_softcap=cfg.final_logit_softcapping, activation=cfg.hidden_activation,
+                   attn_softcap=cfg.attn_logit_softcapping if gemma2 else None)
 
 
 FAMILIES: dict[str, Callable[..., Weights]] = {
@@ -266,6 +275,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "smollm3": _smollm3,
     "granite": _granite,
     "phi3": _phi3,
+    "gemma2": _gemma3,
     "gemma3_text": _gemma3,
 }
 SUPPORTED = tuple(FAMILIES)

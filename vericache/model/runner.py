@@ -173,6 +173,9 @@ class Runner:
         self.norm_upcast = w.norm_upcast
         self.final_softcap = w.final_softcap
         self.logit_divisor = w.logit_divisor
+        # Gemma 2's soft-capped scores: no fused kernel or SDPA computes them, so attention
+        # takes the explicit path (`_sdpa`) and the native attention kernel is not used
+        self.attn_softcap = w.attn_softcap
         self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
         self.windowed = bool(self.windows)  # caches with positions matter only then
         # slots of each arena pool (`new_cache`); 0: caches of their own. An engine serving
@@ -183,7 +186,7 @@ class Runner:
         # the fast path's batch attention for float32 on CPU (`vericache.model.kernels`;
         # None: SDPA with masks, as on other devices and dtypes)
         native = self.device.type == "cpu" and self.dtype == torch.float32
-        self.attend_kernel = kernels.attend() if native else None
+        self.attend_kernel = kernels.attend() if native and not self.attn_softcap else None
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
@@ -364,6 +367,8 @@ class Runner:
         # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
         for h in range(hkv):
             scores = torch.mm(qg[h], k_all[h].t())  # [G rows, n]
+            if self.attn_softcap:
+                scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
             if mask is not None:
                 scores.masked_fill_(mask if mask.dim() == 2 else mask[h], float("-inf"))
             torch.sum(torch.softmax(scores, dim=-1, dtype=torch.float32), dim=0, out=votes[h])
@@ -739,9 +744,23 @@ class Runner:
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
         # (a drafter's narrower cache: widened to the queries' dtype for SDPA)
-        return F.scaled_dot_product_attention(qp, ck[:, :, lo: p.hi].to(qp.dtype),
-                                              cv[:, :, lo: p.hi].to(qp.dtype),
-                                              attn_mask=mask, scale=self.scale)
+        return self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype), cv[:, :, lo: p.hi].to(qp.dtype),
+                          mask)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+        """SDPA (mask: True where a key is seen), or with soft-capped scores (Gemma 2) the
+        explicit path transformers' eager attention computes: scores times the scale, capped,
+        masked, softmax in fp32, then cast back. A row that sees no key (a padding row) gives
+        zeros, not NaN."""
+        if not self.attn_softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        c = self.attn_softcap
+        s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / c) * c
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(q.dtype)
+        return torch.matmul(w, v)
 
     @torch.inference_mode()
     def _forward(self, items: list[SeqBatchItem],
@@ -922,8 +941,7 @@ class Runner:
             lo = 0 if lyr.window is None else max(0, hi - lyr.window)
             qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
             qj = qj.reshape(1, hkv, g, d)
-            o = F.scaled_dot_product_attention(qj, ck[None, :, lo:hi], cv[None, :, lo:hi],
-                                               scale=self.scale)
+            o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi])
             out[j] = o.reshape(-1)
         return out
 
