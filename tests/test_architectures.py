@@ -47,6 +47,11 @@ ARCHS = {
     "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=128, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
         short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[2.0 + i for i in range(16)]))),
+    "olmo2": ("Olmo2Config", {}),
+    "olmo3": ("Olmo3Config", dict(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     # a low cap, so that the soft-capped scores differ from the plain ones
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW,
                                     query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
@@ -60,7 +65,7 @@ ARCHS = {
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
 }
 WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
-            "gemma2", "gemma3_text"}
+            "olmo3", "gemma2", "gemma3_text"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -147,6 +152,13 @@ def test_family_config(arch):
         assert r.max_positions == lm.max_context == 128 < hf.config.max_position_embeddings
     if name == "ministral":
         assert windows == [WINDOW, None, WINDOW]
+    if name.startswith("olmo"):  # post-norms only, q/k norms over whole projections
+        assert all(lyr.ln_attn_in is None and lyr.ln_mlp_in is None and lyr.qk_norm is None
+                   for lyr in r.layers)
+        assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,) and r._fused_w is None
+        if name == "olmo3":
+            assert windows == [WINDOW, WINDOW, None] and len(r.ropes) == 2
+            assert [lyr.rope for lyr in r.layers] == [1, 1, 0]
     if name == "gemma2":  # soft-capped scores: the explicit attention path, one RoPE table
         assert windows == [WINDOW, None, WINDOW, None] and len(r.ropes) == 1
         assert r.attn_softcap == 2.0 and r.attend_kernel is None
@@ -338,7 +350,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     for name in SUPPORTED:
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                              "granite", "phi3", "gemma2", "gemma3_text"}
+                              "granite", "olmo2", "olmo3", "phi3", "gemma2", "gemma3_text"}
 
 
 def test_output_and_mlp_biases_are_refused():

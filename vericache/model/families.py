@@ -19,16 +19,19 @@ from vericache.errors import ModelLoadError
 
 @dataclass
 class Layer:
-    ln_attn_in: torch.Tensor  # [H] before attention (input_layernorm)
+    ln_attn_in: torch.Tensor | None  # [H] before attention (input_layernorm; None: OLMo 2)
     w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
     b_qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
     w_o: torch.Tensor  # [H, Hq D]
-    ln_mlp_in: torch.Tensor  # [H] before the MLP (Llama's post_attention, Gemma's pre_feedforward)
+    # [H] before the MLP (Llama's post_attention, Gemma's pre_feedforward; None: OLMo 2)
+    ln_mlp_in: torch.Tensor | None
     w_gate_up: torch.Tensor  # [2 I, H]
     w_down: torch.Tensor  # [H, I]
     ln_attn_out: torch.Tensor | None = None  # [H] on the attention output (Gemma)
     ln_mlp_out: torch.Tensor | None = None  # [H] on the MLP output (Gemma)
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D] per-head RMSNorm of q then k, before RoPE
+    # [(Hq + Hkv) D]: one RMSNorm over all of q's heads, then one over k's, before RoPE (OLMo 2)
+    qk_norm_wide: torch.Tensor | None = None
     window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
     rope: int = 0  # index into Weights.ropes
 
@@ -205,6 +208,38 @@ def _granite(hf, device) -> Weights:
     return w
 
 
+def _olmo2(hf, device) -> Weights:
+    """OLMo 2 and 3: post-norm blocks (no norm before attention or the MLP, one after each,
+    added to the residual), norms that scale in fp32 then cast (`norm_upcast`, as Gemma's,
+    with the weight itself), and RMSNorms over the whole q and k projections, not per head,
+    before RoPE (`qk_norm_wide`). OLMo 3 adds sliding-window layers with a RoPE table of their
+    own."""
+    cfg, m = hf.config, hf.model
+
+    def f32(w):
+        return _t(w.float(), device)
+
+    per_kind = cfg.model_type == "olmo3"
+    kinds = sorted(set(cfg.layer_types)) if per_kind else [None]
+    n = max_positions(cfg)
+    dtype = m.embed_tokens.weight.dtype
+    ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a, mlp = lyr.self_attn, lyr.mlp
+        _no_output_biases(a, mlp)
+        w_qkv, bias = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=None, w_qkv=w_qkv, b_qkv=bias, w_o=_t(a.o_proj.weight, device),
+            ln_attn_out=f32(lyr.post_attention_layernorm.weight), ln_mlp_in=None,
+            ln_mlp_out=f32(lyr.post_feedforward_layernorm.weight),
+            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
+            w_down=_t(mlp.down_proj.weight, device),
+            qk_norm_wide=f32(torch.cat([a.q_norm.weight, a.k_norm.weight])),
+            window=_window(cfg, i), rope=kinds.index(cfg.layer_types[i]) if per_kind else 0))
+    return _common(hf, device, layers, ropes=ropes, norm=f32(m.norm.weight), norm_upcast=True)
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -274,6 +309,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "qwen3": _llama,
     "smollm3": _smollm3,
     "granite": _granite,
+    "olmo2": _olmo2,
+    "olmo3": _olmo2,
     "phi3": _phi3,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,

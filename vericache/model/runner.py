@@ -202,8 +202,9 @@ class Runner:
         self._draft_lock = threading.Lock()
         self.silu = w.activation == "silu"
         # the weights' pointers for `_fused` (None: the family's layers are not the pre-norm
-        # block it runs, Gemma's extra norms and GeGLU, or a kernel is missing)
-        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None
+        # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, or a kernel is
+        # missing)
+        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.qk_norm_wide is None
                     for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
@@ -833,9 +834,13 @@ class Runner:
         if fused:
             self._fused(plans[0], h, ropes, drafts)
         for li, lyr in enumerate([] if fused else self.layers):
-            x = self._rms(h, lyr.ln_attn_in)
+            x = h if lyr.ln_attn_in is None else self._rms(h, lyr.ln_attn_in)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+            if lyr.qk_norm_wide is not None:  # one norm over q's heads, one over k's
+                wq, wk = lyr.qk_norm_wide[: hq * d], lyr.qk_norm_wide[hq * d:]
+                qk = torch.cat([self._rms(qkv[:, : hq * d], wq),
+                                self._rms(qkv[:, hq * d: (hq + hkv) * d], wk)], 1).view(-1, hq + hkv, d)
             if lyr.qk_norm is not None:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             qk = self._rope_pass(qk, *ropes[lyr.rope])
@@ -865,7 +870,7 @@ class Runner:
             if lyr.ln_attn_out is not None:
                 attn = self._rms(attn, lyr.ln_attn_out)
             h = h + attn
-            x = self._rms(h, lyr.ln_mlp_in)
+            x = h if lyr.ln_mlp_in is None else self._rms(h, lyr.ln_mlp_in)
             gu = lin(x, lyr.w_gate_up)
             if (not invariant and self.silu and self.linear_kernel is not None
                     and gu.shape[0] <= LINEAR_ROWS):
