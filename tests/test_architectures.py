@@ -64,8 +64,14 @@ ARCHS = {
         # transformers' Gemma 3 ignores attn_logit_softcapping; set, it checks the runner does too
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
 }
+# Gemma 3's vision-language checkpoints (4B and up): the same text model inside, a tiny vision
+# tower beside it (`build` puts COMMON into the text config)
+ARCHS["gemma3"] = ("Gemma3Config", dict(
+    text_config=ARCHS["gemma3_text"][1], mm_tokens_per_image=4,
+    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, image_size=28, patch_size=14)))
 WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
-            "olmo3", "gemma2", "gemma3_text"}
+            "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -103,7 +109,12 @@ def build(name: str, folder, **config) -> None:
     from transformers import AutoModelForCausalLM
 
     cls, over = ARCHS[name]
-    cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
+    if "text_config" in over:  # a vision-language model: the text fields are its text model's
+        ids = {k: COMMON[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        cfg = getattr(transformers, cls)(**{**over, **ids,
+                                            "text_config": {**COMMON, **over["text_config"], **config}})
+    else:
+        cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -142,7 +153,7 @@ def test_family_config(arch):
         assert WINDOW in windows and r.windowed
     else:
         assert windows == [None] * r.num_layers and not r.windowed
-    if name == "gemma3_text":
+    if name.startswith("gemma3"):
         assert windows == [WINDOW, None, WINDOW, WINDOW]
         assert len(r.ropes) == 2 and not torch.equal(r.ropes[0][0], r.ropes[1][0])
     if name == "phi3":
@@ -333,6 +344,17 @@ def test_model_info_caps_longrope_context(tmp_path):
     assert load_model_info(str(tmp_path)).max_context == 128
 
 
+def test_model_info_of_a_vision_language_model(tmp_path):
+    """The gateway's view of Gemma 3's vision-language checkpoint is its text model's: the
+    context, vocabulary and KV bytes a token the runner serves."""
+    from vericache.model.loader import load_model, load_model_info
+
+    build("gemma3", tmp_path)
+    info, lm = load_model_info(str(tmp_path)), load_model(str(tmp_path))
+    assert (info.max_context, info.vocab_size, info.kv_bytes_per_token) == \
+        (lm.max_context, lm.vocab_size, lm.kv_bytes_per_token) == (512, VOCAB, 2 * 4 * 2 * 64 * 4)
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -350,7 +372,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
     for name in SUPPORTED:
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                              "granite", "olmo2", "olmo3", "phi3", "gemma2", "gemma3_text"}
+                              "granite", "olmo2", "olmo3", "phi3", "gemma2", "gemma3_text",
+                              "gemma3"}
 
 
 def test_output_and_mlp_biases_are_refused():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -208,6 +209,18 @@ def _granite(hf, device) -> Weights:
     return w
 
 
+def _gemma3_vlm(hf, device) -> Weights:
+    """Gemma 3's vision-language checkpoints (4B and up, `gemma3`): the runner serves their
+    language model (`text_config`, `model.language_model`: Gemma 3's text block) on text
+    prompts; the vision tower is not taken. transformers' Gemma3ForConditionalGeneration
+    applies no final-logit soft-cap (Gemma3ForCausalLM does; the released checkpoints set
+    none), so neither does the runner here."""
+    w = _gemma3(SimpleNamespace(config=hf.config.get_text_config(),
+                                model=hf.model.language_model, lm_head=hf.lm_head), device)
+    w.final_softcap = None
+    return w
+
+
 def _olmo2(hf, device) -> Weights:
     """OLMo 2 and 3: post-norm blocks (no norm before attention or the MLP, one after each,
     added to the residual), norms that scale in fp32 then cast (`norm_upcast`, as Gemma's,
@@ -314,6 +327,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "phi3": _phi3,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
+    "gemma3": _gemma3_vlm,
 }
 SUPPORTED = tuple(FAMILIES)
 

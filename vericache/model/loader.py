@@ -182,6 +182,7 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
     folder, model_id = hf_folder_for(path)
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
+        text = cfg.get_text_config()  # a vision-language model's language part (Gemma 3)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {folder}: {e}") from e
@@ -191,8 +192,8 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
         gen_eos = None
     return ModelInfo(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
                      eos_token_ids=_eos_ids(gen_eos, cfg.eos_token_id, tokenizer),
-                     max_context=max_positions(cfg), vocab_size=cfg.vocab_size,
-                     kv_bytes_per_token=_kv_bytes_per_token(cfg, dtype))
+                     max_context=max_positions(text), vocab_size=text.vocab_size,
+                     kv_bytes_per_token=_kv_bytes_per_token(text, dtype))
 
 
 def _kv_bytes_per_token(cfg, dtype: str) -> int:

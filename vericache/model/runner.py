@@ -232,7 +232,8 @@ class Runner:
     def from_hf(cls, hf, device: torch.device | None = None) -> "Runner":
         """Take the weights of a transformers causal LM of a SUPPORTED family (ModelLoadError
         otherwise, or for a RoPE type whose frequencies change with the length)."""
-        return cls(hf.config, extract(hf, device or torch.device("cpu")))
+        # (a vision-language model's language part: its text config)
+        return cls(hf.config.get_text_config(), extract(hf, device or torch.device("cpu")))
 
     def new_cache(self, capacity: int, positions: bool = False, arena=None,
                   dtype: torch.dtype | None = None) -> KVCache:
