@@ -49,7 +49,8 @@ ARCHS = {
         short_factor=[1.0 + 0.1 * i for i in range(16)], long_factor=[2.0 + i for i in range(16)]))),
     "olmo2": ("Olmo2Config", {}),
     "olmo3": ("Olmo3Config", dict(
-        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     # a low cap, so that the soft-capped scores differ from the plain ones
@@ -111,8 +112,8 @@ def build(name: str, folder, **config) -> None:
     cls, over = ARCHS[name]
     if "text_config" in over:  # a vision-language model: the text fields are its text model's
         ids = {k: COMMON[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        cfg = getattr(transformers, cls)(**{**over, **ids,
-                                            "text_config": {**COMMON, **over["text_config"], **config}})
+        text = {**COMMON, **over["text_config"], **config}
+        cfg = getattr(transformers, cls)(**{**over, **ids, "text_config": text})
     else:
         cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)

@@ -47,7 +47,8 @@ class Weights:
     head_dim: int
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
-    embed_scale: float | None = None  # Gemma: sqrt(hidden), applied in the model dtype
+    # Gemma: sqrt(hidden); Granite: embedding_multiplier; applied in the model dtype
+    embed_scale: float | None = None
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
@@ -97,7 +98,8 @@ def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | No
 
 def _window(cfg, layer_idx: int) -> int | None:
     """The layer's sliding window, or None. Layers with `layer_types` (Qwen2/3, Ministral,
-    SmolLM3, Gemma 3) slide only where marked "sliding_attention"; Mistral and Phi-3 slide on every layer."""
+    SmolLM3, OLMo 3, Gemma 2/3) slide only where marked "sliding_attention"; Mistral and Phi-3
+    slide on every layer."""
     w = getattr(cfg, "sliding_window", None)
     if not w or w >= cfg.max_position_embeddings:
         return None

@@ -204,8 +204,8 @@ class Runner:
         # the weights' pointers for `_fused` (None: the family's layers are not the pre-norm
         # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, or a kernel is
         # missing)
-        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.qk_norm_wide is None
-                    for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
+        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None
+                    and lyr.qk_norm_wide is None for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
                                         lyr.w_o, lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
@@ -841,7 +841,8 @@ class Runner:
             if lyr.qk_norm_wide is not None:  # one norm over q's heads, one over k's
                 wq, wk = lyr.qk_norm_wide[: hq * d], lyr.qk_norm_wide[hq * d:]
                 qk = torch.cat([self._rms(qkv[:, : hq * d], wq),
-                                self._rms(qkv[:, hq * d: (hq + hkv) * d], wk)], 1).view(-1, hq + hkv, d)
+                                self._rms(qkv[:, hq * d: (hq + hkv) * d], wk)], 1)
+                qk = qk.view(-1, hq + hkv, d)
             if lyr.qk_norm is not None:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             qk = self._rope_pass(qk, *ropes[lyr.rope])
