@@ -53,6 +53,7 @@ ARCHS = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gemma": ("GemmaConfig", dict(head_dim=64, tie_word_embeddings=True)),
     # a low cap, so that the soft-capped scores differ from the plain ones
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW,
                                     query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
@@ -373,8 +374,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
     for name in SUPPORTED:
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                              "granite", "olmo2", "olmo3", "phi3", "gemma2", "gemma3_text",
-                              "gemma3"}
+                              "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
+                              "gemma3_text", "gemma3"}
 
 
 def test_output_and_mlp_biases_are_refused():

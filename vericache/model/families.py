@@ -272,6 +272,31 @@ def _phi3(hf, device) -> Weights:
     return _common(hf, device, layers)
 
 
+def _gemma_norm(w: torch.Tensor, device) -> torch.Tensor:
+    """A Gemma RMSNorm's weight as the runner applies it (`norm_upcast`): x_norm * (1 +
+    w.float()) in fp32, then cast; stored with the 1 added, in fp32."""
+    return _t(1.0 + w.float(), device)
+
+
+def _gemma(hf, device) -> Weights:
+    """Gemma (the first): Llama's block with Gemma's norms (`_gemma_norm`), GeGLU and
+    sqrt(hidden)-scaled embeddings."""
+    cfg, m = hf.config, hf.model
+    layers = []
+    for lyr in m.layers:
+        a, mlp = lyr.self_attn, lyr.mlp
+        _no_output_biases(a, mlp)
+        w_qkv, bias = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=_gemma_norm(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=bias,
+            w_o=_t(a.o_proj.weight, device),
+            ln_mlp_in=_gemma_norm(lyr.post_attention_layernorm.weight, device),
+            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
+            w_down=_t(mlp.down_proj.weight, device)))
+    return _common(hf, device, layers, norm=_gemma_norm(m.norm.weight, device),
+                   embed_scale=math.sqrt(cfg.hidden_size), norm_upcast=True)
+
+
 def _gemma3(hf, device) -> Weights:
     """Gemma 3 text: (1 + w) RMSNorms (stored here with the 1 added, in fp32), four norms per
     layer, q/k norms, GeGLU, sqrt(hidden)-scaled embeddings, query_pre_attn_scalar, local
@@ -285,8 +310,8 @@ def _gemma3(hf, device) -> Weights:
         raise ModelLoadError("Gemma 3 with bidirectional attention is not a causal LM; not supported")
     gemma2 = cfg.model_type == "gemma2"
 
-    def g(w):  # Gemma3RMSNorm: x_norm * (1 + w.float()), then cast
-        return _t(1.0 + w.float(), device)
+    def g(w):
+        return _gemma_norm(w, device)
 
     kinds = sorted(set(cfg.layer_types))
     n = max_positions(cfg)
@@ -327,6 +352,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "olmo2": _olmo2,
     "olmo3": _olmo2,
     "phi3": _phi3,
+    "gemma": _gemma,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
     "gemma3": _gemma3_vlm,
