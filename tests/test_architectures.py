@@ -72,6 +72,24 @@ ARCHS["gemma3"] = ("Gemma3Config", dict(
     text_config=ARCHS["gemma3_text"][1], mm_tokens_per_image=4,
     vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, image_size=28, patch_size=14)))
+# Mistral 3 and LLaVA: transformers loads them as image-text-to-text models only
+ARCHS["mistral3"] = ("Mistral3Config", dict(
+    text_config=dict(model_type="mistral", sliding_window=None),
+    vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, head_dim=8,
+                       num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)))
+ARCHS["llava"] = ("LlavaConfig", dict(
+    text_config=dict(model_type="llama"),
+    vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                       projection_dim=16, num_hidden_layers=1, num_attention_heads=2,
+                       image_size=28, patch_size=14)))
+IMAGE_TEXT = {"mistral3", "llava"}
+
+
+def _auto(name: str):
+    """transformers' class that loads a model of `name`."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if name in IMAGE_TEXT else AutoModelForCausalLM
 WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
             "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -108,7 +126,6 @@ def build(name: str, folder, **config) -> None:
     offset or a missing q/k norm shows) with a word-level tokenizer; `config` overrides its
     config's fields (benchmarks/gpu_identity.py: a longer context)."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     cls, over = ARCHS[name]
     if "text_config" in over:  # a vision-language model: the text fields are its text model's
@@ -118,7 +135,7 @@ def build(name: str, folder, **config) -> None:
     else:
         cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    hf = _auto(name).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if "norm" in pname:
@@ -129,15 +146,13 @@ def build(name: str, folder, **config) -> None:
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def arch(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     from vericache.model.loader import load_model
 
     name = request.param
     folder = tmp_path_factory.mktemp(name.replace("_", "-"))
     build(name, folder)
     lm = load_model(str(folder), dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = _auto(name).from_pretrained(str(folder), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=g).tolist()
     REPORT.setdefault(name, {})
@@ -346,15 +361,19 @@ def test_model_info_caps_longrope_context(tmp_path):
     assert load_model_info(str(tmp_path)).max_context == 128
 
 
-def test_model_info_of_a_vision_language_model(tmp_path):
-    """The gateway's view of Gemma 3's vision-language checkpoint is its text model's: the
-    context, vocabulary and KV bytes a token the runner serves."""
+@pytest.mark.parametrize("name", ["gemma3", "llava"])
+def test_model_info_of_a_vision_language_model(name, tmp_path):
+    """The gateway's view of a vision-language checkpoint is its text model's: the context,
+    vocabulary, KV bytes a token and end-of-sequence ids the runner serves."""
     from vericache.model.loader import load_model, load_model_info
 
-    build("gemma3", tmp_path)
+    build(name, tmp_path)
     info, lm = load_model_info(str(tmp_path)), load_model(str(tmp_path))
-    assert (info.max_context, info.vocab_size, info.kv_bytes_per_token) == \
-        (lm.max_context, lm.vocab_size, lm.kv_bytes_per_token) == (512, VOCAB, 2 * 4 * 2 * 64 * 4)
+    assert (info.max_context, info.vocab_size, info.kv_bytes_per_token, info.eos_token_ids) == \
+        (lm.max_context, lm.vocab_size, lm.kv_bytes_per_token, lm.eos_token_ids)
+    r = lm.runner
+    assert (lm.max_context, lm.vocab_size) == (512, VOCAB) and 1 in lm.eos_token_ids
+    assert lm.kv_bytes_per_token == 2 * r.num_layers * r.num_kv_heads * r.head_dim * 4
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -375,7 +394,24 @@ def test_unsupported_architecture_is_refused(tmp_path):
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
                               "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
-                              "gemma3_text", "gemma3"}
+                              "gemma3_text", "gemma3", "mistral3", "llava"}
+
+
+def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
+    """A LLaVA checkpoint whose language model is StarCoder2's: refused, naming both."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.loader import load_model
+
+    torch.manual_seed(0)
+    text = dict(model_type="starcoder2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlavaConfig(text_config=text, vision_config=ARCHS["llava"][1]["vision_config"])
+    LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="llava's language model 'starcoder2' is not supported"):
+        load_model(str(tmp_path))
 
 
 def test_output_and_mlp_biases_are_refused():

@@ -211,14 +211,24 @@ def _granite(hf, device) -> Weights:
     return w
 
 
-def _gemma3_vlm(hf, device) -> Weights:
-    """Gemma 3's vision-language checkpoints (4B and up, `gemma3`): the runner serves their
-    language model (`text_config`, `model.language_model`: Gemma 3's text block) on text
-    prompts; the vision tower is not taken. transformers' Gemma3ForConditionalGeneration
+# vision-language checkpoints whose language model the runner serves on text prompts; transformers
+# loads the last two as image-text-to-text models only (`vericache.model.loader`)
+VISION_LANGUAGE = ("gemma3", "mistral3", "llava")
+
+
+def _language_model(hf, device) -> Weights:
+    """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA):
+    its language model (`text_config`, `model.language_model`, `lm_head`), taken by its own
+    family's function, served on text prompts; the vision tower is not taken. Their
+    transformers classes compute the logits as lm_head(h) alone: Gemma3ForConditionalGeneration
     applies no final-logit soft-cap (Gemma3ForCausalLM does; the released checkpoints set
     none), so neither does the runner here."""
-    w = _gemma3(SimpleNamespace(config=hf.config.get_text_config(),
-                                model=hf.model.language_model, lm_head=hf.lm_head), device)
+    text = hf.config.get_text_config()
+    fn = FAMILIES.get(text.model_type)
+    if fn is None or text.model_type in VISION_LANGUAGE:
+        raise ModelLoadError(f"{hf.config.model_type}'s language model {text.model_type!r} is not "
+                             f"supported by the runner; supported: {', '.join(SUPPORTED)}")
+    w = fn(SimpleNamespace(config=text, model=hf.model.language_model, lm_head=hf.lm_head), device)
     w.final_softcap = None
     return w
 
@@ -355,7 +365,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gemma": _gemma,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
-    "gemma3": _gemma3_vlm,
+    **{name: _language_model for name in VISION_LANGUAGE},
 }
 SUPPORTED = tuple(FAMILIES)
 

@@ -167,6 +167,13 @@ def _eos_ids(generation_eos, config_eos, tokenizer) -> tuple[int, ...]:
     return ids
 
 
+def _config_eos(cfg):
+    """The config's end-of-sequence id(s); a vision-language model's may be its text config's
+    alone."""
+    eos = getattr(cfg, "eos_token_id", None)
+    return cfg.get_text_config().eos_token_id if eos is None else eos
+
+
 def _model_name(path: Path) -> str:
     return DEFAULT_MODEL if path.suffix == ".gguf" and path.name == _DEFAULT_GGUF else path.stem
 
@@ -191,7 +198,7 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
     except OSError:
         gen_eos = None
     return ModelInfo(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
-                     eos_token_ids=_eos_ids(gen_eos, cfg.eos_token_id, tokenizer),
+                     eos_token_ids=_eos_ids(gen_eos, _config_eos(cfg), tokenizer),
                      max_context=max_positions(text), vocab_size=text.vocab_size,
                      kv_bytes_per_token=_kv_bytes_per_token(text, dtype))
 
@@ -205,9 +212,12 @@ def _kv_bytes_per_token(cfg, dtype: str) -> int:
 
 def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """Load the model at `model` (path, or None for the default) into a Runner."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                              AutoTokenizer)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as hf_logging
 
+    from vericache.model.families import VISION_LANGUAGE
     from vericache.model.runner import Runner
 
     hf_logging.disable_progress_bar()
@@ -218,13 +228,17 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
     folder, model_id = hf_folder_for(path)
     torch_dtype = parse_dtype(dtype)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype)
+        cfg = AutoConfig.from_pretrained(str(folder))
+        # a vision-language checkpoint that transformers loads as image-text-to-text only
+        auto = (AutoModelForImageTextToText if cfg.model_type in VISION_LANGUAGE
+                and cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForCausalLM)
+        hf = auto.from_pretrained(str(folder), dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {folder}: {e}") from e
     runner = Runner.from_hf(hf, device=torch.device(device))
     gen_eos = hf.generation_config.eos_token_id if hf.generation_config else None
     return LoadedModel(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
-                       eos_token_ids=_eos_ids(gen_eos, hf.config.eos_token_id, tokenizer),
+                       eos_token_ids=_eos_ids(gen_eos, _config_eos(hf.config), tokenizer),
                        max_context=runner.max_positions, vocab_size=runner.vocab_size,
                        kv_bytes_per_token=runner.kv_bytes_per_token(), runner=runner)
