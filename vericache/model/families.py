@@ -96,6 +96,16 @@ def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | No
     return _t(cos[0], device), _t(sin[0], device)
 
 
+def _ropes(cfg, m, device, per_kind: bool) -> tuple[list, list[int]]:
+    """The RoPE tables and each layer's index into them: one table a layer type where
+    `per_kind` (Gemma 3's and OLMo 3's sliding layers have their own), else one for all."""
+    kinds = sorted(set(cfg.layer_types)) if per_kind else [None]
+    n, dtype = max_positions(cfg), m.embed_tokens.weight.dtype
+    ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
+    index = [kinds.index(t) for t in cfg.layer_types] if per_kind else [0] * len(m.layers)
+    return ropes, index
+
+
 def _window(cfg, layer_idx: int) -> int | None:
     """The layer's sliding window, or None. Layers with `layer_types` (Qwen2/3, Ministral,
     SmolLM3, OLMo 3, Gemma 2/3) slide only where marked "sliding_attention"; Mistral and Phi-3
@@ -143,6 +153,18 @@ def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None
               device)
 
 
+def _block(lyr, device, **kw) -> Layer:
+    """A decoder layer's projections in the runner's layout (fused QKV and gate/up, from
+    separate q/k/v and gate/up projections); the family's norms, window and the rest in
+    `kw`."""
+    a, mlp = lyr.self_attn, lyr.mlp
+    _no_output_biases(a, mlp)
+    w_qkv, bias = _attention(a, device)
+    return Layer(w_qkv=w_qkv, b_qkv=bias, w_o=_t(a.o_proj.weight, device),
+                 w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
+                 w_down=_t(mlp.down_proj.weight, device), **kw)
+
+
 def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
             ropes: list | None = None, **kw) -> Weights:
     cfg, m = hf.config, hf.model
@@ -159,18 +181,10 @@ def _llama(hf, device) -> Weights:
     """Llama, Mistral, Ministral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before
     RoPE)."""
     cfg = hf.config
-    layers = []
-    for i, lyr in enumerate(hf.model.layers):
-        a, mlp = lyr.self_attn, lyr.mlp
-        _no_output_biases(a, mlp)
-        w_qkv, bias = _attention(a, device)
-        layers.append(Layer(
-            ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=bias,
-            w_o=_t(a.o_proj.weight, device), ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
-            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
-            w_down=_t(mlp.down_proj.weight, device),
-            qk_norm=_qk_norm(cfg, a, device),
-            window=_window(cfg, i)))
+    layers = [_block(lyr, device, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                     ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                     qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
+              for i, lyr in enumerate(hf.model.layers)]
     return _common(hf, device, layers)
 
 
@@ -244,24 +258,14 @@ def _olmo2(hf, device) -> Weights:
     def f32(w):
         return _t(w.float(), device)
 
-    per_kind = cfg.model_type == "olmo3"
-    kinds = sorted(set(cfg.layer_types)) if per_kind else [None]
-    n = max_positions(cfg)
-    dtype = m.embed_tokens.weight.dtype
-    ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
-    layers = []
-    for i, lyr in enumerate(m.layers):
-        a, mlp = lyr.self_attn, lyr.mlp
-        _no_output_biases(a, mlp)
-        w_qkv, bias = _attention(a, device)
-        layers.append(Layer(
-            ln_attn_in=None, w_qkv=w_qkv, b_qkv=bias, w_o=_t(a.o_proj.weight, device),
-            ln_attn_out=f32(lyr.post_attention_layernorm.weight), ln_mlp_in=None,
-            ln_mlp_out=f32(lyr.post_feedforward_layernorm.weight),
-            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
-            w_down=_t(mlp.down_proj.weight, device),
-            qk_norm_wide=f32(torch.cat([a.q_norm.weight, a.k_norm.weight])),
-            window=_window(cfg, i), rope=kinds.index(cfg.layer_types[i]) if per_kind else 0))
+    ropes, rope = _ropes(cfg, m, device, per_kind=cfg.model_type == "olmo3")
+    layers = [_block(lyr, device, ln_attn_in=None, ln_mlp_in=None,
+                     ln_attn_out=f32(lyr.post_attention_layernorm.weight),
+                     ln_mlp_out=f32(lyr.post_feedforward_layernorm.weight),
+                     qk_norm_wide=f32(torch.cat([lyr.self_attn.q_norm.weight,
+                                                 lyr.self_attn.k_norm.weight])),
+                     window=_window(cfg, i), rope=rope[i])
+              for i, lyr in enumerate(m.layers)]
     return _common(hf, device, layers, ropes=ropes, norm=f32(m.norm.weight), norm_upcast=True)
 
 
@@ -291,20 +295,13 @@ def _gemma_norm(w: torch.Tensor, device) -> torch.Tensor:
 def _gemma(hf, device) -> Weights:
     """Gemma (the first): Llama's block with Gemma's norms (`_gemma_norm`), GeGLU and
     sqrt(hidden)-scaled embeddings."""
-    cfg, m = hf.config, hf.model
-    layers = []
-    for lyr in m.layers:
-        a, mlp = lyr.self_attn, lyr.mlp
-        _no_output_biases(a, mlp)
-        w_qkv, bias = _attention(a, device)
-        layers.append(Layer(
-            ln_attn_in=_gemma_norm(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=bias,
-            w_o=_t(a.o_proj.weight, device),
-            ln_mlp_in=_gemma_norm(lyr.post_attention_layernorm.weight, device),
-            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
-            w_down=_t(mlp.down_proj.weight, device)))
-    return _common(hf, device, layers, norm=_gemma_norm(m.norm.weight, device),
-                   embed_scale=math.sqrt(cfg.hidden_size), norm_upcast=True)
+    w = _llama(hf, device)
+    for lyr, src in zip(w.layers, hf.model.layers):
+        lyr.ln_attn_in = _gemma_norm(src.input_layernorm.weight, device)
+        lyr.ln_mlp_in = _gemma_norm(src.post_attention_layernorm.weight, device)
+    w.norm = _gemma_norm(hf.model.norm.weight, device)
+    w.embed_scale, w.norm_upcast = math.sqrt(hf.config.hidden_size), True
+    return w
 
 
 def _gemma3(hf, device) -> Weights:
@@ -323,27 +320,14 @@ def _gemma3(hf, device) -> Weights:
     def g(w):
         return _gemma_norm(w, device)
 
-    kinds = sorted(set(cfg.layer_types))
-    n = max_positions(cfg)
-    dtype = m.embed_tokens.weight.dtype
-    if gemma2:
-        ropes = [_rope_table(m.rotary_emb, n, dtype, device)]
-    else:
-        ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
-    layers = []
-    for i, lyr in enumerate(m.layers):
-        a, mlp = lyr.self_attn, lyr.mlp
-        _no_output_biases(a, mlp)
-        w_qkv, bias = _attention(a, device)
-        layers.append(Layer(
-            ln_attn_in=g(lyr.input_layernorm.weight), w_qkv=w_qkv, b_qkv=bias,
-            w_o=_t(a.o_proj.weight, device), ln_attn_out=g(lyr.post_attention_layernorm.weight),
-            ln_mlp_in=g(lyr.pre_feedforward_layernorm.weight),
-            ln_mlp_out=g(lyr.post_feedforward_layernorm.weight),
-            w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
-            w_down=_t(mlp.down_proj.weight, device),
-            qk_norm=_qk_norm(cfg, a, device, offset=1.0),
-            window=_window(cfg, i), rope=0 if gemma2 else kinds.index(cfg.layer_types[i])))
+    ropes, rope = _ropes(cfg, m, device, per_kind=not gemma2)
+    layers = [_block(lyr, device, ln_attn_in=g(lyr.input_layernorm.weight),
+                     ln_attn_out=g(lyr.post_attention_layernorm.weight),
+                     ln_mlp_in=g(lyr.pre_feedforward_layernorm.weight),
+                     ln_mlp_out=g(lyr.post_feedforward_layernorm.weight),
+                     qk_norm=_qk_norm(cfg, lyr.self_attn, device, offset=1.0),
+                     window=_window(cfg, i), rope=rope[i])
+              for i, lyr in enumerate(m.layers)]
     return _common(hf, device, layers, ropes=ropes, norm=g(m.norm.weight),
                    attn_scale=cfg.query_pre_attn_scalar ** -0.5,
                    embed_scale=math.sqrt(cfg.hidden_size), norm_upcast=True,
