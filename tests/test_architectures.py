@@ -284,6 +284,33 @@ def test_vericache_equals_full(arch, full, via_store):
         assert s.rounds >= 1 and s.drafted >= 1, (name, spec)
 
 
+def test_a_float32_rope_table_in_a_bfloat16_model(tmp_path):
+    """OLMo computes RoPE in float32 whatever the model's dtype (its table is float32), then
+    casts back. In bfloat16 the runner's pass ran into a float32 product before it did the
+    same; now its logits are transformers' within bfloat16's rounding, and vericache
+    (bitwise) is full."""
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+    from vericache.engine.rounds import LocalBackends
+    from vericache.model.loader import load_model
+
+    build("olmo2", tmp_path)
+    lm = load_model(str(tmp_path), dtype="bfloat16")
+    r = lm.runner
+    assert r.ropes[0][0].dtype == torch.float32 and r.dtype == torch.bfloat16
+    hf = _auto("olmo2").from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    got = r.step(prompt, 0, r.new_cache(8))[0][-1]
+    assert float((got - ref).abs().max()) <= 0.05 * float(ref.abs().max())
+    full = generate(lm, prompt, GenParams(mode="full", max_tokens=16, ignore_eos=True))
+    vc = generate(lm, prompt, GenParams(mode="vericache", compressor="snapkv:recent=16,window=8",
+                                        chunk_size=CHUNK, draft_len=4, max_tokens=16,
+                                        ignore_eos=True, exact="bitwise"), LocalBackends(lm))
+    assert vc.token_ids == full.token_ids and len(full.token_ids) == 16
+
+
 @pytest.mark.parametrize("name", sorted(WINDOWED))
 def test_window_masks_by_recorded_position(name, tmp_path):
     """A cache that records positions holds the same tokens in shuffled slots: decode logits

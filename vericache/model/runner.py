@@ -316,7 +316,8 @@ class Runner:
         xr = x if r == x.shape[-1] else x[..., :r]
         half = r // 2
         rot = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-        out = xr * cos + rot * sin
+        # (a float32 table for a narrower model, OLMo's: RoPE in float32, then cast back)
+        out = (xr * cos + rot * sin).to(x.dtype)
         return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
     def _future_mask(self, L: int, past: int) -> torch.Tensor | None:
