@@ -9,8 +9,9 @@
 #    and contexts 8k-32k (the points that fit), each full step's read rate, the device's
 #    memory rate (a device-to-device copy), the host-to-device copy rate, and how much of an
 #    offloaded verify pass's copy its compute hides -> OUT_DIR/gpu_times.json.
-# 2. benchmarks/gpu_identity.py: tiny random-weight models of every family the runner serves
-#    (tests/test_architectures.py's), in bf16 and fp32 on the device: `vericache` mode against
+# 2. benchmarks/gpu_identity.py: tiny random-weight models of the runner's families (its
+#    default --archs, from tests/test_architectures.py: one of each attention and norm path the
+#    runner has), in bf16 and fp32 on the device: `vericache` mode against
 #    `full` for every compressor and both `exact` modes, and `full` against transformers'
 #    generate -> OUT_DIR/gpu_identity.json (its exit status is 1 if a vericache case differs).
 #    (The default model, a 94 MB GGUF from a PyPI package, does not travel to a bare device.)

@@ -38,7 +38,6 @@ def _failed(row: dict, e: Exception) -> dict:
 def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draft_len: int,
              chunk: int) -> list[dict]:
     import test_architectures as ta
-    from transformers import AutoModelForCausalLM
 
     from vericache.compress.registry import compressor_names
     from vericache.engine.generation import GenParams
@@ -57,7 +56,7 @@ def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draf
         full = generate(lm, prompt, GenParams(mode="full", max_tokens=new, ignore_eos=True,
                                               chunk_size=chunk))
         full_s = time.perf_counter() - t
-        hf = AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
+        hf = ta._auto(name).from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
         out = hf.generate(torch.tensor([prompt], device=device),
                           attention_mask=torch.ones(1, prompt_len, dtype=torch.long, device=device),
                           max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -110,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--archs", default="llama,qwen3,mistral-sliding,phi3,gemma3_text")
+    # one of each attention and norm path: Gemma 2's explicit soft-capped attention, OLMo's
+    # post-norms, wide q/k norms and float32 RoPE table
+    p.add_argument("--archs", default="llama,qwen3,mistral-sliding,phi3,gemma3_text,gemma2,olmo2")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens (random ids)")
     p.add_argument("--new", type=int, default=48, help="greedy tokens per generation")
     p.add_argument("--draft-len", type=int, default=8)
