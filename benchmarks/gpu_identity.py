@@ -56,7 +56,7 @@ def run_arch(name: str, dtype: str, device: str, prompt_len: int, new: int, draf
         full = generate(lm, prompt, GenParams(mode="full", max_tokens=new, ignore_eos=True,
                                               chunk_size=chunk))
         full_s = time.perf_counter() - t
-        hf = ta._auto(name).from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
+        hf = ta.auto_class(name).from_pretrained(d, dtype=getattr(torch, dtype)).to(device).eval()
         out = hf.generate(torch.tensor([prompt], device=device),
                           attention_mask=torch.ones(1, prompt_len, dtype=torch.long, device=device),
                           max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)

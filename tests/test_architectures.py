@@ -85,7 +85,7 @@ ARCHS["llava"] = ("LlavaConfig", dict(
 IMAGE_TEXT = {"mistral3", "llava"}
 
 
-def _auto(name: str):
+def auto_class(name: str):
     """transformers' class that loads a model of `name`."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -135,7 +135,7 @@ def build(name: str, folder, **config) -> None:
     else:
         cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)
-    hf = _auto(name).from_config(cfg, dtype=torch.float32)
+    hf = auto_class(name).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if "norm" in pname:
@@ -152,7 +152,7 @@ def arch(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(name.replace("_", "-"))
     build(name, folder)
     lm = load_model(str(folder), dtype="float32")
-    hf = _auto(name).from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = auto_class(name).from_pretrained(str(folder), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=g).tolist()
     REPORT.setdefault(name, {})
@@ -298,7 +298,7 @@ def test_a_float32_rope_table_in_a_bfloat16_model(tmp_path):
     lm = load_model(str(tmp_path), dtype="bfloat16")
     r = lm.runner
     assert r.ropes[0][0].dtype == torch.float32 and r.dtype == torch.bfloat16
-    hf = _auto("olmo2").from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    hf = auto_class("olmo2").from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(6)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
