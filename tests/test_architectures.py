@@ -82,14 +82,17 @@ ARCHS["llava"] = ("LlavaConfig", dict(
     vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
                        projection_dim=16, num_hidden_layers=1, num_attention_heads=2,
                        image_size=28, patch_size=14)))
-IMAGE_TEXT = {"mistral3", "llava"}
 
 
 def auto_class(name: str):
-    """transformers' class that loads a model of `name`."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """transformers' class that loads a model of `name` (the loader's choice)."""
+    import transformers
 
-    return AutoModelForImageTextToText if name in IMAGE_TEXT else AutoModelForCausalLM
+    from vericache.model.loader import transformers_class
+
+    return transformers_class(getattr(transformers, ARCHS[name][0]).model_type)
+
+
 WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
             "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks

@@ -210,14 +210,25 @@ def _kv_bytes_per_token(cfg, dtype: str) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
 
 
-def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load the model at `model` (path, or None for the default) into a Runner."""
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
-                              AutoTokenizer)
+def transformers_class(model_type: str):
+    """The transformers class that loads a model of `model_type`: its causal LM, or for a
+    vision-language checkpoint it loads as image-text-to-text only (Mistral 3, LLaVA:
+    `families.VISION_LANGUAGE`), that."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from transformers.utils import logging as hf_logging
 
     from vericache.model.families import VISION_LANGUAGE
+
+    if model_type in VISION_LANGUAGE and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load the model at `model` (path, or None for the default) into a Runner."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     from vericache.model.runner import Runner
 
     hf_logging.disable_progress_bar()
@@ -229,10 +240,7 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
     torch_dtype = parse_dtype(dtype)
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
-        # a vision-language checkpoint that transformers loads as image-text-to-text only
-        auto = (AutoModelForImageTextToText if cfg.model_type in VISION_LANGUAGE
-                and cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForCausalLM)
-        hf = auto.from_pretrained(str(folder), dtype=torch_dtype)
+        hf = transformers_class(cfg.model_type).from_pretrained(str(folder), dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {folder}: {e}") from e

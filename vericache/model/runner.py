@@ -150,6 +150,11 @@ def _activation(name: str):
     return ACT2FN[name]
 
 
+
+def _softcap(x: torch.Tensor, c: float) -> torch.Tensor:
+    """Gemma's soft-cap, c * tanh(x / c), in transformers' order."""
+    return torch.tanh(x / c) * c
+
 class Runner:
     def __init__(self, cfg, w: Weights):
         self.num_layers = cfg.num_hidden_layers
@@ -371,7 +376,7 @@ class Runner:
         for h in range(hkv):
             scores = torch.mm(qg[h], k_all[h].t())  # [G rows, n]
             if self.attn_softcap:
-                scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+                scores = _softcap(scores, self.attn_softcap)
             if mask is not None:
                 scores.masked_fill_(mask if mask.dim() == 2 else mask[h], float("-inf"))
             torch.sum(torch.softmax(scores, dim=-1, dtype=torch.float32), dim=0, out=votes[h])
@@ -759,7 +764,7 @@ class Runner:
         if not self.attn_softcap:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         c = self.attn_softcap
-        s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / c) * c
+        s = _softcap(torch.matmul(q, k.transpose(-1, -2)) * self.scale, c)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(q.dtype)
@@ -997,7 +1002,7 @@ class Runner:
         if self.logit_divisor:
             logits = logits / self.logit_divisor
         if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            logits = _softcap(logits, self.final_softcap)
         logits = logits.float()
         out, start = [], 0
         for n in spans:
