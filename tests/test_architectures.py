@@ -650,3 +650,31 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
             hi = max(got[i].length for i in order)
             read = (slice(None), slice(min(span), max(span) + 1), slice(None), slice(0, hi))
             assert bool(now.k[read].isfinite().all() and now.v[read].isfinite().all()), (name, step)
+
+
+@pytest.mark.parametrize("name", ["olmo2"])
+def test_bitwise_beside_the_fused_pass(name, tmp_path):
+    """Families whose layers the fused native pass does not run. OLMo's q/k norms take slices
+    of the qkv product, which are contiguous in a one-row step only. In the bitwise mode a verify pass over four sequences
+    (3 drafts each) still equals each sequence's own decode steps bit for bit, logits and
+    K/V; and vericache (bitwise) equals full (bitwise)."""
+    from vericache.bench.exactness import measure
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+    from vericache.engine.rounds import LocalBackends
+    from vericache.model.loader import load_model
+
+    build(name, tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (PROMPT - 8 * i,), generator=g).tolist() for i in range(4)]
+    bit = measure(lm.runner, prompts, rows=8, ks=(3,), batches=(4,), modes=("bitwise",))
+    d = bit["bitwise", 3, 4]
+    assert d.rows == 32
+    assert d.max_abs_logit == 0 and d.logit_rows_differing == 0 and d.kv_rows_differing == 0
+    params = dict(max_tokens=24, ignore_eos=True, exact="bitwise")
+    full = generate(lm, prompts[0], GenParams(mode="full", **params))
+    vc = generate(lm, prompts[0], GenParams(mode="vericache", compressor="snapkv:recent=16,window=8",
+                                            chunk_size=CHUNK, draft_len=4, **params),
+                  LocalBackends(lm))
+    assert vc.token_ids == full.token_ids and len(full.token_ids) == 24

@@ -845,9 +845,11 @@ class Runner:
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm_wide is not None:  # one norm over q's heads, one over k's
+                # (each slice made contiguous, so that every pass takes the same norm: a
+                # one-row slice is contiguous, and `_rms` takes the native one for it)
                 wq, wk = lyr.qk_norm_wide[: hq * d], lyr.qk_norm_wide[hq * d:]
-                qk = torch.cat([self._rms(qkv[:, : hq * d], wq),
-                                self._rms(qkv[:, hq * d: (hq + hkv) * d], wk)], 1)
+                qk = torch.cat([self._rms(qkv[:, : hq * d].contiguous(), wq),
+                                self._rms(qkv[:, hq * d: (hq + hkv) * d].contiguous(), wk)], 1)
                 qk = qk.view(-1, hq + hkv, d)
             if lyr.qk_norm is not None:
                 qk = self._qk_norm(qk, lyr.qk_norm)
