@@ -65,6 +65,20 @@ ARCHS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         # transformers' Gemma 3 ignores attn_logit_softcapping; set, it checks the runner does too
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
+    # mixtures of experts: 4 experts, 2 a token (`Experts`); Mixtral's weights stay float32,
+    # the others' are cast; Qwen2-MoE adds a gated shared expert and renormalises none;
+    # Qwen3-MoE's layer 1 is a dense MLP (`mlp_only_layers`)
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None)),
+    "mixtral-sliding": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                              sliding_window=WINDOW)),  # every layer slides
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=96)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, head_dim=64,
+                                         moe_intermediate_size=64, norm_topk_prob=True,
+                                         mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
 }
 # Gemma 3's vision-language checkpoints (4B and up): the same text model inside, a tiny vision
 # tower beside it (`build` puts COMMON into the text config)
@@ -93,8 +107,9 @@ def auto_class(name: str):
     return transformers_class(getattr(transformers, ARCHS[name][0]).model_type)
 
 
-WINDOWED = {"mistral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding", "phi3",
-            "olmo3", "gemma2", "gemma3_text", "gemma3"}
+MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe"}
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding",
+            "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -166,7 +181,8 @@ def test_family_config(arch):
     name, lm, hf, _ = arch
     assert hf.config.model_type == {"llama-rope-llama3": "llama", "mistral-sliding": "mistral",
                                     "qwen2-sliding": "qwen2", "phi3-longrope": "phi3",
-                                    "smollm3-sliding": "smollm3"}.get(name, name)
+                                    "smollm3-sliding": "smollm3",
+                                    "mixtral-sliding": "mixtral"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -183,7 +199,7 @@ def test_family_config(arch):
         assert r.max_positions == lm.max_context == 128 < hf.config.max_position_embeddings
     if name == "ministral":
         assert windows == [WINDOW, None, WINDOW]
-    if name.startswith("olmo"):  # post-norms only, q/k norms over whole projections
+    if name in ("olmo2", "olmo3"):  # post-norms only, q/k norms over whole projections
         assert all(lyr.ln_attn_in is None and lyr.ln_mlp_in is None and lyr.qk_norm is None
                    for lyr in r.layers)
         assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,) and r._fused_w is None
@@ -205,6 +221,15 @@ def test_family_config(arch):
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         if name == "smollm3-sliding":
             assert windows == [WINDOW, None, WINDOW]
+    if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1
+        moe = [lyr.moe is not None for lyr in r.layers]
+        assert moe == ([True, False, True] if name == "qwen3_moe" else [True] * 3)
+        e = r.layers[0].moe
+        assert (len(e.gate_up), e.top_k, e.weights_in_dtype) == (4, 2, "mixtral" not in name)
+        assert e.norm_topk == (name != "qwen2_moe") and r._fused_w is None
+        assert (e.shared_down is not None) == (name == "qwen2_moe")
+        if name == "olmoe":
+            assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
 
@@ -424,7 +449,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
                               "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
-                              "gemma3_text", "gemma3", "mistral3", "llava"}
+                              "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
+                              "qwen2_moe", "qwen3_moe", "olmoe"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
@@ -652,10 +678,12 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
             assert bool(now.k[read].isfinite().all() and now.v[read].isfinite().all()), (name, step)
 
 
-@pytest.mark.parametrize("name", ["olmo2"])
+@pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"}) + ["olmo2"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
-    """Families whose layers the fused native pass does not run. OLMo's q/k norms take slices
-    of the qkv product, which are contiguous in a one-row step only. In the bitwise mode a verify pass over four sequences
+    """Families whose layers the fused native pass does not run. A mixture of experts gathers
+    each expert's rows into one product, so which rows share a pass decides which rows share
+    an expert's product; OLMo's q/k norms take slices of the qkv product, which are
+    contiguous in a one-row step only. In the bitwise mode a verify pass over four sequences
     (3 drafts each) still equals each sequence's own decode steps bit for bit, logits and
     K/V; and vericache (bitwise) equals full (bitwise)."""
     from vericache.bench.exactness import measure

@@ -4,10 +4,11 @@ GGUFWriter as llama.cpp's converter lays them out (Llama's q/k rows permuted, Ge
 stored as 1 + w), then loaded through the project's loader (`--model file.gguf`): the
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
-Transformers (5.24) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2 and gemma3. Mistral has no GGUF architecture of its own: llama.cpp writes it as a llama file,
-which loads (and is served) as Llama, the same model without a sliding window; transformers'
-special case for a llama file named "mistral" fails (gguf-py knows no "mistral" tensor map).
+Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
+gemma2, gemma3, qwen2_moe and qwen3_moe. Mistral has no GGUF architecture of its own:
+llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
+without a sliding window; transformers' special case for a llama file named "mistral" fails
+(gguf-py knows no "mistral" tensor map).
 What a file can say is what transformers maps from its metadata: no per-layer types (Gemma 3
 layers follow the default pattern), no partial rotary or window for Phi-3, Qwen3's head_dim
 always 128.
@@ -39,6 +40,12 @@ ARCHS = {
     "gemma3_text": ("gemma3", "Gemma3TextConfig", dict(
         num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=256,
         tie_word_embeddings=True)),
+    # mixtures of experts: transformers reads the expert counts, not the experts' widths
+    # (Qwen2-MoE's 1408 and shared 5632, Qwen3-MoE's 768 by default) nor norm_topk_prob
+    "qwen2_moe": ("qwen2moe", "Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    # (transformers reads a Qwen3-MoE file with norm_topk_prob set, as llama.cpp runs it)
+    "qwen3_moe": ("qwen3moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                                      head_dim=32, norm_topk_prob=True)),
 }
 
 
@@ -88,6 +95,10 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     w.add_uint32(f"{arch}.vocab_size", VOCAB)
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
+    if arch.endswith("moe"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     tokens, merges = _tokens()
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
@@ -102,6 +113,13 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         base, suffix = key.rsplit(".", 1)
+        if suffix == "gate_up_proj":  # the experts' [E, 2I, H]: llama.cpp's gate and up apart
+            for part, half in zip(("gate_proj", "up_proj"), t.chunk(2, dim=1)):
+                gname = names.get_name(f"{base}.{part}")
+                w.add_tensor(f"{gname}.weight", half.float().numpy().copy())
+            continue
+        if suffix == "down_proj":  # the experts' [E, H, I]
+            base, suffix = key, "weight"
         gname = names.get_name(base)
         assert gname is not None, key
         a = t.float().numpy().copy()
@@ -111,6 +129,8 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
             a = _permute(a, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3") and "norm" in base:
             a = a + 1.0  # llama.cpp stores Gemma's (1 + w)
+        elif base.endswith("shared_expert_gate"):
+            a = a.reshape(-1)  # llama.cpp's [H], not [1, H]
         w.add_tensor(f"{gname}.{suffix}", a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -219,6 +239,6 @@ def test_gguf_of_an_architecture_transformers_does_not_read(tmp_path, monkeypatc
     msg = str(e.value)
     assert "smollm3" in msg and "tiny-smollm3.gguf" in msg
     readable = msg.split("runner's families: ")[1].split(";")[0].split(", ")
-    assert {"llama", "qwen2", "qwen3", "phi3", "gemma3"} <= set(readable)
+    assert {"llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2_moe", "qwen3_moe"} <= set(readable)
     assert "smollm3" not in readable
     assert [p.name for p in (cache / "models").iterdir()] == []

@@ -3,7 +3,8 @@
 Each function takes a transformers causal LM and returns `Weights`: the layer tensors in the
 runner's layout (fused QKV, fused gate/up) plus what differs between families as data (q/k
 norms, the Gemma norm offset and extra norms, the activation, the window and the RoPE table
-of each layer, scales and soft-caps). The runner's forward reads only this data.
+of each layer, a mixture of experts in place of the MLP, scales and soft-caps). The runner's
+forward reads only this data.
 """
 
 from __future__ import annotations
@@ -19,6 +20,32 @@ from vericache.errors import ModelLoadError
 
 
 @dataclass
+class Experts:
+    """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), computed as
+    transformers computes it: the router's logits (x router^T) in the model's dtype, their
+    softmax in float32, each row's top_k experts (their probabilities renormalised to sum to 1
+    where `norm_topk`, then cast to the model's dtype where `weights_in_dtype`), each chosen
+    expert's gated MLP over the rows that chose it, scaled by the row's weight and added to
+    the row's output in the experts' order; then, where there is one (Qwen2-MoE), the shared
+    expert's MLP times sigmoid(x shared_gate^T)."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: list[torch.Tensor]  # E x [2 I, H], gate first
+    down: list[torch.Tensor]  # E x [H, I]
+    top_k: int
+    norm_topk: bool
+    weights_in_dtype: bool  # False: Mixtral, whose weights stay float32 until the sum
+    shared_gate_up: torch.Tensor | None = None  # [2 Is, H]
+    shared_down: torch.Tensor | None = None  # [H, Is]
+    shared_gate: torch.Tensor | None = None  # [1, H]
+
+    def mats(self) -> list[torch.Tensor]:
+        """Every product's matrix: the router, the experts', the shared expert's."""
+        return [self.router, *self.gate_up, *self.down] + [
+            t for t in (self.shared_gate_up, self.shared_down, self.shared_gate) if t is not None]
+
+
+@dataclass
 class Layer:
     ln_attn_in: torch.Tensor | None  # [H] before attention (input_layernorm; None: OLMo 2)
     w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
@@ -26,8 +53,8 @@ class Layer:
     w_o: torch.Tensor  # [H, Hq D]
     # [H] before the MLP (Llama's post_attention, Gemma's pre_feedforward; None: OLMo 2)
     ln_mlp_in: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 I, H]
-    w_down: torch.Tensor  # [H, I]
+    w_gate_up: torch.Tensor | None  # [2 I, H] (None: `moe` is the layer's MLP)
+    w_down: torch.Tensor | None  # [H, I]
     ln_attn_out: torch.Tensor | None = None  # [H] on the attention output (Gemma)
     ln_mlp_out: torch.Tensor | None = None  # [H] on the MLP output (Gemma)
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D] per-head RMSNorm of q then k, before RoPE
@@ -35,6 +62,13 @@ class Layer:
     qk_norm_wide: torch.Tensor | None = None
     window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
     rope: int = 0  # index into Weights.ropes
+    moe: Experts | None = None  # the MLP, where it is a mixture of experts
+
+    def mats(self) -> list[torch.Tensor]:
+        """Every product's matrix: qkv, output, then the MLP's (gate/up and down, or the
+        experts')."""
+        mlp = [self.w_gate_up, self.w_down] if self.moe is None else self.moe.mats()
+        return [self.w_qkv, self.w_o, *mlp]
 
 
 @dataclass
@@ -153,16 +187,45 @@ def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None
               device)
 
 
-def _block(lyr, device, **kw) -> Layer:
+def _gate_up(mlp, device) -> torch.Tensor:
+    return _t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device)
+
+
+# families whose top-k weights stay float32 until they scale the experts' outputs
+_TOP_K_FLOAT32 = ("mixtral",)
+
+
+def _experts(cfg, mlp, device) -> Experts:
+    """A sparse MoE block's router, experts (transformers' [E, 2I, H] and [E, H, I] tensors,
+    an expert a view of them) and shared expert."""
+    ex = mlp.experts
+    if getattr(ex, "has_bias", False) or getattr(ex, "is_transposed", False):
+        raise ModelLoadError(f"{cfg.model_type}: experts with biases or transposed weights are "
+                             "not supported by the runner")
+    shared = getattr(mlp, "shared_expert", None)
+    return Experts(
+        router=_t(mlp.gate.weight, device),
+        gate_up=[_t(w, device) for w in ex.gate_up_proj],
+        down=[_t(w, device) for w in ex.down_proj],
+        top_k=int(mlp.gate.top_k), norm_topk=bool(getattr(mlp.gate, "norm_topk_prob", True)),
+        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32,
+        shared_gate_up=None if shared is None else _gate_up(shared, device),
+        shared_down=None if shared is None else _t(shared.down_proj.weight, device),
+        shared_gate=None if shared is None else _t(mlp.shared_expert_gate.weight, device))
+
+
+def _block(lyr, device, cfg=None, **kw) -> Layer:
     """A decoder layer's projections in the runner's layout (fused QKV and gate/up, from
-    separate q/k/v and gate/up projections); the family's norms, window and the rest in
-    `kw`."""
+    separate q/k/v and gate/up projections; a sparse MoE block's experts, `_experts`, which
+    needs the `cfg`); the family's norms, window and the rest in `kw`."""
     a, mlp = lyr.self_attn, lyr.mlp
     _no_output_biases(a, mlp)
     w_qkv, bias = _attention(a, device)
-    return Layer(w_qkv=w_qkv, b_qkv=bias, w_o=_t(a.o_proj.weight, device),
-                 w_gate_up=_t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device),
-                 w_down=_t(mlp.down_proj.weight, device), **kw)
+    if hasattr(mlp, "experts"):
+        ffn = dict(w_gate_up=None, w_down=None, moe=_experts(cfg, mlp, device))
+    else:
+        ffn = dict(w_gate_up=_gate_up(mlp, device), w_down=_t(mlp.down_proj.weight, device))
+    return Layer(w_qkv=w_qkv, b_qkv=bias, w_o=_t(a.o_proj.weight, device), **ffn, **kw)
 
 
 def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
@@ -179,9 +242,10 @@ def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
 
 def _llama(hf, device) -> Weights:
     """Llama, Mistral, Ministral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before
-    RoPE)."""
+    RoPE); Mixtral, Qwen2-MoE and Qwen3-MoE, the same blocks with a mixture of experts in some
+    or all of the MLPs (`Experts`)."""
     cfg = hf.config
-    layers = [_block(lyr, device, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
                      qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
               for i, lyr in enumerate(hf.model.layers)]
@@ -269,6 +333,21 @@ def _olmo2(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, norm=f32(m.norm.weight), norm_upcast=True)
 
 
+def _olmoe(hf, device) -> Weights:
+    """OLMoE: Llama's pre-norm block with RMSNorms over the whole q and k projections
+    (`qk_norm_wide`, Llama's norm) and a mixture of experts for every MLP. A checkpoint that
+    clips q/k/v (`clip_qkv`) is refused."""
+    cfg = hf.config
+    if getattr(cfg, "clip_qkv", None) is not None:
+        raise ModelLoadError("OLMoE with clip_qkv is not supported by the runner")
+    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                     ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                     qk_norm_wide=_t(torch.cat([lyr.self_attn.q_norm.weight,
+                                                lyr.self_attn.k_norm.weight]), device))
+              for lyr in hf.model.layers]
+    return _common(hf, device, layers)
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -341,6 +420,10 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "ministral": _llama,  # Mistral's block; its windows by `layer_types`
     "qwen2": _llama,
     "qwen3": _llama,
+    "mixtral": _llama,  # the MoE families: `Experts`
+    "qwen2_moe": _llama,
+    "qwen3_moe": _llama,
+    "olmoe": _olmoe,
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,

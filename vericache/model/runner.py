@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
-from vericache.model.families import SUPPORTED, Layer, Weights, extract
+from vericache.model.families import SUPPORTED, Experts, Layer, Weights, extract
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
@@ -163,7 +163,9 @@ class Runner:
         self.head_dim = w.head_dim
         self.hidden = cfg.hidden_size
         self.layers: list[Layer] = w.layers
-        self.intermediate = w.layers[0].w_gate_up.shape[0] // 2
+        # the dense MLP's width (the fused pass's; a mixture of experts' layers have none)
+        self.intermediate = next((lyr.w_gate_up.shape[0] // 2 for lyr in w.layers
+                                  if lyr.w_gate_up is not None), 0)
         self.vocab_size = w.lm_head.shape[0]
         self.eps = cfg.rms_norm_eps
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
@@ -207,9 +209,9 @@ class Runner:
         self._draft_lock = threading.Lock()
         self.silu = w.activation == "silu"
         # the weights' pointers for `_fused` (None: the family's layers are not the pre-norm
-        # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, or a kernel is
-        # missing)
-        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None
+        # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, a mixture of
+        # experts, or a kernel is missing)
+        plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
@@ -419,9 +421,8 @@ class Runner:
         return {p: q for p, q in found.items() if q is not None}
 
     def _layer_mats(self) -> list[torch.Tensor]:
-        """Every layer's product matrices (qkv, output, gate/up, down), layer by layer."""
-        return [getattr(lyr, n) for lyr in self.layers
-                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")]
+        """Every layer's product matrices (`Layer.mats`), layer by layer."""
+        return [w for lyr in self.layers for w in lyr.mats()]
 
     def _fused_with(self, copies: dict) -> dict:
         """`_fused_w` with the products' pointers to `copies` (by the float32 matrix's
@@ -881,19 +882,48 @@ class Runner:
                 attn = self._rms(attn, lyr.ln_attn_out)
             h = h + attn
             x = h if lyr.ln_mlp_in is None else self._rms(h, lyr.ln_mlp_in)
-            gu = lin(x, lyr.w_gate_up)
-            if (not invariant and self.silu and self.linear_kernel is not None
-                    and gu.shape[0] <= LINEAR_ROWS):
-                a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
+            if lyr.moe is None:
+                y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant)
             else:
-                a = self.act(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
-            y = lin(a, lyr.w_down)
+                y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
                 y = self._rms(y, lyr.ln_mlp_out)
             h = h + y
         for it, L in zip(items, lens):
             it.cache.length += L
         return self._logits(items, lens, h, lin)
+
+    def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, lin,
+             invariant: bool) -> torch.Tensor:
+        """The gated MLP: down(act(gate x) * up x), gate and up one product."""
+        gu = lin(x, w_gate_up)
+        if (not invariant and self.silu and self.linear_kernel is not None
+                and gu.shape[0] <= LINEAR_ROWS):
+            a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
+        else:
+            i = gu.shape[1] // 2
+            a = self.act(gu[:, :i]) * gu[:, i:]
+        return lin(a, w_down)
+
+    def _experts(self, x: torch.Tensor, e: Experts, lin, invariant: bool) -> torch.Tensor:
+        """A mixture of experts (`Experts`, in transformers' order): each expert's MLP over the
+        rows that chose it, in one product, so a row's bits are those its own pass gives
+        wherever `lin` is row-invariant (the native kernel, `_block_linear`)."""
+        probs = torch.softmax(lin(x, e.router).float(), dim=-1)  # [T, E]
+        top, idx = torch.topk(probs, e.top_k, dim=-1)  # [T, k]
+        if e.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if e.weights_in_dtype:
+            top = top.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
+            rows, slot = torch.where(idx == expert)
+            y = self._mlp(x[rows], e.gate_up[expert], e.down[expert], lin, invariant)
+            out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
+        if e.shared_down is not None:
+            shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant)
+            out = out + torch.sigmoid(lin(x, e.shared_gate)) * shared
+        return out
 
     def _fused(self, p: "_Plan", h: torch.Tensor, ropes: list, drafts: bool = False) -> None:
         """Every layer of a fast pass in one native call (`kernels.Linear.layers`), on h
