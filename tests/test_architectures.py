@@ -96,6 +96,23 @@ ARCHS["llava"] = ("LlavaConfig", dict(
     vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
                        projection_dim=16, num_hidden_layers=1, num_attention_heads=2,
                        image_size=28, patch_size=14)))
+# Qwen2-VL, Qwen2.5-VL and Qwen3-VL: on text prompts their multimodal RoPE's three position
+# ids are equal, so each section of the head reads the same frequencies as one RoPE would
+# (sections in halves of the 32-wide heads; Qwen3-VL's interleaved)
+_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=128)
+ARCHS["qwen2_vl"] = ("Qwen2VLConfig", dict(
+    text_config=dict(model_type="qwen2_vl_text", rope_parameters=dict(
+        rope_type="default", rope_theta=1_000_000.0, mrope_section=[4, 6, 6])),
+    vision_config=dict(depth=1, embed_dim=16, hidden_size=128, num_heads=2)))
+ARCHS["qwen2_5_vl"] = ("Qwen2_5_VLConfig", dict(
+    text_config=dict(model_type="qwen2_5_vl_text", rope_parameters=dict(
+        rope_type="default", rope_theta=1_000_000.0, mrope_section=[4, 6, 6])),
+    vision_config=dict(_VISION, fullatt_block_indexes=[0])))
+ARCHS["qwen3_vl"] = ("Qwen3VLConfig", dict(
+    text_config=dict(model_type="qwen3_vl_text", head_dim=32, rope_parameters=dict(
+        rope_type="default", rope_theta=5_000_000.0, mrope_section=[6, 5, 5],
+        mrope_interleaved=True)),
+    vision_config=dict(_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16)))
 
 
 def auto_class(name: str):
@@ -107,6 +124,7 @@ def auto_class(name: str):
     return transformers_class(getattr(transformers, ARCHS[name][0]).model_type)
 
 
+QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe"}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding",
             "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
@@ -230,6 +248,12 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name == "qwen2_moe")
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
+    if name in QWEN_VL:  # the multimodal RoPE of text positions: one RoPE's table, bit for bit
+        d, theta = r.head_dim, hf.config.get_text_config().rope_parameters["rope_theta"]
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        f = torch.arange(r.max_positions).float()[:, None] * inv
+        assert len(r.ropes) == 1 and torch.equal(r.ropes[0][0], torch.cat([f, f], -1).cos())
+        assert torch.equal(r.ropes[0][1], torch.cat([f, f], -1).sin())
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
 
@@ -416,7 +440,7 @@ def test_model_info_caps_longrope_context(tmp_path):
     assert load_model_info(str(tmp_path)).max_context == 128
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llava"])
+@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl"])
 def test_model_info_of_a_vision_language_model(name, tmp_path):
     """The gateway's view of a vision-language checkpoint is its text model's: the context,
     vocabulary, KV bytes a token and end-of-sequence ids the runner serves."""
@@ -450,7 +474,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
                               "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
-                              "qwen2_moe", "qwen3_moe", "olmoe"}
+                              "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
+                              "qwen3_vl"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):

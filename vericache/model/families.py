@@ -289,18 +289,22 @@ def _granite(hf, device) -> Weights:
     return w
 
 
-# vision-language checkpoints whose language model the runner serves on text prompts; transformers
-# loads the last two as image-text-to-text models only (`vericache.model.loader`)
-VISION_LANGUAGE = ("gemma3", "mistral3", "llava")
+# vision-language checkpoints whose language model the runner serves on text prompts;
+# transformers loads those not in its causal-LM table as image-text-to-text models
+# (`vericache.model.loader`)
+VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def _language_model(hf, device) -> Weights:
-    """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA):
-    its language model (`text_config`, `model.language_model`, `lm_head`), taken by its own
-    family's function, served on text prompts; the vision tower is not taken. Their
-    transformers classes compute the logits as lm_head(h) alone: Gemma3ForConditionalGeneration
-    applies no final-logit soft-cap (Gemma3ForCausalLM does; the released checkpoints set
-    none), so neither does the runner here."""
+    """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA,
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL): its language model (`text_config`,
+    `model.language_model`, `lm_head`), taken by its own family's function, served on text
+    prompts; the vision tower is not taken. Their transformers classes compute the logits as
+    lm_head(h) alone: Gemma3ForConditionalGeneration applies no final-logit soft-cap
+    (Gemma3ForCausalLM does; the released checkpoints set none), so neither does the runner
+    here. The Qwen VL models' multimodal RoPE gives a text token the same position in each of
+    its three sections, so their rotary module's table at positions 0..n-1 is the one RoPE
+    table the runner needs (Qwen3-VL's deepstack features join only with images)."""
     text = hf.config.get_text_config()
     fn = FAMILIES.get(text.model_type)
     if fn is None or text.model_type in VISION_LANGUAGE:
@@ -424,6 +428,9 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "qwen2_moe": _llama,
     "qwen3_moe": _llama,
     "olmoe": _olmoe,
+    "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
+    "qwen2_5_vl_text": _llama,
+    "qwen3_vl_text": _llama,
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,
