@@ -65,6 +65,12 @@ ARCHS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         # transformers' Gemma 3 ignores attn_logit_softcapping; set, it checks the runner does too
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
+    # parallel blocks on LayerNorms, RoPE over interleaved pairs, scaled logits; Cohere 2's
+    # full-attention layer has no RoPE
+    "cohere": ("CohereConfig", dict(logit_scale=0.5, layer_norm_eps=1e-5)),
+    "cohere2": ("Cohere2Config", dict(logit_scale=0.5, layer_norm_eps=1e-5, sliding_window=WINDOW,
+                                      layer_types=["sliding_attention", "full_attention",
+                                                   "sliding_attention"])),
     # mixtures of experts: 4 experts, 2 a token (`Experts`); Mixtral's weights stay float32,
     # the others' are cast; Qwen2-MoE adds a gated shared expert and renormalises none;
     # Qwen3-MoE's layer 1 is a dense MLP (`mlp_only_layers`)
@@ -126,7 +132,7 @@ def auto_class(name: str):
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe"}
-WINDOWED = {"mistral-sliding", "mixtral-sliding", "qwen2-sliding", "ministral", "smollm3-sliding",
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "qwen2-sliding", "ministral", "smollm3-sliding",
             "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
@@ -248,6 +254,11 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name == "qwen2_moe")
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
+    if name.startswith("cohere"):  # one LayerNorm before both branches; no fused pass
+        assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
+        assert r.layer_norm and r.logit_scale == 0.5 and r._fused_w is None
+        if name == "cohere2":  # RoPE on the sliding layers only
+            assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [0, 1, 0]
     if name in QWEN_VL:  # the multimodal RoPE of text positions: one RoPE's table, bit for bit
         d, theta = r.head_dim, hf.config.get_text_config().rope_parameters["rope_theta"]
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -475,7 +486,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
-                              "qwen3_vl"}
+                              "qwen3_vl", "cohere", "cohere2"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
@@ -703,12 +714,13 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
             assert bool(now.k[read].isfinite().all() and now.v[read].isfinite().all()), (name, step)
 
 
-@pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"}) + ["olmo2"])
+@pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"}) + ["olmo2", "cohere2"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers
     each expert's rows into one product, so which rows share a pass decides which rows share
     an expert's product; OLMo's q/k norms take slices of the qkv product, which are
-    contiguous in a one-row step only. In the bitwise mode a verify pass over four sequences
+    contiguous in a one-row step only; Cohere 2's LayerNorms and parallel blocks are torch's
+    row-wise operations. In the bitwise mode a verify pass over four sequences
     (3 drafts each) still equals each sequence's own decode steps bit for bit, logits and
     K/V; and vericache (bitwise) equals full (bitwise)."""
     from vericache.bench.exactness import measure

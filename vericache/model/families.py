@@ -63,6 +63,8 @@ class Layer:
     window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
     rope: int = 0  # index into Weights.ropes
     moe: Experts | None = None  # the MLP, where it is a mixture of experts
+    # Cohere: attention and MLP in parallel, both on ln_attn_in's output, both added to h
+    parallel: bool = False
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv, output, then the MLP's (gate/up and down, or the
@@ -87,6 +89,11 @@ class Weights:
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
+    logit_scale: float | None = None  # Cohere: logits * logit_scale, in the model dtype
+    # Cohere's LayerNorm (x - mean) / std * w, in fp32 then cast, for every norm but the q/k
+    # norms; else RMSNorm
+    layer_norm: bool = False
+    eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
 
 
 def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -252,13 +259,10 @@ def _llama(hf, device) -> Weights:
     return _common(hf, device, layers)
 
 
-def _smollm3(hf, device) -> Weights:
-    """SmolLM3: Llama's block, without RoPE on the layers `no_rope_layers` marks 0 (every
-    fourth by default). Those layers read an identity table (cos 1, sin 0, as wide as the
-    model's own so one fused pass serves every layer), which leaves q and k bit for bit as
-    they are: x * 1 - y * 0 = x. It is a stride-0 view, so it costs no memory."""
-    w = _llama(hf, device)
-    nope = [i for i, use in enumerate(hf.config.no_rope_layers) if not use]
+def _without_rope(w: Weights, nope: list[int]) -> Weights:
+    """Layers `nope` read an identity RoPE table (cos 1, sin 0, as wide as the model's own so
+    one fused pass serves every layer), which leaves q and k bit for bit as they are:
+    x * 1 - y * 0 = x. It is a stride-0 view, so it costs no memory."""
     if nope:
         cos = w.ropes[0][0]
         one = torch.ones(1, cos.shape[1], dtype=cos.dtype, device=cos.device)
@@ -266,6 +270,13 @@ def _smollm3(hf, device) -> Weights:
         for i in nope:
             w.layers[i].rope = len(w.ropes) - 1
     return w
+
+
+def _smollm3(hf, device) -> Weights:
+    """SmolLM3: Llama's block, without RoPE on the layers `no_rope_layers` marks 0 (every
+    fourth by default: `_without_rope`)."""
+    w = _llama(hf, device)
+    return _without_rope(w, [i for i, use in enumerate(hf.config.no_rope_layers) if not use])
 
 
 def _granite(hf, device) -> Weights:
@@ -350,6 +361,50 @@ def _olmoe(hf, device) -> Weights:
                                                 lyr.self_attn.k_norm.weight]), device))
               for lyr in hf.model.layers]
     return _common(hf, device, layers)
+
+
+def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q or k projection's rows (or bias) for a RoPE over interleaved pairs (Cohere's
+    (x[2i], x[2i + 1])), reordered in each head to the halves Llama's RoPE pairs (x[i],
+    x[i + D/2]): the even rows, then the odd. q and k reordered alike leave every score as
+    it was (v is not reordered), and the rotation is the same arithmetic on each pair."""
+    d = w.shape[0] // heads
+    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    return w.reshape(heads, d, *w.shape[1:])[:, order].reshape(w.shape).contiguous()
+
+
+def _cohere(hf, device) -> Weights:
+    """Cohere (Command R) and Cohere 2 (Command R7B, Command A): attention and MLP in parallel
+    on one LayerNorm's output (`parallel`, `layer_norm`), RoPE over interleaved pairs (q and k
+    rows reordered, `_halves`, and the table with them), logits times `logit_scale`. Cohere
+    computes RoPE in float32, so the table is float32 (its values the model dtype's, as
+    transformers' rotary module gives them). Cohere 2's full-attention layers have no RoPE
+    (`_without_rope`). Checkpoints with q/k LayerNorms (`use_qk_norm`) are refused."""
+    cfg, m = hf.config, hf.model
+    if getattr(cfg, "use_qk_norm", False):
+        raise ModelLoadError("Cohere with q/k LayerNorms (use_qk_norm) is not supported by the runner")
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
+
+    def reorder(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        q, k, v = t[: hq * d], t[hq * d: (hq + hkv) * d], t[(hq + hkv) * d:]
+        return torch.cat([_halves(q, hq), _halves(k, hkv), v]).contiguous()
+
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                       ln_mlp_in=None, parallel=True, window=_window(cfg, i))
+        layer.w_qkv, layer.b_qkv = reorder(layer.w_qkv), reorder(layer.b_qkv)
+        layers.append(layer)
+    cos, sin = _rope_table(m.rotary_emb, max_positions(cfg), m.embed_tokens.weight.dtype, device)
+    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(cos.device)
+    ropes = [(_t(cos[:, order].float(), device), _t(sin[:, order].float(), device))]
+    w = _common(hf, device, layers, ropes=ropes, logit_scale=float(cfg.logit_scale),
+                layer_norm=True, eps=cfg.layer_norm_eps)
+    if cfg.model_type == "cohere2":
+        _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+    return w
 
 
 def _phi3(hf, device) -> Weights:
@@ -437,6 +492,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "olmo3": _olmo2,
     "phi3": _phi3,
     "gemma": _gemma,
+    "cohere": _cohere,
+    "cohere2": _cohere,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
     **{name: _language_model for name in VISION_LANGUAGE},

@@ -167,7 +167,8 @@ class Runner:
         self.intermediate = next((lyr.w_gate_up.shape[0] // 2 for lyr in w.layers
                                   if lyr.w_gate_up is not None), 0)
         self.vocab_size = w.lm_head.shape[0]
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.rms_norm_eps if w.eps is None else w.eps
+        self.layer_norm = w.layer_norm  # Cohere's LayerNorm for the layers' and final norms
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
@@ -180,6 +181,7 @@ class Runner:
         self.norm_upcast = w.norm_upcast
         self.final_softcap = w.final_softcap
         self.logit_divisor = w.logit_divisor
+        self.logit_scale = w.logit_scale
         # Gemma 2's soft-capped scores: no fused kernel or SDPA computes them, so attention
         # takes the explicit path (`_sdpa`) and the native attention kernel is not used
         self.attn_softcap = w.attn_softcap
@@ -212,7 +214,8 @@ class Runner:
         # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, a mixture of
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
-                    and lyr.qk_norm_wide is None for lyr in w.layers) and len({c.shape[1] for c, _ in w.ropes}) == 1
+                    and lyr.qk_norm_wide is None and not lyr.parallel
+                    for lyr in w.layers) and not w.layer_norm and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
                                         lyr.w_o, lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
@@ -298,6 +301,17 @@ class Runner:
         if self.norm_upcast:  # Gemma: scale in fp32 (w holds 1 + weight), then cast
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A layer's or the final norm: `_rms`, or where the family's norms are Cohere's
+        LayerNorm (`layer_norm`), that in transformers' order: centred, scaled by the
+        variance's rsqrt and by w, in float32, then cast."""
+        if not self.layer_norm:
+            return self._rms(x, w)
+        xf = x.float()
+        xc = xf - xf.mean(-1, keepdim=True)
+        var = xc.pow(2).mean(-1, keepdim=True)
+        return (w.float() * (xc * torch.rsqrt(var + self.eps))).to(x.dtype)
 
     def _qk_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A pass's per-head q/k RMSNorm on x [T, heads, D] (a view of its qkv product), w
@@ -842,7 +856,7 @@ class Runner:
         if fused:
             self._fused(plans[0], h, ropes, drafts)
         for li, lyr in enumerate([] if fused else self.layers):
-            x = h if lyr.ln_attn_in is None else self._rms(h, lyr.ln_attn_in)
+            x = h if lyr.ln_attn_in is None else self._norm(h, lyr.ln_attn_in)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm_wide is not None:  # one norm over q's heads, one over k's
@@ -879,15 +893,16 @@ class Runner:
                                          masks[i])
             attn = lin(attn, lyr.w_o)
             if lyr.ln_attn_out is not None:
-                attn = self._rms(attn, lyr.ln_attn_out)
+                attn = self._norm(attn, lyr.ln_attn_out)
             h = h + attn
-            x = h if lyr.ln_mlp_in is None else self._rms(h, lyr.ln_mlp_in)
+            if not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
+                x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in)
             if lyr.moe is None:
                 y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant)
             else:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
-                y = self._rms(y, lyr.ln_mlp_out)
+                y = self._norm(y, lyr.ln_mlp_out)
             h = h + y
         for it, L in zip(items, lens):
             it.cache.length += L
@@ -1029,10 +1044,12 @@ class Runner:
             start += L
         if not rows:
             return [None] * len(items)
-        hs = self._rms(h[torch.cat(rows).to(self.device)], self.norm)
+        hs = self._norm(h[torch.cat(rows).to(self.device)], self.norm)
         logits = lin(hs, self.lm_head)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
+        if self.logit_scale:
+            logits = logits * self.logit_scale
         if self.final_softcap:
             logits = _softcap(logits, self.final_softcap)
         logits = logits.float()
