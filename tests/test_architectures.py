@@ -26,6 +26,8 @@ ARCHS = {
     "llama-rope-llama3": ("LlamaConfig", dict(rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=64))),
+    # Llama's attention_bias (q, k, v and o_proj) and mlp_bias; the biases randomised by `build`
+    "llama-biases": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral-sliding": ("MistralConfig", dict(sliding_window=WINDOW)),
     "qwen2": ("Qwen2Config", {}),
@@ -65,6 +67,9 @@ ARCHS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         # transformers' Gemma 3 ignores attn_logit_softcapping; set, it checks the runner does too
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True)),
+    # LayerNorms with biases, biases on every projection, an MLP not gated, every layer sliding
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=WINDOW, use_bias=True,
+                                            norm_epsilon=1e-5)),
     # parallel blocks on LayerNorms, RoPE over interleaved pairs, scaled logits; Cohere 2's
     # full-attention layer has no RoPE
     "cohere": ("CohereConfig", dict(logit_scale=0.5, layer_norm_eps=1e-5)),
@@ -132,7 +137,7 @@ def auto_class(name: str):
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe"}
-WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "qwen2-sliding", "ministral", "smollm3-sliding",
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "qwen2-sliding", "ministral", "smollm3-sliding",
             "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
@@ -164,8 +169,8 @@ def _tokenizer():
 
 
 def build(name: str, folder, **config) -> None:
-    """Save a tiny random model of `name` (every norm weight randomised too, so a wrong norm
-    offset or a missing q/k norm shows) with a word-level tokenizer; `config` overrides its
+    """Save a tiny random model of `name` (every norm weight and bias randomised too, so a
+    wrong norm offset, a missing q/k norm or a dropped bias shows) with a word-level tokenizer; `config` overrides its
     config's fields (benchmarks/gpu_identity.py: a longer context)."""
     import transformers
 
@@ -180,7 +185,7 @@ def build(name: str, folder, **config) -> None:
     hf = auto_class(name).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in hf.named_parameters():
-            if "norm" in pname:
+            if "norm" in pname or pname.endswith(".bias"):
                 p.copy_(p + 0.3 * torch.randn_like(p))
     hf.save_pretrained(folder)
     _tokenizer().save_pretrained(folder)
@@ -206,7 +211,8 @@ def test_family_config(arch):
     assert hf.config.model_type == {"llama-rope-llama3": "llama", "mistral-sliding": "mistral",
                                     "qwen2-sliding": "qwen2", "phi3-longrope": "phi3",
                                     "smollm3-sliding": "smollm3",
-                                    "mixtral-sliding": "mixtral"}.get(name, name)
+                                    "mixtral-sliding": "mixtral",
+                                    "llama-biases": "llama"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -254,6 +260,10 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name == "qwen2_moe")
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
+    if name in ("llama-biases", "starcoder2"):  # biases past q/k/v: no fused pass
+        assert all(lyr.b_o is not None and lyr.b_gate_up is not None and lyr.b_down is not None
+                   for lyr in r.layers) and r._fused_w is None
+        assert r.gated == (name == "llama-biases") and r.layer_norm == (name == "starcoder2")
     if name.startswith("cohere"):  # one LayerNorm before both branches; no fused pass
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
         assert r.layer_norm and r.logit_scale == 0.5 and r._fused_w is None
@@ -486,39 +496,24 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
-                              "qwen3_vl", "cohere", "cohere2"}
+                              "qwen3_vl", "cohere", "cohere2", "starcoder2"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
-    """A LLaVA checkpoint whose language model is StarCoder2's: refused, naming both."""
+    """A LLaVA checkpoint whose language model is StableLM's: refused, naming both."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     from vericache.errors import ModelLoadError
     from vericache.model.loader import load_model
 
     torch.manual_seed(0)
-    text = dict(model_type="starcoder2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    text = dict(model_type="stablelm", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     cfg = LlavaConfig(text_config=text, vision_config=ARCHS["llava"][1]["vision_config"])
     LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="llava's language model 'starcoder2' is not supported"):
+    with pytest.raises(ModelLoadError, match="llava's language model 'stablelm' is not supported"):
         load_model(str(tmp_path))
-
-
-def test_output_and_mlp_biases_are_refused():
-    """Llama's attention_bias puts a bias on o_proj too, and mlp_bias on the MLP: the runner
-    has no place for them, so it refuses the checkpoint rather than drop them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from vericache.errors import ModelLoadError
-    from vericache.model.runner import Runner
-
-    for extra, named in ((dict(attention_bias=True), "o_proj"),
-                         (dict(mlp_bias=True), "gate_proj, up_proj, down_proj")):
-        cfg = LlamaConfig(**{**COMMON, "num_hidden_layers": 1}, **extra)
-        with pytest.raises(ModelLoadError, match=f"biases on {named} are not supported"):
-            Runner.from_hf(LlamaForCausalLM(cfg))
 
 
 def test_dynamic_rope_is_refused(tmp_path):
@@ -714,13 +709,14 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
             assert bool(now.k[read].isfinite().all() and now.v[read].isfinite().all()), (name, step)
 
 
-@pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"}) + ["olmo2", "cohere2"])
+@pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
+                         + ["olmo2", "cohere2", "starcoder2", "llama-biases"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers
     each expert's rows into one product, so which rows share a pass decides which rows share
     an expert's product; OLMo's q/k norms take slices of the qkv product, which are
-    contiguous in a one-row step only; Cohere 2's LayerNorms and parallel blocks are torch's
-    row-wise operations. In the bitwise mode a verify pass over four sequences
+    contiguous in a one-row step only; LayerNorms (Cohere 2's, StarCoder 2's), parallel
+    blocks and output biases are torch's row-wise operations. In the bitwise mode a verify pass over four sequences
     (3 drafts each) still equals each sequence's own decode steps bit for bit, logits and
     K/V; and vericache (bitwise) equals full (bitwise)."""
     from vericache.bench.exactness import measure

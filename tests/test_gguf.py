@@ -5,7 +5,7 @@ stored as 1 + w), then loaded through the project's loader (`--model file.gguf`)
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
 Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2, gemma3, qwen2_moe and qwen3_moe. Mistral has no GGUF architecture of its own:
+gemma2, gemma3, starcoder2, qwen2_moe and qwen3_moe. Mistral has no GGUF architecture of its own:
 llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
 without a sliding window; transformers' special case for a llama file named "mistral" fails
 (gguf-py knows no "mistral" tensor map).
@@ -40,6 +40,8 @@ ARCHS = {
     "gemma3_text": ("gemma3", "Gemma3TextConfig", dict(
         num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=256,
         tie_word_embeddings=True)),
+    # transformers reads no use_bias (True by default) nor sliding window (4096 by default)
+    "starcoder2": ("starcoder2", "Starcoder2Config", dict(norm_epsilon=1e-5)),
     # mixtures of experts: transformers reads the expert counts, not the experts' widths
     # (Qwen2-MoE's 1408 and shared 5632, Qwen3-MoE's 768 by default) nor norm_topk_prob
     "qwen2_moe": ("qwen2moe", "Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
@@ -75,7 +77,7 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for pname, p in hf.named_parameters():
-            if "norm" in pname:
+            if "norm" in pname or pname.endswith(".bias"):
                 p.copy_(p + 0.3 * torch.randn_like(p))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -86,7 +88,10 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "starcoder2":
+        w.add_layer_norm_eps(cfg.norm_epsilon)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: global layers'
     w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_rope_dimension_count(head_dim)

@@ -53,7 +53,8 @@ class Layer:
     w_o: torch.Tensor  # [H, Hq D]
     # [H] before the MLP (Llama's post_attention, Gemma's pre_feedforward; None: OLMo 2)
     ln_mlp_in: torch.Tensor | None
-    w_gate_up: torch.Tensor | None  # [2 I, H] (None: `moe` is the layer's MLP)
+    # [2 I, H] (None: `moe` is the layer's MLP; [I, H] where the MLP is not gated)
+    w_gate_up: torch.Tensor | None
     w_down: torch.Tensor | None  # [H, I]
     ln_attn_out: torch.Tensor | None = None  # [H] on the attention output (Gemma)
     ln_mlp_out: torch.Tensor | None = None  # [H] on the MLP output (Gemma)
@@ -65,6 +66,13 @@ class Layer:
     moe: Experts | None = None  # the MLP, where it is a mixture of experts
     # Cohere: attention and MLP in parallel, both on ln_attn_in's output, both added to h
     parallel: bool = False
+    # output-projection and MLP biases (StarCoder 2; Llama's attention_bias, mlp_bias)
+    b_o: torch.Tensor | None = None  # [H]
+    b_gate_up: torch.Tensor | None = None  # [2 I] (or [I] where the MLP is not gated)
+    b_down: torch.Tensor | None = None  # [H]
+    # LayerNorm biases (StarCoder 2's), where the norms are LayerNorms (`Weights.layer_norm`)
+    ln_attn_in_b: torch.Tensor | None = None
+    ln_mlp_in_b: torch.Tensor | None = None
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv, output, then the MLP's (gate/up and down, or the
@@ -90,10 +98,12 @@ class Weights:
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
     logit_scale: float | None = None  # Cohere: logits * logit_scale, in the model dtype
-    # Cohere's LayerNorm (x - mean) / std * w, in fp32 then cast, for every norm but the q/k
-    # norms; else RMSNorm
+    # LayerNorm (x - mean) / std * w (+ b), in fp32 then cast (Cohere's, StarCoder 2's), for
+    # every norm but the q/k norms; else RMSNorm
     layer_norm: bool = False
+    norm_b: torch.Tensor | None = None  # the final LayerNorm's bias
     eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
+    gated: bool = True  # the MLP: down(act(gate x) * up x); False: down(act(up x)) (StarCoder 2)
 
 
 def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -162,16 +172,21 @@ def _window(cfg, layer_idx: int) -> int | None:
     return w
 
 
-def _no_output_biases(a, mlp) -> None:
-    """The runner's layers have a q/k/v bias only: a checkpoint with an output-projection or
-    MLP bias (Llama's `attention_bias` / `mlp_bias`) is refused, not run without them."""
-    named = {"o_proj": getattr(a, "o_proj", None)}
-    named.update({n: getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "gate_up_proj",
-                                                    "down_proj")})
-    found = [n for n, mod in named.items() if getattr(mod, "bias", None) is not None]
-    if found:
-        raise ModelLoadError(f"biases on {', '.join(found)} are not supported by the runner "
-                             "(only q/k/v projections may carry one)")
+def _bias(mod, device) -> torch.Tensor | None:
+    b = getattr(mod, "bias", None)
+    return None if b is None else _t(b, device)
+
+
+def _output_biases(a, mlp, device) -> dict:
+    """A layer's output-projection and MLP biases (Llama's `attention_bias` / `mlp_bias`)."""
+    gate_up = None
+    if getattr(mlp, "gate_proj", None) is not None and mlp.gate_proj.bias is not None:
+        gate_up = _t(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]), device)
+    elif getattr(mlp, "gate_up_proj", None) is not None:
+        gate_up = _bias(mlp.gate_up_proj, device)
+    down = getattr(mlp, "down_proj", None)
+    return dict(b_o=_bias(a.o_proj, device), b_gate_up=gate_up,
+                b_down=None if down is None else _bias(down, device))
 
 
 def _attention(a, device):
@@ -226,8 +241,8 @@ def _block(lyr, device, cfg=None, **kw) -> Layer:
     separate q/k/v and gate/up projections; a sparse MoE block's experts, `_experts`, which
     needs the `cfg`); the family's norms, window and the rest in `kw`."""
     a, mlp = lyr.self_attn, lyr.mlp
-    _no_output_biases(a, mlp)
     w_qkv, bias = _attention(a, device)
+    kw.update(_output_biases(a, mlp, device))
     if hasattr(mlp, "experts"):
         ffn = dict(w_gate_up=None, w_down=None, moe=_experts(cfg, mlp, device))
     else:
@@ -248,7 +263,8 @@ def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
 
 
 def _llama(hf, device) -> Weights:
-    """Llama, Mistral, Ministral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before
+    """Llama (biases on o_proj and the MLP where `attention_bias` / `mlp_bias` put them),
+    Mistral, Ministral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before
     RoPE); Mixtral, Qwen2-MoE and Qwen3-MoE, the same blocks with a mixture of experts in some
     or all of the MLPs (`Experts`)."""
     cfg = hf.config
@@ -407,6 +423,27 @@ def _cohere(hf, device) -> Weights:
     return w
 
 
+def _starcoder2(hf, device) -> Weights:
+    """StarCoder 2: LayerNorms with biases, biases on every projection (`use_bias`), an MLP
+    that is not gated (c_fc, the activation, c_proj), sliding window on every layer."""
+    cfg, m = hf.config, hf.model
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a, mlp = lyr.self_attn, lyr.mlp
+        w_qkv, b_qkv = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device),
+            ln_attn_in_b=_bias(lyr.input_layernorm, device),
+            w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
+            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+            ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
+            w_gate_up=_t(mlp.c_fc.weight, device), b_gate_up=_bias(mlp.c_fc, device),
+            w_down=_t(mlp.c_proj.weight, device), b_down=_bias(mlp.c_proj, device),
+            window=_window(cfg, i)))
+    return _common(hf, device, layers, layer_norm=True, norm_b=_bias(m.norm, device),
+                   eps=cfg.norm_epsilon, gated=False)
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -414,8 +451,7 @@ def _phi3(hf, device) -> Weights:
     layers = []
     for i, lyr in enumerate(hf.model.layers):
         a, mlp = lyr.self_attn, lyr.mlp
-        _no_output_biases(a, mlp)
-        layers.append(Layer(
+        layers.append(Layer(**_output_biases(a, mlp, device),
             ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=_t(a.qkv_proj.weight, device),
             b_qkv=None if a.qkv_proj.bias is None else _t(a.qkv_proj.bias, device),
             w_o=_t(a.o_proj.weight, device), ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
@@ -494,6 +530,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gemma": _gemma,
     "cohere": _cohere,
     "cohere2": _cohere,
+    "starcoder2": _starcoder2,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
     **{name: _language_model for name in VISION_LANGUAGE},

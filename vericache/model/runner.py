@@ -168,7 +168,9 @@ class Runner:
                                   if lyr.w_gate_up is not None), 0)
         self.vocab_size = w.lm_head.shape[0]
         self.eps = cfg.rms_norm_eps if w.eps is None else w.eps
-        self.layer_norm = w.layer_norm  # Cohere's LayerNorm for the layers' and final norms
+        self.layer_norm = w.layer_norm  # LayerNorms for the layers' and final norms
+        self.norm_b = w.norm_b
+        self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
@@ -215,7 +217,8 @@ class Runner:
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel
-                    for lyr in w.layers) and not w.layer_norm and len({c.shape[1] for c, _ in w.ropes}) == 1
+                    and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
+                    for lyr in w.layers) and not w.layer_norm and w.gated and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
                                         lyr.w_o, lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
@@ -302,16 +305,17 @@ class Runner:
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A layer's or the final norm: `_rms`, or where the family's norms are Cohere's
-        LayerNorm (`layer_norm`), that in transformers' order: centred, scaled by the
-        variance's rsqrt and by w, in float32, then cast."""
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's or the final norm: `_rms`, or where the family's norms are LayerNorms
+        (`layer_norm`), that in Cohere's order: centred, scaled by the variance's rsqrt and by
+        w (plus b, StarCoder 2's), in float32, then cast."""
         if not self.layer_norm:
             return self._rms(x, w)
         xf = x.float()
         xc = xf - xf.mean(-1, keepdim=True)
         var = xc.pow(2).mean(-1, keepdim=True)
-        return (w.float() * (xc * torch.rsqrt(var + self.eps))).to(x.dtype)
+        y = w.float() * (xc * torch.rsqrt(var + self.eps))
+        return (y if b is None else y + b.float()).to(x.dtype)
 
     def _qk_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A pass's per-head q/k RMSNorm on x [T, heads, D] (a view of its qkv product), w
@@ -856,7 +860,7 @@ class Runner:
         if fused:
             self._fused(plans[0], h, ropes, drafts)
         for li, lyr in enumerate([] if fused else self.layers):
-            x = h if lyr.ln_attn_in is None else self._norm(h, lyr.ln_attn_in)
+            x = h if lyr.ln_attn_in is None else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm_wide is not None:  # one norm over q's heads, one over k's
@@ -891,14 +895,15 @@ class Runner:
                 for i in explicit:  # the votes only: their plans gave the rows
                     self._votes_explicit(items[i], li, lyr, q, starts[i], lens[i], pasts[i],
                                          masks[i])
-            attn = lin(attn, lyr.w_o)
+            attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
             h = h + attn
             if not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
-                x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in)
+                x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
             if lyr.moe is None:
-                y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant)
+                y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant, lyr.b_gate_up,
+                              lyr.b_down)
             else:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
@@ -909,16 +914,20 @@ class Runner:
         return self._logits(items, lens, h, lin)
 
     def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, lin,
-             invariant: bool) -> torch.Tensor:
-        """The gated MLP: down(act(gate x) * up x), gate and up one product."""
-        gu = lin(x, w_gate_up)
-        if (not invariant and self.silu and self.linear_kernel is not None
+             invariant: bool, b_gate_up: torch.Tensor | None = None,
+             b_down: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated MLP: down(act(gate x) * up x), gate and up one product; or, where the
+        family's is not gated (`gated`), down(act(up x))."""
+        gu = lin(x, w_gate_up, b_gate_up)
+        if not self.gated:
+            a = self.act(gu)
+        elif (not invariant and self.silu and self.linear_kernel is not None
                 and gu.shape[0] <= LINEAR_ROWS):
             a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
         else:
             i = gu.shape[1] // 2
             a = self.act(gu[:, :i]) * gu[:, i:]
-        return lin(a, w_down)
+        return lin(a, w_down, b_down)
 
     def _experts(self, x: torch.Tensor, e: Experts, lin, invariant: bool) -> torch.Tensor:
         """A mixture of experts (`Experts`, in transformers' order): each expert's MLP over the
@@ -1044,7 +1053,7 @@ class Runner:
             start += L
         if not rows:
             return [None] * len(items)
-        hs = self._norm(h[torch.cat(rows).to(self.device)], self.norm)
+        hs = self._norm(h[torch.cat(rows).to(self.device)], self.norm, self.norm_b)
         logits = lin(hs, self.lm_head)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
