@@ -70,6 +70,13 @@ ARCHS = {
     # LayerNorms with biases, biases on every projection, an MLP not gated, every layer sliding
     "starcoder2": ("Starcoder2Config", dict(sliding_window=WINDOW, use_bias=True,
                                             norm_epsilon=1e-5)),
+    # Phi (2): parallel blocks on one LayerNorm, biases everywhere (the LM head's too), partial
+    # rotary, an MLP not gated
+    "phi": ("PhiConfig", dict(partial_rotary_factor=0.5, layer_norm_eps=1e-5)),
+    # GLM: RoPE over interleaved pairs of each head's first half, q/k/v bias; GLM-4's norms on
+    # each branch's output
+    "glm": ("GlmConfig", dict(head_dim=32)),
+    "glm4": ("Glm4Config", dict(head_dim=32)),
     # parallel blocks on LayerNorms, RoPE over interleaved pairs, scaled logits; Cohere 2's
     # full-attention layer has no RoPE
     "cohere": ("CohereConfig", dict(logit_scale=0.5, layer_norm_eps=1e-5)),
@@ -264,6 +271,12 @@ def test_family_config(arch):
         assert all(lyr.b_o is not None and lyr.b_gate_up is not None and lyr.b_down is not None
                    for lyr in r.layers) and r._fused_w is None
         assert r.gated == (name == "llama-biases") and r.layer_norm == (name == "starcoder2")
+    if name == "phi":
+        assert r.lm_head_b is not None and r.layers[0].parallel and not r.gated
+        assert r.ropes[0][0].shape[-1] == r.head_dim // 2  # partial rotary
+    if name.startswith("glm"):  # interleaved pairs of the first half, in halves
+        assert r.ropes[0][0].shape[-1] == r.head_dim // 2
+        assert (r.layers[0].ln_mlp_out is not None) == (name == "glm4")
     if name.startswith("cohere"):  # one LayerNorm before both branches; no fused pass
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
         assert r.layer_norm and r.logit_scale == 0.5 and r._fused_w is None
@@ -496,7 +509,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "granite", "olmo2", "olmo3", "phi3", "gemma", "gemma2",
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
-                              "qwen3_vl", "cohere", "cohere2", "starcoder2"}
+                              "qwen3_vl", "cohere", "cohere2", "starcoder2", "phi", "glm",
+                              "glm4"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
@@ -710,7 +724,7 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
-                         + ["olmo2", "cohere2", "starcoder2", "llama-biases"])
+                         + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers
     each expert's rows into one product, so which rows share a pass decides which rows share

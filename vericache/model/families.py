@@ -102,6 +102,7 @@ class Weights:
     # every norm but the q/k norms; else RMSNorm
     layer_norm: bool = False
     norm_b: torch.Tensor | None = None  # the final LayerNorm's bias
+    lm_head_b: torch.Tensor | None = None  # [V] (Phi's)
     eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
     gated: bool = True  # the MLP: down(act(gate x) * up x); False: down(act(up x)) (StarCoder 2)
 
@@ -210,6 +211,10 @@ def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None
 
 
 def _gate_up(mlp, device) -> torch.Tensor:
+    """The MLP's gate and up projections as one matrix, gate first (Phi-3's and GLM's are one
+    already)."""
+    if getattr(mlp, "gate_up_proj", None) is not None:
+        return _t(mlp.gate_up_proj.weight, device)
     return _t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device)
 
 
@@ -379,42 +384,51 @@ def _olmoe(hf, device) -> Weights:
     return _common(hf, device, layers)
 
 
-def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """A q or k projection's rows (or bias) for a RoPE over interleaved pairs (Cohere's
-    (x[2i], x[2i + 1])), reordered in each head to the halves Llama's RoPE pairs (x[i],
-    x[i + D/2]): the even rows, then the odd. q and k reordered alike leave every score as
-    it was (v is not reordered), and the rotation is the same arithmetic on each pair."""
-    d = w.shape[0] // heads
-    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
-    return w.reshape(heads, d, *w.shape[1:])[:, order].reshape(w.shape).contiguous()
+def _halves_order(d: int, rot: int) -> torch.Tensor:
+    """The order that takes a head's first `rot` dims from interleaved pairs (x[2i],
+    x[2i + 1]) to halves (x[i], x[i + rot/2]): the even dims, then the odd, then the rest."""
+    return torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
+
+
+def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
+    """For a RoPE over interleaved pairs (Cohere's, GLM's, over each head's first `rot` dims):
+    q's and k's projection rows (and biases) reordered in each head to the halves Llama's
+    RoPE pairs (x[i], x[i + rot/2]), `_halves_order`. q and k reordered alike leave every
+    score as it was (v is not reordered), and the rotation is the same arithmetic on each
+    pair."""
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
+    order = _halves_order(d, rot)
+
+    def halves(t: torch.Tensor, heads: int) -> torch.Tensor:
+        return t.reshape(heads, d, *t.shape[1:])[:, order.to(t.device)].reshape(t.shape)
+
+    def reorder(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        q, k, v = t[: hq * d], t[hq * d: (hq + hkv) * d], t[(hq + hkv) * d:]
+        return torch.cat([halves(q, hq), halves(k, hkv), v]).contiguous()
+
+    for layer in layers:
+        layer.w_qkv, layer.b_qkv = reorder(layer.w_qkv), reorder(layer.b_qkv)
 
 
 def _cohere(hf, device) -> Weights:
     """Cohere (Command R) and Cohere 2 (Command R7B, Command A): attention and MLP in parallel
     on one LayerNorm's output (`parallel`, `layer_norm`), RoPE over interleaved pairs (q and k
-    rows reordered, `_halves`, and the table with them), logits times `logit_scale`. Cohere
+    rows reordered, `_interleaved_rope`, and the table with them), logits times `logit_scale`. Cohere
     computes RoPE in float32, so the table is float32 (its values the model dtype's, as
     transformers' rotary module gives them). Cohere 2's full-attention layers have no RoPE
     (`_without_rope`). Checkpoints with q/k LayerNorms (`use_qk_norm`) are refused."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "use_qk_norm", False):
         raise ModelLoadError("Cohere with q/k LayerNorms (use_qk_norm) is not supported by the runner")
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
-
-    def reorder(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        q, k, v = t[: hq * d], t[hq * d: (hq + hkv) * d], t[(hq + hkv) * d:]
-        return torch.cat([_halves(q, hq), _halves(k, hkv), v]).contiguous()
-
-    layers = []
-    for i, lyr in enumerate(m.layers):
-        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
-                       ln_mlp_in=None, parallel=True, window=_window(cfg, i))
-        layer.w_qkv, layer.b_qkv = reorder(layer.w_qkv), reorder(layer.b_qkv)
-        layers.append(layer)
+    d = _head_dim(cfg)
+    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                     ln_mlp_in=None, parallel=True, window=_window(cfg, i))
+              for i, lyr in enumerate(m.layers)]
+    _interleaved_rope(layers, cfg, d)
     cos, sin = _rope_table(m.rotary_emb, max_positions(cfg), m.embed_tokens.weight.dtype, device)
-    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(cos.device)
+    order = _halves_order(d, d).to(cos.device)  # the table's interleaved pairs, in halves
     ropes = [(_t(cos[:, order].float(), device), _t(sin[:, order].float(), device))]
     w = _common(hf, device, layers, ropes=ropes, logit_scale=float(cfg.logit_scale),
                 layer_norm=True, eps=cfg.layer_norm_eps)
@@ -442,6 +456,45 @@ def _starcoder2(hf, device) -> Weights:
             window=_window(cfg, i)))
     return _common(hf, device, layers, layer_norm=True, norm_b=_bias(m.norm, device),
                    eps=cfg.norm_epsilon, gated=False)
+
+
+def _glm(hf, device) -> Weights:
+    """GLM and GLM-4: Llama's block (q/k/v bias, gate and up one projection) with RoPE over
+    interleaved pairs of each head's first dims (`_interleaved_rope`; transformers' table is
+    already in halves); GLM-4 adds norms on each branch's output (`ln_attn_out`,
+    `ln_mlp_out`, Llama's RMSNorm)."""
+    cfg, m = hf.config, hf.model
+    glm4 = cfg.model_type == "glm4"
+    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                     ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                     ln_attn_out=_t(lyr.post_self_attn_layernorm.weight, device) if glm4 else None,
+                     ln_mlp_out=_t(lyr.post_mlp_layernorm.weight, device) if glm4 else None)
+              for lyr in m.layers]
+    w = _common(hf, device, layers)
+    _interleaved_rope(layers, cfg, w.ropes[0][0].shape[1])
+    return w
+
+
+def _phi(hf, device) -> Weights:
+    """Phi (1, 1.5, 2): attention and MLP in parallel on one LayerNorm with a bias, biases on
+    every projection and the LM head, an MLP not gated (fc1, the activation, fc2), partial
+    rotary. Checkpoints with q/k LayerNorms (`qk_layernorm`) are refused."""
+    cfg, m = hf.config, hf.model
+    if getattr(cfg, "qk_layernorm", False):
+        raise ModelLoadError("Phi with q/k LayerNorms (qk_layernorm) is not supported by the runner")
+    layers = []
+    for lyr in m.layers:
+        a, mlp = lyr.self_attn, lyr.mlp
+        w_qkv, b_qkv = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device),
+            ln_attn_in_b=_bias(lyr.input_layernorm, device), parallel=True,
+            w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
+            ln_mlp_in=None, w_gate_up=_t(mlp.fc1.weight, device), b_gate_up=_bias(mlp.fc1, device),
+            w_down=_t(mlp.fc2.weight, device), b_down=_bias(mlp.fc2, device)))
+    return _common(hf, device, layers, norm=_t(m.final_layernorm.weight, device),
+                   norm_b=_bias(m.final_layernorm, device), lm_head_b=_bias(hf.lm_head, device),
+                   layer_norm=True, eps=cfg.layer_norm_eps, gated=False)
 
 
 def _phi3(hf, device) -> Weights:
@@ -531,6 +584,9 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere": _cohere,
     "cohere2": _cohere,
     "starcoder2": _starcoder2,
+    "phi": _phi,
+    "glm": _glm,
+    "glm4": _glm,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
     **{name: _language_model for name in VISION_LANGUAGE},

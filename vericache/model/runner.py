@@ -172,6 +172,7 @@ class Runner:
         self.norm_b = w.norm_b
         self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
+        self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
         self.dtype, self.device = w.embed.dtype, w.embed.device
@@ -1054,7 +1055,7 @@ class Runner:
         if not rows:
             return [None] * len(items)
         hs = self._norm(h[torch.cat(rows).to(self.device)], self.norm, self.norm_b)
-        logits = lin(hs, self.lm_head)
+        logits = lin(hs, self.lm_head, self.lm_head_b)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
         if self.logit_scale:
