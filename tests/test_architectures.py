@@ -28,6 +28,13 @@ ARCHS = {
         high_freq_factor=4.0, original_max_position_embeddings=64))),
     # Llama's attention_bias (q, k, v and o_proj) and mlp_bias; the biases randomised by `build`
     "llama-biases": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    # Llama's block: Seed-OSS with biases everywhere; Arcee's MLP not gated (ReLU²); Helium
+    # and ERNIE 4.5 with RoPE over interleaved pairs (ERNIE's in float32, Helium's norms too)
+    "seed_oss": ("SeedOssConfig", dict(attention_bias=True, attention_out_bias=True,
+                                       mlp_bias=True)),
+    "arcee": ("ArceeConfig", dict(hidden_act="relu2")),
+    "helium": ("HeliumConfig", dict(head_dim=32, attention_bias=True)),
+    "ernie4_5": ("Ernie4_5Config", dict(head_dim=32, use_bias=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral-sliding": ("MistralConfig", dict(sliding_window=WINDOW)),
     "qwen2": ("Qwen2Config", {}),
@@ -267,10 +274,13 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name == "qwen2_moe")
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
-    if name in ("llama-biases", "starcoder2"):  # biases past q/k/v: no fused pass
+    if name in ("llama-biases", "starcoder2", "seed_oss", "ernie4_5"):  # biases past q/k/v
         assert all(lyr.b_o is not None and lyr.b_gate_up is not None and lyr.b_down is not None
                    for lyr in r.layers) and r._fused_w is None
-        assert r.gated == (name == "llama-biases") and r.layer_norm == (name == "starcoder2")
+        assert r.gated == (name != "starcoder2") and r.layer_norm == (name == "starcoder2")
+    if name in ("arcee", "helium"):  # without biases: the fused native pass serves them
+        assert r.gated == (name == "helium") and r.layer_norm is False
+        assert (r._fused_w is None) == (name == "arcee")
     if name == "phi":
         assert r.lm_head_b is not None and r.layers[0].parallel and not r.gated
         assert r.ropes[0][0].shape[-1] == r.head_dim // 2  # partial rotary
@@ -510,7 +520,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
                               "qwen3_vl", "cohere", "cohere2", "starcoder2", "phi", "glm",
-                              "glm4"}
+                              "glm4", "seed_oss", "arcee", "helium", "ernie4_5"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
@@ -724,7 +734,8 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
-                         + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4"])
+                         + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
+                            "arcee", "ernie4_5"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers
     each expert's rows into one product, so which rows share a pass decides which rows share

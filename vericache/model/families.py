@@ -180,13 +180,9 @@ def _bias(mod, device) -> torch.Tensor | None:
 
 def _output_biases(a, mlp, device) -> dict:
     """A layer's output-projection and MLP biases (Llama's `attention_bias` / `mlp_bias`)."""
-    gate_up = None
-    if getattr(mlp, "gate_proj", None) is not None and mlp.gate_proj.bias is not None:
-        gate_up = _t(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]), device)
-    elif getattr(mlp, "gate_up_proj", None) is not None:
-        gate_up = _bias(mlp.gate_up_proj, device)
     down = getattr(mlp, "down_proj", None)
-    return dict(b_o=_bias(a.o_proj, device), b_gate_up=gate_up,
+    return dict(b_o=_bias(a.o_proj, device),
+                b_gate_up=None if hasattr(mlp, "experts") else _gate_up(mlp, device, "bias"),
                 b_down=None if down is None else _bias(down, device))
 
 
@@ -210,12 +206,17 @@ def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None
               device)
 
 
-def _gate_up(mlp, device) -> torch.Tensor:
+def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
     """The MLP's gate and up projections as one matrix, gate first (Phi-3's and GLM's are one
-    already)."""
-    if getattr(mlp, "gate_up_proj", None) is not None:
-        return _t(mlp.gate_up_proj.weight, device)
-    return _t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), device)
+    already); its up projection alone where it has no gate (Arcee's); `attr` "bias": their
+    biases (None: none)."""
+    fused, gate, up = (getattr(mlp, n, None) for n in ("gate_up_proj", "gate_proj", "up_proj"))
+    if fused is not None or gate is None:
+        t = getattr(fused if fused is not None else up, attr, None)
+        return None if t is None else _t(t, device)
+    if getattr(gate, attr, None) is None:
+        return None
+    return _t(torch.cat([getattr(gate, attr), getattr(up, attr)]), device)
 
 
 # families whose top-k weights stay float32 until they scale the experts' outputs
@@ -458,6 +459,28 @@ def _starcoder2(hf, device) -> Weights:
                    eps=cfg.norm_epsilon, gated=False)
 
 
+def _arcee(hf, device) -> Weights:
+    """Arcee (AFM): Llama's block with an MLP that is not gated (up, ReLU², down)."""
+    w = _llama(hf, device)
+    w.gated = False
+    return w
+
+
+def _interleaved(hf, device) -> Weights:
+    """Helium and ERNIE 4.5: Llama's block (biases where `attention_bias` / `use_bias` put
+    them) with RoPE over interleaved pairs (`_interleaved_rope`). ERNIE's table is float32
+    (RoPE in float32, then cast, as the runner does with such a table); Helium's norms scale
+    in float32 (`norm_upcast`)."""
+    w = _llama(hf, device)
+    _interleaved_rope(w.layers, hf.config, w.ropes[0][0].shape[1])
+    if hf.config.model_type == "helium":
+        w.norm_upcast = True
+        for lyr in w.layers:
+            lyr.ln_attn_in, lyr.ln_mlp_in = lyr.ln_attn_in.float(), lyr.ln_mlp_in.float()
+        w.norm = w.norm.float()
+    return w
+
+
 def _glm(hf, device) -> Weights:
     """GLM and GLM-4: Llama's block (q/k/v bias, gate and up one projection) with RoPE over
     interleaved pairs of each head's first dims (`_interleaved_rope`; transformers' table is
@@ -585,6 +608,10 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere2": _cohere,
     "starcoder2": _starcoder2,
     "phi": _phi,
+    "seed_oss": _llama,  # Llama's block with biases
+    "arcee": _arcee,
+    "helium": _interleaved,
+    "ernie4_5": _interleaved,
     "glm": _glm,
     "glm4": _glm,
     "gemma2": _gemma3,
