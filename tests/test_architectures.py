@@ -62,6 +62,10 @@ ARCHS = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # OLMo 2's post-norms with per-head q/k norms; the global layer 2 has no RoPE
+    "exaone4": ("Exaone4Config", dict(head_dim=32, sliding_window=WINDOW,
+                                      layer_types=["sliding_attention", "sliding_attention",
+                                                   "full_attention"])),
     "gemma": ("GemmaConfig", dict(head_dim=64, tie_word_embeddings=True)),
     # a low cap, so that the soft-capped scores differ from the plain ones
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW,
@@ -151,7 +155,7 @@ def auto_class(name: str):
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe"}
-WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "qwen2-sliding", "ministral", "smollm3-sliding",
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "qwen2-sliding", "ministral", "smollm3-sliding",
             "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
@@ -281,6 +285,9 @@ def test_family_config(arch):
     if name in ("arcee", "helium"):  # without biases: the fused native pass serves them
         assert r.gated == (name == "helium") and r.layer_norm is False
         assert (r._fused_w is None) == (name == "arcee")
+    if name == "exaone4":  # post-norms, per-head q/k norms; RoPE on the sliding layers only
+        assert all(lyr.ln_attn_in is None and lyr.qk_norm is not None for lyr in r.layers)
+        assert windows == [WINDOW, WINDOW, None] and [lyr.rope for lyr in r.layers] == [0, 0, 1]
     if name == "phi":
         assert r.lm_head_b is not None and r.layers[0].parallel and not r.gated
         assert r.ropes[0][0].shape[-1] == r.head_dim // 2  # partial rotary
@@ -520,7 +527,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
                               "qwen3_vl", "cohere", "cohere2", "starcoder2", "phi", "glm",
-                              "glm4", "seed_oss", "arcee", "helium", "ernie4_5"}
+                              "glm4", "seed_oss", "arcee", "helium", "ernie4_5", "exaone4"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):

@@ -520,6 +520,22 @@ def _phi(hf, device) -> Weights:
                    layer_norm=True, eps=cfg.layer_norm_eps, gated=False)
 
 
+def _exaone4(hf, device) -> Weights:
+    """EXAONE 4: OLMo 2's post-norm block (a norm after each branch, none before) with
+    Llama's RMSNorm and per-head q/k norms; where it slides (`sliding_window`), its global
+    layers have no RoPE (`_without_rope`)."""
+    cfg, m = hf.config, hf.model
+    layers = [_block(lyr, device, cfg, ln_attn_in=None, ln_mlp_in=None,
+                     ln_attn_out=_t(lyr.post_attention_layernorm.weight, device),
+                     ln_mlp_out=_t(lyr.post_feedforward_layernorm.weight, device),
+                     qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
+              for i, lyr in enumerate(m.layers)]
+    w = _common(hf, device, layers)
+    if cfg.sliding_window:
+        _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+    return w
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -602,6 +618,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "olmo3": _olmo2,
+    "exaone4": _exaone4,
     "phi3": _phi3,
     "gemma": _gemma,
     "cohere": _cohere,
