@@ -108,6 +108,12 @@ ARCHS = {
                                          moe_intermediate_size=64, norm_topk_prob=True,
                                          mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+    # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
+    # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                                     sliding_window=WINDOW, swiglu_limit=2.0,
+                                     layer_types=["sliding_attention", "full_attention",
+                                                  "sliding_attention"])),
 }
 # Gemma 3's vision-language checkpoints (4B and up): the same text model inside, a tiny vision
 # tower beside it (`build` puts COMMON into the text config)
@@ -154,8 +160,8 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe"}
-WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "qwen2-sliding", "ministral", "smollm3-sliding",
+MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss", "qwen2-sliding", "ministral", "smollm3-sliding",
             "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
@@ -203,7 +209,7 @@ def build(name: str, folder, **config) -> None:
     hf = auto_class(name).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in hf.named_parameters():
-            if "norm" in pname or pname.endswith(".bias"):
+            if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks")):
                 p.copy_(p + 0.3 * torch.randn_like(p))
     hf.save_pretrained(folder)
     _tokenizer().save_pretrained(folder)
@@ -274,10 +280,14 @@ def test_family_config(arch):
         assert moe == ([True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[0].moe
         assert (len(e.gate_up), e.top_k, e.weights_in_dtype) == (4, 2, "mixtral" not in name)
-        assert e.norm_topk == (name != "qwen2_moe") and r._fused_w is None
+        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss")) and r._fused_w is None
         assert (e.shared_down is not None) == (name == "qwen2_moe")
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
+        if name == "gpt_oss":  # sinks: the explicit attention path, not the native kernel
+            assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
+            assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
+            assert windows == [WINDOW, None, WINDOW] and r.ropes[0][0].shape[-1] == r.head_dim
     if name in ("llama-biases", "starcoder2", "seed_oss", "ernie4_5"):  # biases past q/k/v
         assert all(lyr.b_o is not None and lyr.b_gate_up is not None and lyr.b_down is not None
                    for lyr in r.layers) and r._fused_w is None

@@ -38,6 +38,14 @@ class Experts:
     shared_gate_up: torch.Tensor | None = None  # [2 Is, H]
     shared_down: torch.Tensor | None = None  # [H, Is]
     shared_gate: torch.Tensor | None = None  # [1, H]
+    # GPT-OSS: a router bias [E]; the top_k of the logits, then their softmax (in the model's
+    # dtype); biases on the experts' products; the clamped SwiGLU (alpha, limit):
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=limit)
+    router_b: torch.Tensor | None = None
+    softmax_after_topk: bool = False
+    gate_up_b: list[torch.Tensor] | None = None  # E x [2 I]
+    down_b: list[torch.Tensor] | None = None  # E x [H]
+    swiglu: tuple[float, float] | None = None
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: the router, the experts', the shared expert's."""
@@ -73,6 +81,9 @@ class Layer:
     # LayerNorm biases (StarCoder 2's), where the norms are LayerNorms (`Weights.layer_norm`)
     ln_attn_in_b: torch.Tensor | None = None
     ln_mlp_in_b: torch.Tensor | None = None
+    # GPT-OSS: a learned logit per query head [Hq] that joins each row's softmax as one more
+    # key with no value (the explicit attention path)
+    sinks: torch.Tensor | None = None
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv, output, then the MLP's (gate/up and down, or the
@@ -536,6 +547,38 @@ def _exaone4(hf, device) -> Weights:
     return w
 
 
+def _gpt_oss(hf, device) -> Weights:
+    """GPT-OSS: Llama's pre-norm block with biases on q/k/v and o, attention sinks (`sinks`),
+    sliding and full layers, and a mixture of experts (`Experts`) whose router has a bias and
+    takes the softmax of its top-k logits, and whose experts carry biases and the clamped
+    SwiGLU. transformers keeps an expert's gate/up as [H, 2I] with gate and up interleaved
+    (columns 0, 2, ... and 1, 3, ...): here it is [2I, H], the gate's rows first. RoPE tables
+    of D/2 columns, doubled to the runner's (the same products on each half)."""
+    cfg, m = hf.config, hf.model
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a, mlp = lyr.self_attn, lyr.mlp
+        ex, n = mlp.experts, mlp.experts.intermediate_size
+        order = torch.cat([torch.arange(0, 2 * n, 2), torch.arange(1, 2 * n, 2)])
+        experts = Experts(
+            router=_t(mlp.router.weight, device), router_b=_bias(mlp.router, device),
+            gate_up=[_t(w.t()[order], device) for w in ex.gate_up_proj],
+            gate_up_b=[_t(b[order], device) for b in ex.gate_up_proj_bias],
+            down=[_t(w.t(), device) for w in ex.down_proj],
+            down_b=[_t(b, device) for b in ex.down_proj_bias],
+            top_k=int(mlp.router.top_k), norm_topk=False, weights_in_dtype=True,
+            softmax_after_topk=True, swiglu=(float(ex.alpha), float(ex.limit)))
+        w_qkv, b_qkv = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=b_qkv,
+            w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
+            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device), w_gate_up=None,
+            w_down=None, moe=experts, window=_window(cfg, i), sinks=_t(a.sinks, device)))
+    cos, sin = _rope_table(m.rotary_emb, max_positions(cfg), m.embed_tokens.weight.dtype, device)
+    ropes = [(_t(torch.cat([cos, cos], -1), device), _t(torch.cat([sin, sin], -1), device))]
+    return _common(hf, device, layers, ropes=ropes)
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -611,6 +654,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "qwen2_moe": _llama,
     "qwen3_moe": _llama,
     "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,
     "qwen3_vl_text": _llama,

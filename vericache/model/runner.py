@@ -198,7 +198,10 @@ class Runner:
         # the fast path's batch attention for float32 on CPU (`vericache.model.kernels`;
         # None: SDPA with masks, as on other devices and dtypes)
         native = self.device.type == "cpu" and self.dtype == torch.float32
-        self.attend_kernel = kernels.attend() if native and not self.attn_softcap else None
+        # (nor GPT-OSS's attention sinks)
+        self.sinks = any(lyr.sinks is not None for lyr in w.layers)
+        self.attend_kernel = (kernels.attend() if native and not self.attn_softcap
+                              and not self.sinks else None)
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
@@ -773,22 +776,33 @@ class Runner:
             mask = ~old if base is None else base & ~old
         # (a drafter's narrower cache: widened to the queries' dtype for SDPA)
         return self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype), cv[:, :, lo: p.hi].to(qp.dtype),
-                          mask)
+                          mask, lyr.sinks)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-        """SDPA (mask: True where a key is seen), or with soft-capped scores (Gemma 2) the
-        explicit path transformers' eager attention computes: scores times the scale, capped,
-        masked, softmax in fp32, then cast back. A row that sees no key (a padding row) gives
-        zeros, not NaN."""
-        if not self.attn_softcap:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """SDPA (q [B, Hkv, G L, D], rows by query head then row; mask: True where a key is
+        seen), or the explicit path transformers' eager attention computes: with soft-capped
+        scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
+        back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
+        sink logit less their maximum, softmax in the model's dtype, the sink's share
+        dropped. A row that sees no key (a padding row) gives zeros, not NaN."""
+        if not self.attn_softcap and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        c = self.attn_softcap
-        s = _softcap(torch.matmul(q, k.transpose(-1, -2)) * self.scale, c)
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if self.attn_softcap:
+            s = _softcap(s, self.attn_softcap)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
-        w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(q.dtype)
-        return torch.matmul(w, v)
+        if sinks is None:
+            w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(q.dtype)
+            return torch.matmul(w, v)
+        hkv, rows = s.shape[-3], s.shape[-2]
+        g = sinks.shape[0] // hkv
+        col = sinks.to(s.dtype).view(hkv, g, 1, 1).expand(hkv, g, rows // g, 1)
+        s = torch.cat([s, col.reshape(hkv, rows, 1).expand(*s.shape[:-1], 1)], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        w = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1]
+        return torch.matmul(w.to(v.dtype), v)
 
     @torch.inference_mode()
     def _forward(self, items: list[SeqBatchItem],
@@ -916,11 +930,18 @@ class Runner:
 
     def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, lin,
              invariant: bool, b_gate_up: torch.Tensor | None = None,
-             b_down: torch.Tensor | None = None) -> torch.Tensor:
+             b_down: torch.Tensor | None = None,
+             swiglu: tuple[float, float] | None = None) -> torch.Tensor:
         """The gated MLP: down(act(gate x) * up x), gate and up one product; or, where the
-        family's is not gated (`gated`), down(act(up x))."""
+        family's is not gated (`gated`), down(act(up x)); `swiglu` (alpha, limit): GPT-OSS's
+        experts' clamped SwiGLU (`Experts.swiglu`)."""
         gu = lin(x, w_gate_up, b_gate_up)
-        if not self.gated:
+        if swiglu is not None:
+            alpha, limit = swiglu
+            i = gu.shape[1] // 2
+            gate = gu[:, :i].clamp(max=limit)
+            a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+        elif not self.gated:
             a = self.act(gu)
         elif (not invariant and self.silu and self.linear_kernel is not None
                 and gu.shape[0] <= LINEAR_ROWS):
@@ -934,16 +955,22 @@ class Runner:
         """A mixture of experts (`Experts`, in transformers' order): each expert's MLP over the
         rows that chose it, in one product, so a row's bits are those its own pass gives
         wherever `lin` is row-invariant (the native kernel, `_block_linear`)."""
-        probs = torch.softmax(lin(x, e.router).float(), dim=-1)  # [T, E]
-        top, idx = torch.topk(probs, e.top_k, dim=-1)  # [T, k]
-        if e.norm_topk:
-            top = top / top.sum(dim=-1, keepdim=True)
-        if e.weights_in_dtype:
-            top = top.to(x.dtype)
+        logits = lin(x, e.router, e.router_b)  # [T, E]
+        if e.softmax_after_topk:  # GPT-OSS
+            top, idx = torch.topk(logits, e.top_k, dim=-1)
+            top = torch.softmax(top, dim=-1, dtype=top.dtype)
+        else:
+            top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), e.top_k, dim=-1)
+            if e.norm_topk:
+                top = top / top.sum(dim=-1, keepdim=True)
+            if e.weights_in_dtype:
+                top = top.to(x.dtype)
         out = torch.zeros_like(x)
         for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
             rows, slot = torch.where(idx == expert)
-            y = self._mlp(x[rows], e.gate_up[expert], e.down[expert], lin, invariant)
+            y = self._mlp(x[rows], e.gate_up[expert], e.down[expert], lin, invariant,
+                          None if e.gate_up_b is None else e.gate_up_b[expert],
+                          None if e.down_b is None else e.down_b[expert], e.swiglu)
             out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant)
@@ -1011,7 +1038,7 @@ class Runner:
             lo = 0 if lyr.window is None else max(0, hi - lyr.window)
             qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
             qj = qj.reshape(1, hkv, g, d)
-            o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi])
+            o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi], sinks=lyr.sinks)
             out[j] = o.reshape(-1)
         return out
 
