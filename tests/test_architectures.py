@@ -161,8 +161,9 @@ def auto_class(name: str):
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}
-WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss", "qwen2-sliding", "ministral", "smollm3-sliding",
-            "phi3", "olmo3", "gemma2", "gemma3_text", "gemma3"}
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
+            "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
+            "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -193,9 +194,9 @@ def _tokenizer():
 
 
 def build(name: str, folder, **config) -> None:
-    """Save a tiny random model of `name` (every norm weight and bias randomised too, so a
-    wrong norm offset, a missing q/k norm or a dropped bias shows) with a word-level tokenizer; `config` overrides its
-    config's fields (benchmarks/gpu_identity.py: a longer context)."""
+    """Save a tiny random model of `name` (every norm weight and bias randomised too, so a wrong
+    norm offset, a missing q/k norm or a dropped bias shows) with a word-level tokenizer;
+    `config` overrides its config's fields (benchmarks/gpu_identity.py: a longer context)."""
     import transformers
 
     cls, over = ARCHS[name]
@@ -754,13 +755,13 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
-    """Families whose layers the fused native pass does not run. A mixture of experts gathers
-    each expert's rows into one product, so which rows share a pass decides which rows share
-    an expert's product; OLMo's q/k norms take slices of the qkv product, which are
-    contiguous in a one-row step only; LayerNorms (Cohere 2's, StarCoder 2's), parallel
-    blocks and output biases are torch's row-wise operations. In the bitwise mode a verify pass over four sequences
-    (3 drafts each) still equals each sequence's own decode steps bit for bit, logits and
-    K/V; and vericache (bitwise) equals full (bitwise)."""
+    """Families whose layers the fused native pass does not run. A mixture of experts gathers each
+    expert's rows into one product, so which rows share a pass decides which rows share an
+    expert's product; OLMo's q/k norms take slices of the qkv product, which are contiguous
+    in a one-row step only; LayerNorms (Cohere 2's, StarCoder 2's), parallel blocks and
+    output biases are torch's row-wise operations. In the bitwise mode a verify pass over
+    four sequences (3 drafts each) still equals each sequence's own decode steps bit for
+    bit, logits and K/V; and vericache (bitwise) equals full (bitwise)."""
     from vericache.bench.exactness import measure
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
@@ -777,7 +778,7 @@ def test_bitwise_beside_the_fused_pass(name, tmp_path):
     assert d.max_abs_logit == 0 and d.logit_rows_differing == 0 and d.kv_rows_differing == 0
     params = dict(max_tokens=24, ignore_eos=True, exact="bitwise")
     full = generate(lm, prompts[0], GenParams(mode="full", **params))
-    vc = generate(lm, prompts[0], GenParams(mode="vericache", compressor="snapkv:recent=16,window=8",
-                                            chunk_size=CHUNK, draft_len=4, **params),
-                  LocalBackends(lm))
+    vc = generate(lm, prompts[0],
+                  GenParams(mode="vericache", compressor="snapkv:recent=16,window=8",
+                            chunk_size=CHUNK, draft_len=4, **params), LocalBackends(lm))
     assert vc.token_ids == full.token_ids and len(full.token_ids) == 24

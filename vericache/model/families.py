@@ -425,15 +425,17 @@ def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
 
 
 def _cohere(hf, device) -> Weights:
-    """Cohere (Command R) and Cohere 2 (Command R7B, Command A): attention and MLP in parallel
-    on one LayerNorm's output (`parallel`, `layer_norm`), RoPE over interleaved pairs (q and k
-    rows reordered, `_interleaved_rope`, and the table with them), logits times `logit_scale`. Cohere
-    computes RoPE in float32, so the table is float32 (its values the model dtype's, as
-    transformers' rotary module gives them). Cohere 2's full-attention layers have no RoPE
-    (`_without_rope`). Checkpoints with q/k LayerNorms (`use_qk_norm`) are refused."""
+    """Cohere (Command R) and Cohere 2 (Command R7B, Command A): attention and MLP in parallel on
+    one LayerNorm's output (`parallel`, `layer_norm`), RoPE over interleaved pairs (q and k
+    rows reordered, `_interleaved_rope`, and the table with them), logits times
+    `logit_scale`. Cohere computes RoPE in float32, so the table is float32 (its values the
+    model dtype's, as transformers' rotary module gives them). Cohere 2's full-attention
+    layers have no RoPE (`_without_rope`). Checkpoints with q/k LayerNorms (`use_qk_norm`)
+    are refused."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "use_qk_norm", False):
-        raise ModelLoadError("Cohere with q/k LayerNorms (use_qk_norm) is not supported by the runner")
+        raise ModelLoadError("Cohere with q/k LayerNorms (use_qk_norm) is not supported by the "
+                             "runner")
     d = _head_dim(cfg)
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=None, parallel=True, window=_window(cfg, i))
@@ -515,7 +517,8 @@ def _phi(hf, device) -> Weights:
     rotary. Checkpoints with q/k LayerNorms (`qk_layernorm`) are refused."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "qk_layernorm", False):
-        raise ModelLoadError("Phi with q/k LayerNorms (qk_layernorm) is not supported by the runner")
+        raise ModelLoadError("Phi with q/k LayerNorms (qk_layernorm) is not supported by the "
+                             "runner")
     layers = []
     for lyr in m.layers:
         a, mlp = lyr.self_attn, lyr.mlp

@@ -222,7 +222,8 @@ class Runner:
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
-                    for lyr in w.layers) and not w.layer_norm and w.gated and len({c.shape[1] for c, _ in w.ropes}) == 1
+                    for lyr in w.layers) and not w.layer_norm and w.gated
+        plain = plain and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
                                         lyr.w_o, lyr.ln_mlp_in, lyr.w_gate_up, lyr.w_down))
@@ -309,7 +310,8 @@ class Runner:
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, w: torch.Tensor,
+              b: torch.Tensor | None = None) -> torch.Tensor:
         """A layer's or the final norm: `_rms`, or where the family's norms are LayerNorms
         (`layer_norm`), that in Cohere's order: centred, scaled by the variance's rsqrt and by
         w (plus b, StarCoder 2's), in float32, then cast."""
