@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="bfloat16,float32")
     # one of each attention and norm path: Gemma 2's explicit soft-capped attention, OLMo's
     # post-norms, wide q/k norms and float32 RoPE table
-    p.add_argument("--archs", default="llama,qwen3,mistral-sliding,phi3,gemma3_text,gemma2,olmo2,"
-                                      "mixtral,qwen3_moe")
+    # (one of each attention and norm path; the check's 120 s on a device was measured with
+    # these seven: add others, the mixtures of experts among them, with --archs)
+    p.add_argument("--archs", default="llama,qwen3,mistral-sliding,phi3,gemma3_text,gemma2,olmo2")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens (random ids)")
     p.add_argument("--new", type=int, default=48, help="greedy tokens per generation")
     p.add_argument("--draft-len", type=int, default=8)
