@@ -480,34 +480,24 @@ def _arcee(hf, device) -> Weights:
 
 
 def _interleaved(hf, device) -> Weights:
-    """Helium and ERNIE 4.5: Llama's block (biases where `attention_bias` / `use_bias` put
-    them) with RoPE over interleaved pairs (`_interleaved_rope`). ERNIE's table is float32
-    (RoPE in float32, then cast, as the runner does with such a table); Helium's norms scale
-    in float32 (`norm_upcast`)."""
+    """Helium, ERNIE 4.5, GLM and GLM-4: Llama's block (biases where `attention_bias` /
+    `use_bias` put them; GLM's gate and up one projection) with RoPE over interleaved pairs
+    of each head's first dims, as wide as the table (`_interleaved_rope`; transformers' table
+    is already in halves). ERNIE's table is float32 (RoPE in float32, then cast, as the
+    runner does with such a table); Helium's norms scale in float32 (`norm_upcast`); GLM-4
+    adds norms on each branch's output (`ln_attn_out`, `ln_mlp_out`, Llama's RMSNorm)."""
+    kind = hf.config.model_type
     w = _llama(hf, device)
     _interleaved_rope(w.layers, hf.config, w.ropes[0][0].shape[1])
-    if hf.config.model_type == "helium":
+    if kind == "helium":
         w.norm_upcast = True
         for lyr in w.layers:
             lyr.ln_attn_in, lyr.ln_mlp_in = lyr.ln_attn_in.float(), lyr.ln_mlp_in.float()
         w.norm = w.norm.float()
-    return w
-
-
-def _glm(hf, device) -> Weights:
-    """GLM and GLM-4: Llama's block (q/k/v bias, gate and up one projection) with RoPE over
-    interleaved pairs of each head's first dims (`_interleaved_rope`; transformers' table is
-    already in halves); GLM-4 adds norms on each branch's output (`ln_attn_out`,
-    `ln_mlp_out`, Llama's RMSNorm)."""
-    cfg, m = hf.config, hf.model
-    glm4 = cfg.model_type == "glm4"
-    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
-                     ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
-                     ln_attn_out=_t(lyr.post_self_attn_layernorm.weight, device) if glm4 else None,
-                     ln_mlp_out=_t(lyr.post_mlp_layernorm.weight, device) if glm4 else None)
-              for lyr in m.layers]
-    w = _common(hf, device, layers)
-    _interleaved_rope(layers, cfg, w.ropes[0][0].shape[1])
+    if kind == "glm4":
+        for lyr, src in zip(w.layers, hf.model.layers):
+            lyr.ln_attn_out = _t(src.post_self_attn_layernorm.weight, device)
+            lyr.ln_mlp_out = _t(src.post_mlp_layernorm.weight, device)
     return w
 
 
@@ -676,8 +666,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "arcee": _arcee,
     "helium": _interleaved,
     "ernie4_5": _interleaved,
-    "glm": _glm,
-    "glm4": _glm,
+    "glm": _interleaved,
+    "glm4": _interleaved,
     "gemma2": _gemma3,
     "gemma3_text": _gemma3,
     **{name: _language_model for name in VISION_LANGUAGE},

@@ -199,9 +199,9 @@ class Runner:
         # None: SDPA with masks, as on other devices and dtypes)
         native = self.device.type == "cpu" and self.dtype == torch.float32
         # (nor GPT-OSS's attention sinks)
-        self.sinks = any(lyr.sinks is not None for lyr in w.layers)
+        sinks = any(lyr.sinks is not None for lyr in w.layers)
         self.attend_kernel = (kernels.attend() if native and not self.attn_softcap
-                              and not self.sinks else None)
+                              and not sinks else None)
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
