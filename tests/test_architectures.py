@@ -108,6 +108,11 @@ ARCHS = {
                                          moe_intermediate_size=64, norm_topk_prob=True,
                                          mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+    # Granite's multipliers (the residual one folded into each expert's down_proj) over
+    # Mixtral's block, whose router softmaxes its top-k float32 logits
+    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                            embedding_multiplier=12.0, residual_multiplier=0.22,
+                                            attention_multiplier=0.09, logits_scaling=3.0)),
     # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
     # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
@@ -160,7 +165,7 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}
+MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe"}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3"}
@@ -264,6 +269,9 @@ def test_family_config(arch):
     if name == "gemma2":  # soft-capped scores: the explicit attention path, one RoPE table
         assert windows == [WINDOW, None, WINDOW, None] and len(r.ropes) == 1
         assert r.attn_softcap == 2.0 and r.attend_kernel is None
+    if name == "granitemoe":  # the residual multiplier in each expert's down_proj
+        down = hf.model.layers[0].block_sparse_moe.experts.down_proj[1]
+        assert torch.equal(r.layers[0].moe.down[1], down * 0.22) and r.logit_divisor == 3.0
     if name == "granite":
         assert (r.scale, r.logit_divisor, float(r.embed_scale)) == (0.09, 3.0, 12.0)
         o = hf.model.layers[0].self_attn.o_proj.weight
@@ -281,7 +289,8 @@ def test_family_config(arch):
         assert moe == ([True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[0].moe
         assert (len(e.gate_up), e.top_k, e.weights_in_dtype) == (4, 2, "mixtral" not in name)
-        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss")) and r._fused_w is None
+        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe"))
+        assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe"))
         assert (e.shared_down is not None) == (name == "qwen2_moe")
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
@@ -538,7 +547,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "gemma3_text", "gemma3", "mistral3", "llava", "mixtral",
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
                               "qwen3_vl", "cohere", "cohere2", "starcoder2", "phi", "glm",
-                              "glm4", "seed_oss", "arcee", "helium", "ernie4_5", "exaone4"}
+                              "glm4", "seed_oss", "arcee", "helium", "ernie4_5", "exaone4",
+                              "gpt_oss", "granitemoe"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):

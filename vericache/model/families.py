@@ -39,10 +39,12 @@ class Experts:
     shared_down: torch.Tensor | None = None  # [H, Is]
     shared_gate: torch.Tensor | None = None  # [1, H]
     # GPT-OSS: a router bias [E]; the top_k of the logits, then their softmax (in the model's
-    # dtype); biases on the experts' products; the clamped SwiGLU (alpha, limit):
-    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=limit)
+    # dtype; Granite-MoE's: in float32, `router_float32`); biases on the experts' products; the
+    # clamped SwiGLU (alpha, limit): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
+    # g = clamp(gate, max=limit)
     router_b: torch.Tensor | None = None
     softmax_after_topk: bool = False
+    router_float32: bool = False
     gate_up_b: list[torch.Tensor] | None = None  # E x [2 I]
     down_b: list[torch.Tensor] | None = None  # E x [H]
     swiglu: tuple[float, float] | None = None
@@ -232,6 +234,8 @@ def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
 
 # families whose top-k weights stay float32 until they scale the experts' outputs
 _TOP_K_FLOAT32 = ("mixtral",)
+# families whose router takes the top k of its float32 logits, then their softmax
+_TOP_K_THEN_SOFTMAX = ("granitemoe",)
 
 
 def _experts(cfg, mlp, device) -> Experts:
@@ -242,11 +246,14 @@ def _experts(cfg, mlp, device) -> Experts:
         raise ModelLoadError(f"{cfg.model_type}: experts with biases or transposed weights are "
                              "not supported by the runner")
     shared = getattr(mlp, "shared_expert", None)
+    router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's name)
+    after = cfg.model_type in _TOP_K_THEN_SOFTMAX
     return Experts(
-        router=_t(mlp.gate.weight, device),
+        router=_t(router.weight, device),
         gate_up=[_t(w, device) for w in ex.gate_up_proj],
         down=[_t(w, device) for w in ex.down_proj],
-        top_k=int(mlp.gate.top_k), norm_topk=bool(getattr(mlp.gate, "norm_topk_prob", True)),
+        top_k=int(router.top_k), norm_topk=bool(getattr(router, "norm_topk_prob", not after)),
+        softmax_after_topk=after, router_float32=after,
         weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32,
         shared_gate_up=None if shared is None else _gate_up(shared, device),
         shared_down=None if shared is None else _t(shared.down_proj.weight, device),
@@ -257,7 +264,8 @@ def _block(lyr, device, cfg=None, **kw) -> Layer:
     """A decoder layer's projections in the runner's layout (fused QKV and gate/up, from
     separate q/k/v and gate/up projections; a sparse MoE block's experts, `_experts`, which
     needs the `cfg`); the family's norms, window and the rest in `kw`."""
-    a, mlp = lyr.self_attn, lyr.mlp
+    a = lyr.self_attn
+    mlp = lyr.mlp if hasattr(lyr, "mlp") else lyr.block_sparse_moe  # (Granite-MoE's name)
     w_qkv, bias = _attention(a, device)
     kw.update(_output_biases(a, mlp, device))
     if hasattr(mlp, "experts"):
@@ -313,18 +321,27 @@ def _smollm3(hf, device) -> Weights:
 
 
 def _granite(hf, device) -> Weights:
-    """Granite: Llama's block with four multipliers. The embedding's is `embed_scale`, the
+    """Granite and Granite-MoE: Llama's block (Mixtral's, with its router's softmax over the
+    top-k float32 logits) with four multipliers. The embedding's is `embed_scale`, the
     attention's is its scale, and the logits are divided by `logits_scaling`. The residual
-    multiplier is folded into o_proj and down_proj (each weight times it in float32, rounded
-    once to the model's dtype), so the runner's block stays Llama's (the fused pass serves
-    it): a branch's output is (m W) x instead of m (W x), a rounding apart."""
+    multiplier is folded into o_proj and down_proj (each expert's down_proj) (each weight
+    times it in float32, rounded once to the model's dtype), so the runner's block stays
+    Llama's (the fused pass serves it): a branch's output is (m W) x instead of m (W x), a
+    rounding apart."""
     cfg = hf.config
     w = _llama(hf, device)
     m = float(cfg.residual_multiplier)
+
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return (t.float() * m).to(t.dtype).contiguous()
+
     if m != 1.0:
         for lyr in w.layers:
-            lyr.w_o = (lyr.w_o.float() * m).to(lyr.w_o.dtype).contiguous()
-            lyr.w_down = (lyr.w_down.float() * m).to(lyr.w_down.dtype).contiguous()
+            lyr.w_o = scaled(lyr.w_o)
+            if lyr.moe is None:
+                lyr.w_down = scaled(lyr.w_down)
+            else:
+                lyr.moe.down = [scaled(t) for t in lyr.moe.down]
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
         w.embed_scale = float(cfg.embedding_multiplier)
@@ -653,6 +670,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "qwen3_vl_text": _llama,
     "smollm3": _smollm3,
     "granite": _granite,
+    "granitemoe": _granite,
     "olmo2": _olmo2,
     "olmo3": _olmo2,
     "exaone4": _exaone4,

@@ -958,9 +958,9 @@ class Runner:
         rows that chose it, in one product, so a row's bits are those its own pass gives
         wherever `lin` is row-invariant (the native kernel, `_block_linear`)."""
         logits = lin(x, e.router, e.router_b)  # [T, E]
-        if e.softmax_after_topk:  # GPT-OSS
-            top, idx = torch.topk(logits, e.top_k, dim=-1)
-            top = torch.softmax(top, dim=-1, dtype=top.dtype)
+        if e.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
+            top, idx = torch.topk(logits.float() if e.router_float32 else logits, e.top_k, dim=-1)
+            top = torch.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype)
         else:
             top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), e.top_k, dim=-1)
             if e.norm_topk:
