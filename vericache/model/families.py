@@ -414,8 +414,9 @@ def _olmoe(hf, device) -> Weights:
 
 
 def _halves_order(d: int, rot: int) -> torch.Tensor:
-    """The order that takes a head's first `rot` dims from interleaved pairs (x[2i],
-    x[2i + 1]) to halves (x[i], x[i + rot/2]): the even dims, then the odd, then the rest."""
+    """The order that takes the first `rot` of `d` entries from interleaved pairs (x[2i],
+    x[2i + 1]) to halves (x[i], x[i + rot/2]): the even ones, then the odd, then the rest (a
+    head's dims for RoPE; GPT-OSS's gate/up columns)."""
     return torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
 
 
@@ -569,7 +570,7 @@ def _gpt_oss(hf, device) -> Weights:
     for i, lyr in enumerate(m.layers):
         a, mlp = lyr.self_attn, lyr.mlp
         ex, n = mlp.experts, mlp.experts.intermediate_size
-        order = torch.cat([torch.arange(0, 2 * n, 2), torch.arange(1, 2 * n, 2)])
+        order = _halves_order(2 * n, 2 * n)  # gate's columns, then up's
         experts = Experts(
             router=_t(mlp.router.weight, device), router_b=_bias(mlp.router, device),
             gate_up=[_t(w.t()[order], device) for w in ex.gate_up_proj],
@@ -596,12 +597,12 @@ def _phi3(hf, device) -> Weights:
     layers = []
     for i, lyr in enumerate(hf.model.layers):
         a, mlp = lyr.self_attn, lyr.mlp
-        layers.append(Layer(**_output_biases(a, mlp, device),
+        layers.append(Layer(
             ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=_t(a.qkv_proj.weight, device),
-            b_qkv=None if a.qkv_proj.bias is None else _t(a.qkv_proj.bias, device),
-            w_o=_t(a.o_proj.weight, device), ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
-            w_gate_up=_t(mlp.gate_up_proj.weight, device), w_down=_t(mlp.down_proj.weight, device),
-            window=_window(cfg, i)))
+            b_qkv=_bias(a.qkv_proj, device), w_o=_t(a.o_proj.weight, device),
+            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+            w_gate_up=_gate_up(mlp, device), w_down=_t(mlp.down_proj.weight, device),
+            window=_window(cfg, i), **_output_biases(a, mlp, device)))
     return _common(hf, device, layers)
 
 
