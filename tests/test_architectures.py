@@ -113,6 +113,33 @@ ARCHS = {
     "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                             embedding_multiplier=12.0, residual_multiplier=0.22,
                                             attention_multiplier=0.09, logits_scaling=3.0)),
+    # Granite-MoE with a shared MLP beside the experts (its residual multiplier folded too)
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=96,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.09,
+        logits_scaling=3.0)),
+    # DeepSeek-V3's router: sigmoid scores, a correction bias (randomised by `build`) in the
+    # choice, the best of 2 groups of 4 experts (GLM-4.5, Solar Open), scaled weights, an
+    # ungated shared expert; GLM-4.5's layer 0 is dense, its q/k norms on and RoPE on half of
+    # each head; dots.llm1 slides on layers 1 and 2; EXAONE-MoE's global layer has no RoPE;
+    # MiniMax-M2's router has no groups and its q/k norms span the whole projections
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                       topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                                       moe_intermediate_size=64, use_qk_norm=True,
+                                       attention_bias=True)),
+    "dots1": ("Dots1Config", dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                  moe_intermediate_size=64, first_k_dense_replace=0,
+                                  norm_topk_prob=True, sliding_window=WINDOW, max_window_layers=1)),
+    "solar_open": ("SolarOpenConfig", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                           topk_group=1, n_shared_experts=1,
+                                           moe_intermediate_size=64, routed_scaling_factor=1.5)),
+    "exaone_moe": ("ExaoneMoeConfig", dict(num_experts=4, num_experts_per_tok=2, head_dim=32,
+                                           num_shared_experts=1, moe_intermediate_size=64,
+                                           sliding_window=WINDOW, layer_types=[
+                                               "sliding_attention", "sliding_attention",
+                                               "full_attention"])),
+    "minimax_m2": ("MiniMaxM2Config", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                                           rotary_dim=16)),
     # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
     # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
@@ -165,8 +192,13 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe"}
+MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
+       "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2"}
+# DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
+SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
+           "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
+            "dots1", "exaone_moe",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -217,6 +249,9 @@ def build(name: str, folder, **config) -> None:
         for pname, p in hf.named_parameters():
             if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks")):
                 p.copy_(p + 0.3 * torch.randn_like(p))
+        for bname, b in hf.named_buffers():  # DeepSeek-V3's router bias is a buffer
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(b + 0.3 * torch.randn_like(b))
     hf.save_pretrained(folder)
     _tokenizer().save_pretrained(folder)
 
@@ -284,14 +319,33 @@ def test_family_config(arch):
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         if name == "smollm3-sliding":
             assert windows == [WINDOW, None, WINDOW]
-    if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1
-        moe = [lyr.moe is not None for lyr in r.layers]
-        assert moe == ([True, False, True] if name == "qwen3_moe" else [True] * 3)
-        e = r.layers[0].moe
-        assert (len(e.gate_up), e.top_k, e.weights_in_dtype) == (4, 2, "mixtral" not in name)
-        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe"))
-        assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe"))
-        assert (e.shared_down is not None) == (name == "qwen2_moe")
+    if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
+        moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
+        assert moe == {"qwen3_moe": [True, False, True], "glm4_moe": [False, True, True],
+                       "exaone_moe": [False, True, True]}.get(name, [True] * 3)
+        e = r.layers[-1].moe
+        assert (len(e.gate_up), e.top_k) == (8 if name in ("glm4_moe", "solar_open") else 4, 2)
+        assert e.weights_in_dtype == ("mixtral" not in name and name not in SIGMOID)
+        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared"))
+        assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
+                                                                        "granitemoeshared"))
+        assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
+                                                            "olmoe", "gpt_oss", "granitemoe",
+                                                            "minimax_m2"))
+        assert (e.shared_gate is not None) == (name == "qwen2_moe")
+        assert e.sigmoid == (name in SIGMOID)
+        if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)
+            groups, scale = SIGMOID[name]
+            assert (e.groups, e.scale, e.norm_eps) == (groups, scale, 0.0 if name == "minimax_m2" else 1e-20)
+            assert e.score_bias.shape == (len(e.gate_up),) and float(e.score_bias.abs().min()) > 0
+        if name == "minimax_m2":
+            assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,) and r.ropes[0][0].shape[-1] == 16
+        if name == "glm4_moe":  # per-head q/k norms, RoPE on each head's first half
+            assert r.layers[0].qk_norm is not None and r.ropes[0][0].shape[-1] == r.head_dim // 2
+        if name == "dots1":
+            assert windows == [None, WINDOW, WINDOW]
+        if name == "exaone_moe":  # RoPE on the sliding layers only
+            assert windows == [WINDOW, WINDOW, None] and [lyr.rope for lyr in r.layers] == [0, 0, 1]
         if name == "olmoe":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
         if name == "gpt_oss":  # sinks: the explicit attention path, not the native kernel
@@ -761,9 +815,30 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
             assert bool(now.k[read].isfinite().all() and now.v[read].isfinite().all()), (name, step)
 
 
+@pytest.mark.parametrize("act", ["sigmoid", "gelu", "gelu_pytorch_tanh", "silu", "relu2"])
+@pytest.mark.parametrize("n", [1, 4, 8, 40, 64])
+def test_rowwise_gives_each_row_its_own_bits(act, n):
+    """An elementwise function over a batch of rows (`rowwise`) gives each row the bits it gets
+    alone, whatever the width: torch's run over a contiguous tensor takes vector code for
+    whole vectors and scalar code for its tail (and exact GELU vector code for contiguous
+    tensors only), so without it a row's sigmoid depended on the rows before it (a router's
+    scores over 8 experts, on an AVX2 EPYC)."""
+    from transformers.activations import ACT2FN
+
+    from vericache.model.families import rowwise
+
+    fn = torch.sigmoid if act == "sigmoid" else ACT2FN[act]
+    x = 4 * torch.randn(33, 2 * n, generator=torch.Generator().manual_seed(n))
+    for rows in (x, x[:, :n]):  # a whole product, a slice of one
+        got = rowwise(fn, rows)
+        alone = torch.cat([rowwise(fn, rows[i: i + 1]) for i in range(33)])
+        assert torch.equal(got, alone) and got.is_contiguous()
+        assert torch.allclose(got, fn(rows), rtol=1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
-                            "arcee", "ernie4_5"])
+                            "arcee", "ernie4_5", "llama-gelu"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an
@@ -771,14 +846,18 @@ def test_bitwise_beside_the_fused_pass(name, tmp_path):
     in a one-row step only; LayerNorms (Cohere 2's, StarCoder 2's), parallel blocks and
     output biases are torch's row-wise operations. In the bitwise mode a verify pass over
     four sequences (3 drafts each) still equals each sequence's own decode steps bit for
-    bit, logits and K/V; and vericache (bitwise) equals full (bitwise)."""
+    bit, logits and K/V; and vericache (bitwise) equals full (bitwise). `llama-gelu`: Llama
+    gated by exact GELU, whose vector code torch takes for contiguous input only (`rowwise`)."""
     from vericache.bench.exactness import measure
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
     from vericache.model.loader import load_model
 
-    build(name, tmp_path)
+    if name == "llama-gelu":
+        build("llama", tmp_path, hidden_act="gelu")
+    else:
+        build(name, tmp_path)
     lm = load_model(str(tmp_path), dtype="float32")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, VOCAB, (PROMPT - 8 * i,), generator=g).tolist() for i in range(4)]

@@ -19,15 +19,26 @@ import torch
 from vericache.errors import ModelLoadError
 
 
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn, an elementwise function, over x [T, N], each row's bits those the row alone gets.
+    torch runs an elementwise op over a contiguous tensor as one run of T N elements, vector
+    code over whole vectors and scalar code over the tail (a vector sigmoid's exp is not the
+    scalar one's), and some ops (exact GELU) take vector code only over contiguous tensors:
+    so an element's bits would depend on its place in the pass. Over elements a stride apart
+    torch runs the scalar code for every one, whatever the rows."""
+    spread = x.new_empty(*x.shape[:-1], 2 * x.shape[-1])[..., ::2]
+    spread.copy_(x)
+    return fn(spread).contiguous()
+
+
 @dataclass
 class Experts:
     """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), computed as
-    transformers computes it: the router's logits (x router^T) in the model's dtype, their
-    softmax in float32, each row's top_k experts (their probabilities renormalised to sum to 1
-    where `norm_topk`, then cast to the model's dtype where `weights_in_dtype`), each chosen
-    expert's gated MLP over the rows that chose it, scaled by the row's weight and added to
-    the row's output in the experts' order; then, where there is one (Qwen2-MoE), the shared
-    expert's MLP times sigmoid(x shared_gate^T)."""
+    transformers computes it: the router's logits (x router^T, in the router weight's dtype:
+    float32 where the checkpoint keeps it so), each row's top_k experts and their weights
+    (`route`), each chosen expert's gated MLP over the rows that chose it, scaled by the row's
+    weight and added to the row's output in the experts' order; then, where there is one, the
+    shared expert's MLP, times sigmoid(x shared_gate^T) where it is gated (Qwen2-MoE)."""
 
     router: torch.Tensor  # [E, H]
     gate_up: list[torch.Tensor]  # E x [2 I, H], gate first
@@ -48,6 +59,43 @@ class Experts:
     gate_up_b: list[torch.Tensor] | None = None  # E x [2 I]
     down_b: list[torch.Tensor] | None = None  # E x [H]
     swiglu: tuple[float, float] | None = None
+    # DeepSeek-V3's router (GLM-4.5, dots.llm1, EXAONE-MoE, Solar Open; MiniMax-M2's without
+    # groups): sigmoid scores of the float32 logits; the choice adds `score_bias`
+    # (e_score_correction_bias) and keeps the experts of the `groups` (n_group, topk_group)
+    # best groups, a group scored by its two best choices; the weights are the chosen
+    # experts' scores (divided by their sum + `norm_eps` where `norm_topk`), times `scale`
+    # (routed_scaling_factor), float32
+    sigmoid: bool = False
+    score_bias: torch.Tensor | None = None  # [E]
+    groups: tuple[int, int] | None = None
+    norm_eps: float = 0.0
+    scale: float = 1.0
+
+    def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
+        `weights_in_dtype`), from the router's logits [T, E], with transformers' arithmetic."""
+        if self.sigmoid:
+            scores = rowwise(torch.sigmoid, logits.float())
+            choice = scores if self.score_bias is None else scores + self.score_bias
+            if self.groups is not None:
+                n, keep = self.groups
+                best = choice.view(-1, n, choice.shape[-1] // n).topk(2, dim=-1)[0].sum(dim=-1)
+                mask = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1)
+                choice = choice.masked_fill(~mask.bool().repeat_interleave(choice.shape[-1] // n, 1),
+                                            float("-inf"))
+            idx = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+            top = scores.gather(1, idx)
+            if self.norm_topk:
+                top = top / (top.sum(dim=-1, keepdim=True) + self.norm_eps)
+            return top * self.scale, idx
+        if self.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
+            top, idx = torch.topk(logits.float() if self.router_float32 else logits, self.top_k,
+                                  dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype).to(dtype), idx
+        top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top.to(dtype) if self.weights_in_dtype else top), idx
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: the router, the experts', the shared expert's."""
@@ -235,7 +283,7 @@ def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
 # families whose top-k weights stay float32 until they scale the experts' outputs
 _TOP_K_FLOAT32 = ("mixtral",)
 # families whose router takes the top k of its float32 logits, then their softmax
-_TOP_K_THEN_SOFTMAX = ("granitemoe",)
+_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared")
 
 
 def _experts(cfg, mlp, device) -> Experts:
@@ -245,19 +293,29 @@ def _experts(cfg, mlp, device) -> Experts:
     if getattr(ex, "has_bias", False) or getattr(ex, "is_transposed", False):
         raise ModelLoadError(f"{cfg.model_type}: experts with biases or transposed weights are "
                              "not supported by the runner")
-    shared = getattr(mlp, "shared_expert", None)
+    shared = next((getattr(mlp, n) for n in ("shared_expert", "shared_experts")
+                   if getattr(mlp, n, None) is not None), None)
+    gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's name)
     after = cfg.model_type in _TOP_K_THEN_SOFTMAX
+    # DeepSeek-V3's router keeps its bias (MiniMax-M2's block keeps it); its class has groups
+    bias = getattr(router, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
+    groups = getattr(router, "num_group", None)
+    sigmoid = {} if bias is None else dict(
+        sigmoid=True, score_bias=_t(bias, device), norm_eps=1e-20 if groups else 0.0,
+        groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
+        scale=float(getattr(router, "routed_scaling_factor", 1.0)))
     return Experts(
         router=_t(router.weight, device),
         gate_up=[_t(w, device) for w in ex.gate_up_proj],
         down=[_t(w, device) for w in ex.down_proj],
         top_k=int(router.top_k), norm_topk=bool(getattr(router, "norm_topk_prob", not after)),
         softmax_after_topk=after, router_float32=after,
-        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32,
+        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32 and bias is None,
         shared_gate_up=None if shared is None else _gate_up(shared, device),
         shared_down=None if shared is None else _t(shared.down_proj.weight, device),
-        shared_gate=None if shared is None else _t(mlp.shared_expert_gate.weight, device))
+        shared_gate=None if gate is None else _t(gate.weight, device),
+        **sigmoid)
 
 
 def _block(lyr, device, cfg=None, **kw) -> Layer:
@@ -290,8 +348,9 @@ def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
 def _llama(hf, device) -> Weights:
     """Llama (biases on o_proj and the MLP where `attention_bias` / `mlp_bias` put them),
     Mistral, Ministral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before
-    RoPE); Mixtral, Qwen2-MoE and Qwen3-MoE, the same blocks with a mixture of experts in some
-    or all of the MLPs (`Experts`)."""
+    RoPE); Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 (`glm4_moe`: partial rotary, q/k norms
+    optional), dots.llm1 and Solar Open, the same blocks with a mixture of experts in some or
+    all of the MLPs (`Experts`)."""
     cfg = hf.config
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
@@ -322,9 +381,10 @@ def _smollm3(hf, device) -> Weights:
 
 def _granite(hf, device) -> Weights:
     """Granite and Granite-MoE: Llama's block (Mixtral's, with its router's softmax over the
-    top-k float32 logits) with four multipliers. The embedding's is `embed_scale`, the
+    top-k float32 logits; Granite-MoE-Shared adds a shared MLP, not gated by the router, as the
+    experts' shared expert) with four multipliers. The embedding's is `embed_scale`, the
     attention's is its scale, and the logits are divided by `logits_scaling`. The residual
-    multiplier is folded into o_proj and down_proj (each expert's down_proj) (each weight
+    multiplier is folded into o_proj and down_proj (each expert's and the shared MLP's) (each weight
     times it in float32, rounded once to the model's dtype), so the runner's block stays
     Llama's (the fused pass serves it): a branch's output is (m W) x instead of m (W x), a
     rounding apart."""
@@ -335,6 +395,11 @@ def _granite(hf, device) -> Weights:
     def scaled(t: torch.Tensor) -> torch.Tensor:
         return (t.float() * m).to(t.dtype).contiguous()
 
+    for lyr, src in zip(w.layers, hf.model.layers):  # Granite-MoE-Shared's shared MLP
+        shared = getattr(src, "shared_mlp", None)
+        if shared is not None:
+            lyr.moe.shared_gate_up = _t(shared.input_linear.weight, device)
+            lyr.moe.shared_down = _t(shared.output_linear.weight, device)
     if m != 1.0:
         for lyr in w.layers:
             lyr.w_o = scaled(lyr.w_o)
@@ -342,6 +407,8 @@ def _granite(hf, device) -> Weights:
                 lyr.w_down = scaled(lyr.w_down)
             else:
                 lyr.moe.down = [scaled(t) for t in lyr.moe.down]
+                if lyr.moe.shared_down is not None:
+                    lyr.moe.shared_down = scaled(lyr.moe.shared_down)
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
         w.embed_scale = float(cfg.embedding_multiplier)
@@ -399,9 +466,10 @@ def _olmo2(hf, device) -> Weights:
 
 
 def _olmoe(hf, device) -> Weights:
-    """OLMoE: Llama's pre-norm block with RMSNorms over the whole q and k projections
-    (`qk_norm_wide`, Llama's norm) and a mixture of experts for every MLP. A checkpoint that
-    clips q/k/v (`clip_qkv`) is refused."""
+    """OLMoE and MiniMax-M2: Llama's pre-norm block with RMSNorms over the whole q and k
+    projections (`qk_norm_wide`, Llama's norm) and a mixture of experts for every MLP
+    (MiniMax-M2's router: `Experts.sigmoid`, without groups). A checkpoint that clips q/k/v
+    (`clip_qkv`) is refused."""
     cfg = hf.config
     if getattr(cfg, "clip_qkv", None) is not None:
         raise ModelLoadError("OLMoE with clip_qkv is not supported by the runner")
@@ -558,6 +626,17 @@ def _exaone4(hf, device) -> Weights:
     return w
 
 
+def _exaone_moe(hf, device) -> Weights:
+    """EXAONE-MoE: Llama's pre-norm block with per-head q/k norms and DeepSeek-V3's router
+    (`Experts.sigmoid`) over the sparse layers; where it slides, its global layers have no
+    RoPE (`_without_rope`), as EXAONE 4's."""
+    cfg = hf.config
+    w = _llama(hf, device)
+    if cfg.sliding_window:
+        _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+    return w
+
+
 def _gpt_oss(hf, device) -> Weights:
     """GPT-OSS: Llama's pre-norm block with biases on q/k/v and o, attention sinks (`sinks`),
     sliding and full layers, and a mixture of experts (`Experts`) whose router has a bias and
@@ -665,6 +744,11 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "qwen2_moe": _llama,
     "qwen3_moe": _llama,
     "olmoe": _olmoe,
+    "minimax_m2": _olmoe,  # OLMoE's q/k norms over whole projections; a sigmoid router
+    "glm4_moe": _llama,  # DeepSeek-V3's router (`Experts.sigmoid`), shared experts
+    "dots1": _llama,
+    "solar_open": _llama,
+    "exaone_moe": _exaone_moe,
     "gpt_oss": _gpt_oss,
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,
@@ -672,6 +756,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "smollm3": _smollm3,
     "granite": _granite,
     "granitemoe": _granite,
+    "granitemoeshared": _granite,
     "olmo2": _olmo2,
     "olmo3": _olmo2,
     "exaone4": _exaone4,

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
-from vericache.model.families import SUPPORTED, Experts, Layer, Weights, extract
+from vericache.model.families import SUPPORTED, Experts, Layer, Weights, extract, rowwise
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
@@ -936,37 +936,34 @@ class Runner:
              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
         """The gated MLP: down(act(gate x) * up x), gate and up one product; or, where the
         family's is not gated (`gated`), down(act(up x)); `swiglu` (alpha, limit): GPT-OSS's
-        experts' clamped SwiGLU (`Experts.swiglu`)."""
+        experts' clamped SwiGLU (`Experts.swiglu`). In the invariant pass activations run
+        element by element (`rowwise`), but SiLU over the gate's slice: a slice's rows cannot
+        merge into one run, so each row's run is the one a row alone gets, vector code and
+        tail alike (exact GELU's is not: torch takes its vector code for contiguous input
+        only)."""
         gu = lin(x, w_gate_up, b_gate_up)
         if swiglu is not None:
             alpha, limit = swiglu
             i = gu.shape[1] // 2
             gate = gu[:, :i].clamp(max=limit)
-            a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+            a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * (
+                gate * (rowwise(torch.sigmoid, gate * alpha) if invariant else torch.sigmoid(gate * alpha)))
         elif not self.gated:
-            a = self.act(gu)
+            a = rowwise(self.act, gu) if invariant else self.act(gu)
         elif (not invariant and self.silu and self.linear_kernel is not None
                 and gu.shape[0] <= LINEAR_ROWS):
             a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
         else:
             i = gu.shape[1] // 2
-            a = self.act(gu[:, :i]) * gu[:, i:]
+            gate = gu[:, :i]
+            a = (rowwise(self.act, gate) if invariant and not self.silu else self.act(gate)) * gu[:, i:]
         return lin(a, w_down, b_down)
 
     def _experts(self, x: torch.Tensor, e: Experts, lin, invariant: bool) -> torch.Tensor:
         """A mixture of experts (`Experts`, in transformers' order): each expert's MLP over the
         rows that chose it, in one product, so a row's bits are those its own pass gives
         wherever `lin` is row-invariant (the native kernel, `_block_linear`)."""
-        logits = lin(x, e.router, e.router_b)  # [T, E]
-        if e.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
-            top, idx = torch.topk(logits.float() if e.router_float32 else logits, e.top_k, dim=-1)
-            top = torch.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype)
-        else:
-            top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), e.top_k, dim=-1)
-            if e.norm_topk:
-                top = top / top.sum(dim=-1, keepdim=True)
-            if e.weights_in_dtype:
-                top = top.to(x.dtype)
+        top, idx = e.route(lin(x.to(e.router.dtype), e.router, e.router_b), x.dtype)
         out = torch.zeros_like(x)
         for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
             rows, slot = torch.where(idx == expert)
@@ -976,7 +973,9 @@ class Runner:
             out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant)
-            out = out + torch.sigmoid(lin(x, e.shared_gate)) * shared
+            if e.shared_gate is not None:
+                shared = rowwise(torch.sigmoid, lin(x, e.shared_gate)) * shared
+            out = out + shared
         return out
 
     def _fused(self, p: "_Plan", h: torch.Tensor, ropes: list, drafts: bool = False) -> None:
