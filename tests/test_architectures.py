@@ -140,6 +140,17 @@ ARCHS = {
                                                "full_attention"])),
     "minimax_m2": ("MiniMaxM2Config", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                            rotary_dim=16)),
+    # learned absolute positions, no RoPE, LayerNorms and biases, MLPs not gated: GPT-2
+    # (Conv1D products), GPT-BigCode (one K/V head; or each head's q, k, v in turn) and OPT
+    # (its position table offset by 2)
+    "gpt2": ("GPT2Config", {}),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(multi_query=True)),
+    "gpt_bigcode-mha": ("GPTBigCodeConfig", dict(multi_query=False)),
+    "opt": ("OPTConfig", dict(ffn_dim=256, word_embed_proj_dim=128)),
+    # GPT-NeoX: per-head interleaved q/k/v, RoPE on a quarter of each head, the MLP beside the
+    # attention on a LayerNorm of its own (or after it)
+    "gpt_neox": ("GPTNeoXConfig", {}),
+    "gpt_neox-sequential": ("GPTNeoXConfig", dict(use_parallel_residual=False)),
     # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
     # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
@@ -192,6 +203,7 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
@@ -277,6 +289,8 @@ def test_family_config(arch):
                                     "qwen2-sliding": "qwen2", "phi3-longrope": "phi3",
                                     "smollm3-sliding": "smollm3",
                                     "mixtral-sliding": "mixtral",
+                                    "gpt_bigcode-mha": "gpt_bigcode",
+                                    "gpt_neox-sequential": "gpt_neox",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
@@ -379,6 +393,17 @@ def test_family_config(arch):
         f = torch.arange(r.max_positions).float()[:, None] * inv
         assert len(r.ropes) == 1 and torch.equal(r.ropes[0][0], torch.cat([f, f], -1).cos())
         assert torch.equal(r.ropes[0][1], torch.cat([f, f], -1).sin())
+    if name in ABSOLUTE:  # learned positions; the identity RoPE table
+        cos, sin = r.ropes[0]
+        assert r.pos_embed.shape == (512, 128) and r.layer_norm and not r.gated
+        assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
+        assert r.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
+        if name == "opt":  # the table's rows from the offset on
+            assert torch.equal(r.pos_embed, hf.model.decoder.embed_positions.weight[2:])
+    if name.startswith("gpt_neox"):  # RoPE on a quarter of each head
+        assert r.ropes[0][0].shape[-1] == r.head_dim // 4 and r.pos_embed is None
+        assert all(lyr.parallel == (name == "gpt_neox") and lyr.ln_mlp_in is not None
+                   for lyr in r.layers)
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
 
@@ -815,30 +840,37 @@ def test_one_pass_for_a_ragged_batch(name, positions, attention, tmp_path):
             assert bool(now.k[read].isfinite().all() and now.v[read].isfinite().all()), (name, step)
 
 
-@pytest.mark.parametrize("act", ["sigmoid", "gelu", "gelu_pytorch_tanh", "silu", "relu2"])
-@pytest.mark.parametrize("n", [1, 4, 8, 40, 64])
+@pytest.mark.parametrize("act", ["sigmoid", "gelu", "gelu_pytorch_tanh", "gelu_new", "quick_gelu",
+                                 "silu", "relu2"])
+@pytest.mark.parametrize("n", [1, 4, 8, 40, 64, 200])
 def test_rowwise_gives_each_row_its_own_bits(act, n):
     """An elementwise function over a batch of rows (`rowwise`) gives each row the bits it gets
-    alone, whatever the width: torch's run over a contiguous tensor takes vector code for
-    whole vectors and scalar code for its tail (and exact GELU vector code for contiguous
-    tensors only), so without it a row's sigmoid depended on the rows before it (a router's
-    scores over 8 experts, on an AVX2 EPYC)."""
+    alone, whatever the width, composites of torch ops too (GPT-2's gelu_new, quick_gelu):
+    torch's run over a contiguous tensor takes vector code for whole vectors and scalar code
+    for its tail (and exact GELU vector code for contiguous tensors only), so without it a
+    row's sigmoid depended on the rows before it (a router's scores over 8 experts, on an
+    AVX2 EPYC)."""
     from transformers.activations import ACT2FN
 
     from vericache.model.families import rowwise
 
     fn = torch.sigmoid if act == "sigmoid" else ACT2FN[act]
     x = 4 * torch.randn(33, 2 * n, generator=torch.Generator().manual_seed(n))
-    for rows in (x, x[:, :n]):  # a whole product, a slice of one
-        got = rowwise(fn, rows)
-        alone = torch.cat([rowwise(fn, rows[i: i + 1]) for i in range(33)])
-        assert torch.equal(got, alone) and got.is_contiguous()
-        assert torch.allclose(got, fn(rows), rtol=1e-2, atol=1e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (the invariant pass's)
+    try:
+        for rows in (x, x[:, :n]):  # a whole product, a slice of one
+            got = rowwise(fn, rows)
+            alone = torch.cat([rowwise(fn, rows[i: i + 1]) for i in range(33)])
+            assert torch.equal(got, alone) and got.is_contiguous() and got.shape == rows.shape
+            assert torch.allclose(got, fn(rows), rtol=1e-2, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
-                            "arcee", "ernie4_5", "llama-gelu"])
+                            "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an
@@ -846,7 +878,8 @@ def test_bitwise_beside_the_fused_pass(name, tmp_path):
     in a one-row step only; LayerNorms (Cohere 2's, StarCoder 2's), parallel blocks and
     output biases are torch's row-wise operations. In the bitwise mode a verify pass over
     four sequences (3 drafts each) still equals each sequence's own decode steps bit for
-    bit, logits and K/V; and vericache (bitwise) equals full (bitwise). `llama-gelu`: Llama
+    bit, logits and K/V; and vericache (bitwise) equals full (bitwise). GPT-2 and OPT add
+    learned positions, GPT-NeoX a parallel MLP on a norm of its own. `llama-gelu`: Llama
     gated by exact GELU, whose vector code torch takes for contiguous input only (`rowwise`)."""
     from vericache.bench.exactness import measure
     from vericache.engine.generation import GenParams

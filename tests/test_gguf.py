@@ -5,7 +5,7 @@ stored as 1 + w), then loaded through the project's loader (`--model file.gguf`)
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
 Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2, gemma3, starcoder2, qwen2_moe and qwen3_moe. Mistral has no GGUF architecture of its own:
+gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe and gpt2. Mistral has no GGUF architecture of its own:
 llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
 without a sliding window; transformers' special case for a llama file named "mistral" fails
 (gguf-py knows no "mistral" tensor map).
@@ -48,6 +48,9 @@ ARCHS = {
     # (transformers reads a Qwen3-MoE file with norm_topk_prob set, as llama.cpp runs it)
     "qwen3_moe": ("qwen3moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                                       head_dim=32, norm_topk_prob=True)),
+    # learned positions; llama.cpp stores the Conv1D products transposed (as Linear's);
+    # transformers reads no context length for GPT-2 (n_ctx, not n_positions): 1024
+    "gpt2": ("gpt2", "GPT2Config", dict(max_position_embeddings=1024)),
 }
 
 
@@ -90,11 +93,15 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     w.add_head_count_kv(cfg.num_key_value_heads)
     if arch == "starcoder2":
         w.add_layer_norm_eps(cfg.norm_epsilon)
+    elif arch == "gpt2":
+        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: global layers'
-    w.add_rope_freq_base(float(rope["rope_theta"]))
-    w.add_rope_dimension_count(head_dim)
+    rope = getattr(cfg, "rope_parameters", None)  # (GPT-2 has none)
+    if rope is not None:
+        rope = rope.get("full_attention", rope)  # Gemma 3: global layers'
+        w.add_rope_freq_base(float(rope["rope_theta"]))
+        w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_uint32(f"{arch}.vocab_size", VOCAB)
@@ -136,6 +143,8 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
             a = a + 1.0  # llama.cpp stores Gemma's (1 + w)
         elif base.endswith("shared_expert_gate"):
             a = a.reshape(-1)  # llama.cpp's [H], not [1, H]
+        elif arch == "gpt2" and suffix == "weight" and base.endswith(("c_attn", "c_proj", "c_fc")):
+            a = a.T.copy()  # Conv1D's [in, out] as [out, in]
         w.add_tensor(f"{gname}.{suffix}", a)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -19,16 +19,25 @@ import torch
 from vericache.errors import ModelLoadError
 
 
+# `rowwise` pads rows to a multiple of this many elements: two of the widest vectors torch
+# steps by (AVX-512's 16 float32s, 32 bfloat16s)
+ROW_PAD = 64
+
+
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn, an elementwise function, over x [T, N], each row's bits those the row alone gets.
-    torch runs an elementwise op over a contiguous tensor as one run of T N elements, vector
-    code over whole vectors and scalar code over the tail (a vector sigmoid's exp is not the
-    scalar one's), and some ops (exact GELU) take vector code only over contiguous tensors:
-    so an element's bits would depend on its place in the pass. Over elements a stride apart
-    torch runs the scalar code for every one, whatever the rows."""
-    spread = x.new_empty(*x.shape[:-1], 2 * x.shape[-1])[..., ::2]
-    spread.copy_(x)
-    return fn(spread).contiguous()
+    """fn, an elementwise function (torch ops, or a composite of them), over x [T, N], each
+    row's bits those the row alone gets. torch runs an elementwise op over a contiguous
+    tensor as one run of its elements: vector code over whole steps of two vectors, scalar
+    code over the tail (a vector exp is not the scalar one), and exact GELU takes vector code
+    for contiguous input only. So an element's bits would depend on the rows beside it (a
+    router's sigmoid over 8 experts). Here each row is padded with zeros to a multiple of
+    ROW_PAD, so every op's run, over the rows or over one, is whole vector steps, each row's
+    starting on a step: every element takes the vector code, lane by lane, in every op of a
+    composite too. (On one thread: a pass split between threads splits runs anywhere.)"""
+    n = x.shape[-1]
+    wide = x.new_zeros(*x.shape[:-1], -(-n // ROW_PAD) * ROW_PAD)
+    wide[..., :n] = x
+    return fn(wide)[..., :n].contiguous()
 
 
 @dataclass
@@ -123,6 +132,7 @@ class Layer:
     rope: int = 0  # index into Weights.ropes
     moe: Experts | None = None  # the MLP, where it is a mixture of experts
     # Cohere: attention and MLP in parallel, both on ln_attn_in's output, both added to h
+    # (GPT-NeoX: the MLP on ln_mlp_in's output of the layer's input)
     parallel: bool = False
     # output-projection and MLP biases (StarCoder 2; Llama's attention_bias, mlp_bias)
     b_o: torch.Tensor | None = None  # [H]
@@ -166,6 +176,21 @@ class Weights:
     lm_head_b: torch.Tensor | None = None  # [V] (Phi's)
     eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
     gated: bool = True  # the MLP: down(act(gate x) * up x); False: down(act(up x)) (StarCoder 2)
+    # learned absolute positions (GPT-2, OPT): row p added to the embedding of position p
+    # (after `embed_scale`); such a model's RoPE table is the identity (`_identity_rope`)
+    pos_embed: torch.Tensor | None = None  # [P, H]
+
+
+# families whose attention has one K/V head a query head (no num_key_value_heads)
+_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode")
+
+
+def kv_heads(cfg) -> int:
+    """The config's K/V heads: num_key_value_heads; GPT-BigCode's one where `multi_query`;
+    one a query head for the families that have no such field (`_MULTI_HEAD`)."""
+    if cfg.model_type in _MULTI_HEAD:
+        return 1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -669,6 +694,121 @@ def _gpt_oss(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes)
 
 
+def _identity_rope(n: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A RoPE table that leaves q and k as they are (cos 1, sin 0: x * 1 - y * 0 = x, bit for
+    bit) for n positions of d dims, as stride-0 views: for families without RoPE."""
+    one = torch.ones(1, d, dtype=dtype, device=device)
+    return one.expand(n, d), torch.zeros_like(one).expand(n, d)
+
+
+def _heads_interleaved(t: torch.Tensor | None, heads: int, d: int) -> torch.Tensor | None:
+    """A fused qkv product's rows (or bias) from per-head interleaved order (head h's q, k, v:
+    GPT-NeoX's, GPT-BigCode's without multi-query) to the runner's (every q, every k, every v)."""
+    if t is None:
+        return None
+    return t.reshape(heads, 3, d, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def _gpt2(hf, device) -> Weights:
+    """GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder): learned absolute positions
+    (`pos_embed`) and no RoPE (`_identity_rope`), LayerNorms with biases, biases on every
+    product, an MLP not gated (c_fc, the activation, c_proj). GPT-2's products are Conv1D
+    (x W + b: W is transposed here). GPT-BigCode's c_attn holds q's heads, then one K/V head's k
+    and v where `multi_query`, else each head's q, k and v in turn (`_heads_interleaved`).
+    Attention scaled by the inverse layer index is refused."""
+    cfg, m = hf.config, hf.transformer
+    if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+        raise ModelLoadError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported by the "
+                             "runner")
+    conv, d = cfg.model_type == "gpt2", cfg.hidden_size // cfg.num_attention_heads
+    mq = getattr(cfg, "multi_query", False)
+
+    def w(mod) -> torch.Tensor:
+        return _t(mod.weight.t() if conv else mod.weight, device)
+
+    def qkv(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if conv or mq else _heads_interleaved(t, cfg.num_attention_heads, d)
+
+    layers = [Layer(ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
+                    w_qkv=qkv(w(b.attn.c_attn)), b_qkv=qkv(_bias(b.attn.c_attn, device)),
+                    w_o=w(b.attn.c_proj), b_o=_bias(b.attn.c_proj, device),
+                    ln_mlp_in=_t(b.ln_2.weight, device), ln_mlp_in_b=_bias(b.ln_2, device),
+                    w_gate_up=w(b.mlp.c_fc), b_gate_up=_bias(b.mlp.c_fc, device),
+                    w_down=w(b.mlp.c_proj), b_down=_bias(b.mlp.c_proj, device))
+              for b in m.h]
+    embed = _t(m.wte.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
+                   [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
+                   activation=cfg.activation_function, layer_norm=True,
+                   attn_scale=None if cfg.scale_attn_weights else 1.0, norm_b=_bias(m.ln_f, device),
+                   eps=cfg.layer_norm_epsilon, gated=False, pos_embed=_t(m.wpe.weight, device))
+
+
+def _opt(hf, device) -> Weights:
+    """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
+    OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
+    q/k/v projections. OPT scales q by head_dim^-0.5 before the scores; the runner scales the
+    scores (the same product, rounded once elsewhere). Checkpoints with project_in/out
+    (OPT-350m), post-norm blocks or LayerNorms without weights are refused."""
+    cfg, m = hf.config, hf.model.decoder
+    if (m.project_in is not None or not cfg.do_layer_norm_before or m.final_layer_norm is None
+            or not cfg.layer_norm_elementwise_affine):
+        raise ModelLoadError("OPT with project_in/out, post-norm blocks or LayerNorms without "
+                             "weights is not supported by the runner")
+    layers = []
+    for lyr in m.layers:
+        a = lyr.self_attn
+        w_qkv, b_qkv = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.self_attn_layer_norm.weight, device),
+            ln_attn_in_b=_bias(lyr.self_attn_layer_norm, device), w_qkv=w_qkv, b_qkv=b_qkv,
+            w_o=_t(a.out_proj.weight, device), b_o=_bias(a.out_proj, device),
+            ln_mlp_in=_t(lyr.final_layer_norm.weight, device),
+            ln_mlp_in_b=_bias(lyr.final_layer_norm, device),
+            w_gate_up=_t(lyr.fc1.weight, device), b_gate_up=_bias(lyr.fc1, device),
+            w_down=_t(lyr.fc2.weight, device), b_down=_bias(lyr.fc2, device)))
+    embed = _t(m.embed_tokens.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    offset = m.embed_positions.offset
+    return Weights(layers, embed, _t(m.final_layer_norm.weight, device), lm_head,
+                   [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
+                   activation=cfg.activation_function, layer_norm=True,
+                   norm_b=_bias(m.final_layer_norm, device), eps=m.final_layer_norm.eps,
+                   gated=False, pos_embed=_t(m.embed_positions.weight[offset:], device))
+
+
+def _gpt_neox(hf, device) -> Weights:
+    """GPT-NeoX (Pythia): LayerNorms with biases; the fused query_key_value in per-head
+    interleaved order (`_heads_interleaved`); RoPE on each head's first `rotary_ndims` dims;
+    biases on every product; an MLP not gated. With `use_parallel_residual` the attention
+    and the MLP both read the layer's input, each through its own LayerNorm (`parallel`
+    with `ln_mlp_in`)."""
+    cfg, m = hf.config, hf.gpt_neox
+    d, heads = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
+    layers = []
+    for lyr in m.layers:
+        a, mlp = lyr.attention, lyr.mlp
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device),
+            ln_attn_in_b=_bias(lyr.input_layernorm, device),
+            w_qkv=_heads_interleaved(_t(a.query_key_value.weight, device), heads, d),
+            b_qkv=_heads_interleaved(_bias(a.query_key_value, device), heads, d),
+            w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
+            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+            ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
+            parallel=bool(cfg.use_parallel_residual),
+            w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
+            w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device)))
+    embed = _t(m.embed_in.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
+    return Weights(layers, embed, _t(m.final_layer_norm.weight, device), lm_head, ropes, d,
+                   activation=cfg.hidden_act, layer_norm=True,
+                   norm_b=_bias(m.final_layer_norm, device), eps=cfg.layer_norm_eps, gated=False)
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -766,6 +906,10 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere2": _cohere,
     "starcoder2": _starcoder2,
     "phi": _phi,
+    "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
+    "gpt_bigcode": _gpt2,
+    "opt": _opt,
+    "gpt_neox": _gpt_neox,
     "seed_oss": _llama,  # Llama's block with biases
     "arcee": _arcee,
     "helium": _interleaved,

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
-from vericache.model.families import SUPPORTED, Experts, Layer, Weights, extract, rowwise
+from vericache.model.families import (SUPPORTED, Experts, Layer, Weights, extract, kv_heads,
+                                       rowwise)
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
@@ -159,7 +160,7 @@ class Runner:
     def __init__(self, cfg, w: Weights):
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_kv_heads = kv_heads(cfg)
         self.head_dim = w.head_dim
         self.hidden = cfg.hidden_size
         self.layers: list[Layer] = w.layers
@@ -172,6 +173,7 @@ class Runner:
         self.norm_b = w.norm_b
         self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
+        self.pos_embed = w.pos_embed
         self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
@@ -868,6 +870,8 @@ class Runner:
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.pos_embed is not None:
+            h = h + self.pos_embed[positions]
         fused = (len(plans) == 1 and not explicit and not invariant and not captures
                  and plans[0].votes is None and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
@@ -915,6 +919,8 @@ class Runner:
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
+            if lyr.parallel and lyr.ln_mlp_in is not None:  # GPT-NeoX: the input, its own norm
+                x = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
             h = h + attn
             if not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
                 x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
