@@ -35,6 +35,13 @@ ARCHS = {
     "arcee": ("ArceeConfig", dict(hidden_act="relu2")),
     "helium": ("HeliumConfig", dict(head_dim=32, attention_bias=True)),
     "ernie4_5": ("Ernie4_5Config", dict(head_dim=32, use_bias=True)),
+    # Ministral 3: YaRN, and q scaled by position past the original context (32 here)
+    "ministral3": ("Ministral3Config", dict(head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1_000_000.0, factor=16.0, original_max_position_embeddings=32,
+        beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1))),
+    # run as Llama by transformers
+    "internlm3": ("InternLM3Config", dict(head_dim=32)),
+    "iquestcoder": ("IQuestCoderConfig", dict(head_dim=32)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral-sliding": ("MistralConfig", dict(sliding_window=WINDOW)),
     "qwen2": ("Qwen2Config", {}),
@@ -404,6 +411,9 @@ def test_family_config(arch):
         assert r.ropes[0][0].shape[-1] == r.head_dim // 4 and r.pos_embed is None
         assert all(lyr.parallel == (name == "gpt_neox") and lyr.ln_mlp_in is not None
                    for lyr in r.layers)
+    if name == "ministral3":  # 1 up to position 32, then 1 + 0.1 log(1 + floor(p / 32))
+        assert r.q_scale_from == 32 and float(r.q_scale[31]) == 1.0
+        assert abs(float(r.q_scale[64]) - (1 + 0.1 * torch.log(torch.tensor(3.0)))) < 1e-6
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
 

@@ -179,6 +179,10 @@ class Weights:
     # learned absolute positions (GPT-2, OPT): row p added to the embedding of position p
     # (after `embed_scale`); such a model's RoPE table is the identity (`_identity_rope`)
     pos_embed: torch.Tensor | None = None  # [P, H]
+    # Ministral 3: q times a factor of its position, after RoPE [P] (exactly 1 before
+    # `q_scale_from`, where the fused pass may run)
+    q_scale: torch.Tensor | None = None
+    q_scale_from: int = 0
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
@@ -651,6 +655,22 @@ def _exaone4(hf, device) -> Weights:
     return w
 
 
+def _ministral3(hf, device) -> Weights:
+    """Ministral 3: Mistral's block, YaRN RoPE, and q scaled after RoPE by 1 + beta
+    log(1 + floor(p / original_max_position_embeddings)) at position p (`q_scale`, computed
+    as transformers computes it: float32, then the model's dtype), exactly 1 below the
+    original context."""
+    cfg = hf.config
+    w = _llama(hf, device)
+    rp = cfg.rope_parameters
+    beta, orig = rp.get("llama_4_scaling_beta"), rp.get("original_max_position_embeddings")
+    if beta:
+        p = torch.arange(max_positions(cfg))
+        w.q_scale = _t((1 + beta * torch.log(1 + torch.floor(p / orig))).to(w.embed.dtype), device)
+        w.q_scale_from = int(orig)
+    return w
+
+
 def _exaone_moe(hf, device) -> Weights:
     """EXAONE-MoE: Llama's pre-norm block with per-head q/k norms and DeepSeek-V3's router
     (`Experts.sigmoid`) over the sparse layers; where it slides, its global layers have no
@@ -878,6 +898,9 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "llama": _llama,
     "mistral": _llama,
     "ministral": _llama,  # Mistral's block; its windows by `layer_types`
+    "ministral3": _ministral3,
+    "internlm3": _llama,  # transformers runs these as Llama
+    "iquestcoder": _llama,
     "qwen2": _llama,
     "qwen3": _llama,
     "mixtral": _llama,  # the MoE families: `Experts`

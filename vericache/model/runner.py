@@ -174,6 +174,7 @@ class Runner:
         self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.pos_embed = w.pos_embed
+        self.q_scale, self.q_scale_from = w.q_scale, w.q_scale_from
         self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
@@ -875,6 +876,8 @@ class Runner:
         fused = (len(plans) == 1 and not explicit and not invariant and not captures
                  and plans[0].votes is None and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
+                 # (q scaled by its position from there on: Ministral 3's)
+                 and (self.q_scale is None or int(positions.max()) < self.q_scale_from)
                  # a cache whose layers arrive during the pass (the offloaded tier's
                  # `StreamedKV`) is read layer by layer, by the loop
                  and (plans[0].pool is not None or isinstance(plans[0].cache.k, torch.Tensor)))
@@ -895,6 +898,8 @@ class Runner:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             qk = self._rope_pass(qk, *ropes[lyr.rope])
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
+            if self.q_scale is not None:
+                q = q * self.q_scale[positions].view(-1, 1, 1)
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
             for it, s0, L in captures:
                 it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
