@@ -78,6 +78,10 @@ ARCHS = {
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW,
                                     query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
                                     final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Gemma 2 without the branches' output norms
+    "vaultgemma": ("VaultGemmaConfig", dict(num_hidden_layers=4, head_dim=64, sliding_window=WINDOW,
+                                            query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
+                                            final_logit_softcapping=30.0, tie_word_embeddings=True)),
     "gemma3_text": ("Gemma3TextConfig", dict(
         num_hidden_layers=4, head_dim=64, sliding_window=WINDOW, query_pre_attn_scalar=48,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
@@ -88,6 +92,13 @@ ARCHS = {
     # LayerNorms with biases, biases on every projection, an MLP not gated, every layer sliding
     "starcoder2": ("Starcoder2Config", dict(sliding_window=WINDOW, use_bias=True,
                                             norm_epsilon=1e-5)),
+    # LayerNorms with biases over Llama's block: StableLM (RoPE on a quarter of each head, q/k/v
+    # biases; or parallel on one norm), Jais 2 (biases everywhere, ReLU² not gated), Nemotron
+    # (1 + w LayerNorms, RoPE on half of each head, ReLU² not gated)
+    "stablelm": ("StableLmConfig", dict(use_qkv_bias=True, layer_norm_eps=1e-5)),
+    "stablelm-parallel": ("StableLmConfig", dict(use_parallel_residual=True, layer_norm_eps=1e-5)),
+    "jais2": ("Jais2Config", dict(layer_norm_eps=1e-5)),
+    "nemotron": ("NemotronConfig", dict(norm_eps=1e-5, attention_bias=True, mlp_bias=True)),
     # Phi (2): parallel blocks on one LayerNorm, biases everywhere (the LM head's too), partial
     # rotary, an MLP not gated
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5, layer_norm_eps=1e-5)),
@@ -115,6 +126,8 @@ ARCHS = {
                                          moe_intermediate_size=64, norm_topk_prob=True,
                                          mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+    # OLMo 2's post-norm block with OLMoE's experts
+    "flex_olmo": ("FlexOlmoConfig", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
     # Granite's multipliers (the residual one folded into each expert's down_proj) over
     # Mixtral's block, whose router softmaxes its top-k float32 logits
     "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2,
@@ -212,14 +225,15 @@ def auto_class(name: str):
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
-       "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2"}
+       "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
+       "flex_olmo"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
-            "gemma3_text", "gemma3"}
+            "gemma3_text", "gemma3", "vaultgemma"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -298,6 +312,7 @@ def test_family_config(arch):
                                     "mixtral-sliding": "mixtral",
                                     "gpt_bigcode-mha": "gpt_bigcode",
                                     "gpt_neox-sequential": "gpt_neox",
+                                    "stablelm-parallel": "stablelm",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
@@ -352,7 +367,7 @@ def test_family_config(arch):
                                                                         "granitemoeshared"))
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
-                                                            "minimax_m2"))
+                                                            "minimax_m2", "flex_olmo"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.sigmoid == (name in SIGMOID)
         if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)
@@ -367,8 +382,9 @@ def test_family_config(arch):
             assert windows == [None, WINDOW, WINDOW]
         if name == "exaone_moe":  # RoPE on the sliding layers only
             assert windows == [WINDOW, WINDOW, None] and [lyr.rope for lyr in r.layers] == [0, 0, 1]
-        if name == "olmoe":
+        if name in ("olmoe", "flex_olmo"):
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
+            assert (r.layers[0].ln_attn_in is None) == (name == "flex_olmo")  # post-norms
         if name == "gpt_oss":  # sinks: the explicit attention path, not the native kernel
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
@@ -411,6 +427,17 @@ def test_family_config(arch):
         assert r.ropes[0][0].shape[-1] == r.head_dim // 4 and r.pos_embed is None
         assert all(lyr.parallel == (name == "gpt_neox") and lyr.ln_mlp_in is not None
                    for lyr in r.layers)
+    if name in ("stablelm", "stablelm-parallel", "jais2", "nemotron"):
+        assert r.layer_norm and r.norm_b is not None and r._fused_w is None
+        assert r.gated == name.startswith("stablelm") and all(
+            lyr.parallel == (name == "stablelm-parallel") for lyr in r.layers)
+        assert r.ropes[0][0].shape[-1] == r.head_dim // {"jais2": 1, "nemotron": 2}.get(name, 4)
+        if name == "nemotron":  # LayerNorm1P: 1 + w
+            src = hf.model.layers[0].input_layernorm.weight
+            assert torch.equal(r.layers[0].ln_attn_in, src + 1.0)
+    if name == "vaultgemma":
+        assert all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None for lyr in r.layers)
+        assert r.attn_softcap == 2.0 and windows == [WINDOW, None, WINDOW, None]
     if name == "ministral3":  # 1 up to position 32, then 1 + 0.1 log(1 + floor(p / 32))
         assert r.q_scale_from == 32 and float(r.q_scale[31]) == 1.0
         assert abs(float(r.q_scale[64]) - (1 + 0.1 * torch.log(torch.tensor(3.0)))) < 1e-6

@@ -477,14 +477,14 @@ def _olmo2(hf, device) -> Weights:
     added to the residual), norms that scale in fp32 then cast (`norm_upcast`, as Gemma's,
     with the weight itself), and RMSNorms over the whole q and k projections, not per head,
     before RoPE (`qk_norm_wide`). OLMo 3 adds sliding-window layers with a RoPE table of their
-    own."""
+    own; FlexOLMo a mixture of experts (OLMoE's router) for every MLP."""
     cfg, m = hf.config, hf.model
 
     def f32(w):
         return _t(w.float(), device)
 
     ropes, rope = _ropes(cfg, m, device, per_kind=cfg.model_type == "olmo3")
-    layers = [_block(lyr, device, ln_attn_in=None, ln_mlp_in=None,
+    layers = [_block(lyr, device, cfg, ln_attn_in=None, ln_mlp_in=None,
                      ln_attn_out=f32(lyr.post_attention_layernorm.weight),
                      ln_mlp_out=f32(lyr.post_feedforward_layernorm.weight),
                      qk_norm_wide=f32(torch.cat([lyr.self_attn.q_norm.weight,
@@ -585,6 +585,33 @@ def _starcoder2(hf, device) -> Weights:
             window=_window(cfg, i)))
     return _common(hf, device, layers, layer_norm=True, norm_b=_bias(m.norm, device),
                    eps=cfg.norm_epsilon, gated=False)
+
+
+def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
+    """Llama's block (`_block`: biases where the config puts them, an MLP not gated where it has
+    no gate) with LayerNorms (with biases) for its norms: StableLM (RoPE on a quarter of each
+    head; with `use_parallel_residual` the MLP beside the attention on the same norm), Jais 2
+    and Nemotron (its LayerNorm1P scales by 1 + w, the sum in the weights' dtype as
+    transformers forms it; RoPE on half of each head). StableLM's q/k LayerNorms
+    (`qk_layernorm`) are refused."""
+    cfg, m = hf.config, hf.model
+    if getattr(cfg, "qk_layernorm", False):
+        raise ModelLoadError("StableLM with q/k LayerNorms (qk_layernorm) is not supported by the "
+                             "runner")
+
+    def w(norm) -> torch.Tensor:
+        return _t(norm.weight + 1.0 if one_plus else norm.weight, device)
+
+    layers = []
+    for lyr in m.layers:
+        post = lyr.post_attention_layernorm  # (None: StableLM's parallel block)
+        layers.append(_block(lyr, device, cfg, ln_attn_in=w(lyr.input_layernorm),
+                             ln_attn_in_b=_bias(lyr.input_layernorm, device),
+                             ln_mlp_in=None if post is None else w(post),
+                             ln_mlp_in_b=None if post is None else _bias(post, device),
+                             parallel=post is None))
+    return _common(hf, device, layers, norm=w(m.norm), norm_b=_bias(m.norm, device),
+                   layer_norm=True, eps=m.norm.eps, gated=hasattr(m.layers[0].mlp, "gate_proj"))
 
 
 def _arcee(hf, device) -> Weights:
@@ -870,24 +897,25 @@ def _gemma3(hf, device) -> Weights:
     ignored, as transformers' Gemma 3 ignores it (unlike Gemma 2's).
 
     Gemma 2 is the same block without q/k norms, with one RoPE table for every layer and its
-    attention scores soft-capped (`attn_softcap`: the runner's explicit attention path)."""
+    attention scores soft-capped (`attn_softcap`: the runner's explicit attention path);
+    VaultGemma is Gemma 2 without the norms on the branches' outputs."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ModelLoadError("Gemma 3 with bidirectional attention is not a causal LM; not supported")
-    gemma2 = cfg.model_type == "gemma2"
+    gemma2 = cfg.model_type in ("gemma2", "vaultgemma")
 
-    def g(w):
-        return _gemma_norm(w, device)
+    def g(norm):
+        return None if norm is None else _gemma_norm(norm.weight, device)
 
     ropes, rope = _ropes(cfg, m, device, per_kind=not gemma2)
-    layers = [_block(lyr, device, ln_attn_in=g(lyr.input_layernorm.weight),
-                     ln_attn_out=g(lyr.post_attention_layernorm.weight),
-                     ln_mlp_in=g(lyr.pre_feedforward_layernorm.weight),
-                     ln_mlp_out=g(lyr.post_feedforward_layernorm.weight),
+    layers = [_block(lyr, device, ln_attn_in=g(lyr.input_layernorm),
+                     ln_attn_out=g(getattr(lyr, "post_attention_layernorm", None)),
+                     ln_mlp_in=g(lyr.pre_feedforward_layernorm),
+                     ln_mlp_out=g(getattr(lyr, "post_feedforward_layernorm", None)),
                      qk_norm=_qk_norm(cfg, lyr.self_attn, device, offset=1.0),
                      window=_window(cfg, i), rope=rope[i])
               for i, lyr in enumerate(m.layers)]
-    return _common(hf, device, layers, ropes=ropes, norm=g(m.norm.weight),
+    return _common(hf, device, layers, ropes=ropes, norm=g(m.norm),
                    attn_scale=cfg.query_pre_attn_scalar ** -0.5,
                    embed_scale=math.sqrt(cfg.hidden_size), norm_upcast=True,
                    final_softcap=cfg.final_logit_softcapping, activation=cfg.hidden_activation,
@@ -922,6 +950,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "granitemoeshared": _granite,
     "olmo2": _olmo2,
     "olmo3": _olmo2,
+    "flex_olmo": _olmo2,
     "exaone4": _exaone4,
     "phi3": _phi3,
     "gemma": _gemma,
@@ -935,11 +964,15 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gpt_neox": _gpt_neox,
     "seed_oss": _llama,  # Llama's block with biases
     "arcee": _arcee,
+    "stablelm": _layer_norms,  # LayerNorms (`_layer_norms`)
+    "jais2": _layer_norms,
+    "nemotron": lambda hf, device: _layer_norms(hf, device, one_plus=True),
     "helium": _interleaved,
     "ernie4_5": _interleaved,
     "glm": _interleaved,
     "glm4": _interleaved,
     "gemma2": _gemma3,
+    "vaultgemma": _gemma3,
     "gemma3_text": _gemma3,
     **{name: _language_model for name in VISION_LANGUAGE},
 }
