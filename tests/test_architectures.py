@@ -171,6 +171,33 @@ ARCHS = {
     # attention on a LayerNorm of its own (or after it)
     "gpt_neox": ("GPTNeoXConfig", {}),
     "gpt_neox-sequential": ("GPTNeoXConfig", dict(use_parallel_residual=False)),
+    # latent attention (`MLA`): q through a low-rank norm (or one product), each head's key and
+    # value from a normed latent beside one rotated k_pe (interleaved pairs, or halves), a value
+    # narrower than the key, YaRN's mscale in the scale; DeepSeek-V3's experts after a dense
+    # layer 0
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=24,
+        num_key_value_heads=4, rope_interleave=True, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+            mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))),
+    # the same attention: GLM-4.7-Flash, Youtu (dense), MiniCPM3 (dense, halves RoPE, its
+    # embedding, branch and logit scales)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64,
+        num_key_value_heads=4, routed_scaling_factor=1.8)),
+    "youtu": ("YoutuConfig", dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=48,
+                                  qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4)),
+    "minicpm3": ("MiniCPM3Config", dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=48,
+                                        qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4,
+                                        scale_emb=12, scale_depth=1.4, dim_model_base=32)),
+    "deepseek_v3-q": ("DeepseekV3Config", dict(
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4,
+        rope_interleave=False, attention_bias=True)),
     # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
     # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
@@ -189,6 +216,18 @@ ARCHS["mistral3"] = ("Mistral3Config", dict(
     text_config=dict(model_type="mistral", sliding_window=None),
     vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, head_dim=8,
                        num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)))
+# Mistral 4: latent attention, a router with softmax scores, q scaled by position past 32;
+# transformers loads it inside Mistral 3's image-text-to-text model only
+ARCHS["mistral3-mistral4"] = ("Mistral3Config", dict(
+    text_config=dict(
+        model_type="mistral4", n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=64, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=48,
+        qk_rope_head_dim=16, v_head_dim=32, head_dim=64, num_key_value_heads=4,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0,
+                             beta_fast=32.0, beta_slow=1.0, llama_4_scaling_beta=0.1,
+                             partial_rotary_factor=0.25)),
+    vision_config=ARCHS["mistral3"][1]["vision_config"]))
 ARCHS["llava"] = ("LlavaConfig", dict(
     text_config=dict(model_type="llama"),
     vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
@@ -224,11 +263,13 @@ def auto_class(name: str):
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
+MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
-       "flex_olmo"}
+       "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
+           "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe",
@@ -313,6 +354,8 @@ def test_family_config(arch):
                                     "gpt_bigcode-mha": "gpt_bigcode",
                                     "gpt_neox-sequential": "gpt_neox",
                                     "stablelm-parallel": "stablelm",
+                                    "deepseek_v3-q": "deepseek_v3",
+                                    "mistral3-mistral4": "mistral3",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
@@ -357,10 +400,11 @@ def test_family_config(arch):
             assert windows == [WINDOW, None, WINDOW]
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
-        assert moe == {"qwen3_moe": [True, False, True], "glm4_moe": [False, True, True],
-                       "exaone_moe": [False, True, True]}.get(name, [True] * 3)
+        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek"))
+                       else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
-        assert (len(e.gate_up), e.top_k) == (8 if name in ("glm4_moe", "solar_open") else 4, 2)
+        assert (len(e.gate_up), e.top_k) == (
+            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4") else 4, 2)
         assert e.weights_in_dtype == ("mixtral" not in name and name not in SIGMOID)
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared"))
         assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
@@ -369,7 +413,10 @@ def test_family_config(arch):
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
-        assert e.sigmoid == (name in SIGMOID)
+        assert e.scores == ("sigmoid" if name in SIGMOID else "softmax" if name == "mistral3-mistral4"
+                            else None)
+        if name == "mistral3-mistral4":  # softmax scores, 2 groups, no bias
+            assert (e.groups, e.scale, e.norm_eps, e.score_bias) == ((2, 1), 1.0, 1e-20, None)
         if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)
             groups, scale = SIGMOID[name]
             assert (e.groups, e.scale, e.norm_eps) == (groups, scale, 0.0 if name == "minimax_m2" else 1e-20)
@@ -402,7 +449,7 @@ def test_family_config(arch):
     if name == "phi":
         assert r.lm_head_b is not None and r.layers[0].parallel and not r.gated
         assert r.ropes[0][0].shape[-1] == r.head_dim // 2  # partial rotary
-    if name.startswith("glm"):  # interleaved pairs of the first half, in halves
+    if name in ("glm", "glm4"):  # interleaved pairs of the first half, in halves
         assert r.ropes[0][0].shape[-1] == r.head_dim // 2
         assert (r.layers[0].ln_mlp_out is not None) == (name == "glm4")
     if name.startswith("cohere"):  # one LayerNorm before both branches; no fused pass
@@ -438,6 +485,18 @@ def test_family_config(arch):
     if name == "vaultgemma":
         assert all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None for lyr in r.layers)
         assert r.attn_softcap == 2.0 and windows == [WINDOW, None, WINDOW, None]
+    if name in MLA_ARCHS:  # latent attention: every head its own key, pe first
+        m = r.layers[0].mla
+        v = {"deepseek_v3": 24, "glm4_moe_lite": 64}.get(name, 32)
+        assert (r.num_kv_heads, r.head_dim, m.v, m.rank, m.pe) == (4, 64, v, 32, 16)
+        assert (m.q_b is None) == (name == "deepseek_v3-q") and r.ropes[0][0].shape[-1] == 16
+        model = hf.model.language_model if name == "mistral3-mistral4" else hf.model
+        assert r.scale == model.layers[0].self_attn.scaling and r._fused_w is None
+        if name in ("deepseek_v3", "mistral3-mistral4"):  # YaRN's mscale in the scale
+            assert r.scale != 64 ** -0.5
+        assert (r.q_scale is not None) == (name == "mistral3-mistral4")
+        if name == "minicpm3":  # embedding, branch and logit scales
+            assert (float(r.embed_scale), r.logit_divisor) == (12.0, 4.0)
     if name == "ministral3":  # 1 up to position 32, then 1 + 0.1 log(1 + floor(p / 32))
         assert r.q_scale_from == 32 and float(r.q_scale[31]) == 1.0
         assert abs(float(r.q_scale[64]) - (1 + 0.1 * torch.log(torch.tensor(3.0)))) < 1e-6

@@ -69,12 +69,13 @@ class Experts:
     down_b: list[torch.Tensor] | None = None  # E x [H]
     swiglu: tuple[float, float] | None = None
     # DeepSeek-V3's router (GLM-4.5, dots.llm1, EXAONE-MoE, Solar Open; MiniMax-M2's without
-    # groups): sigmoid scores of the float32 logits; the choice adds `score_bias`
-    # (e_score_correction_bias) and keeps the experts of the `groups` (n_group, topk_group)
-    # best groups, a group scored by its two best choices; the weights are the chosen
-    # experts' scores (divided by their sum + `norm_eps` where `norm_topk`), times `scale`
-    # (routed_scaling_factor), float32
-    sigmoid: bool = False
+    # groups), `scores` "sigmoid": sigmoid scores of the float32 logits; the choice adds
+    # `score_bias` (e_score_correction_bias) and keeps the experts of the `groups` (n_group,
+    # topk_group) best groups, a group scored by its two best choices; the weights are the
+    # chosen experts' scores (divided by their sum + `norm_eps` where `norm_topk`), times
+    # `scale` (routed_scaling_factor), float32. Mistral 4's, "softmax": the logits' softmax
+    # in their dtype, no bias, the other groups' scores masked to 0, its weights in that dtype
+    scores: str | None = None
     score_bias: torch.Tensor | None = None  # [E]
     groups: tuple[int, int] | None = None
     norm_eps: float = 0.0
@@ -83,15 +84,16 @@ class Experts:
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
         `weights_in_dtype`), from the router's logits [T, E], with transformers' arithmetic."""
-        if self.sigmoid:
-            scores = rowwise(torch.sigmoid, logits.float())
+        if self.scores is not None:
+            sigmoid = self.scores == "sigmoid"
+            scores = rowwise(torch.sigmoid, logits.float()) if sigmoid else logits.softmax(-1)
             choice = scores if self.score_bias is None else scores + self.score_bias
             if self.groups is not None:
                 n, keep = self.groups
                 best = choice.view(-1, n, choice.shape[-1] // n).topk(2, dim=-1)[0].sum(dim=-1)
                 mask = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1)
                 choice = choice.masked_fill(~mask.bool().repeat_interleave(choice.shape[-1] // n, 1),
-                                            float("-inf"))
+                                            float("-inf") if sigmoid else 0.0)
             idx = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
             top = scores.gather(1, idx)
             if self.norm_topk:
@@ -110,6 +112,34 @@ class Experts:
         """Every product's matrix: the router, the experts', the shared expert's."""
         return [self.router, *self.gate_up, *self.down] + [
             t for t in (self.shared_gate_up, self.shared_down, self.shared_gate) if t is not None]
+
+
+@dataclass
+class MLA:
+    """DeepSeek's multi-head latent attention, run as the attention it equals: each head's key
+    is its own k_nope (from the latent, through `kv_b`) beside the shared, rotated k_pe, and
+    its value comes from the latent too. The layer's first product (`Layer.w_qkv`) gives q
+    (or q's low-rank part, then `q_norm` and `q_b`) and the latent beside k_pe; then the latent
+    is normed (`kv_norm`) and widened by `kv_b` to every head's k_nope and v. The cache holds
+    each head's key (pe first, then nope) and its value padded with zeros to the key's width
+    (the padding's products are zeros: the attention output's first `v` dims are the value's);
+    q's rows are reordered at load to the same pe-first order (a head's dot product is the
+    same sum, in another order), and DeepSeek's interleaved RoPE pairs (`rope_interleave`) to
+    halves, so the runner's partial RoPE rotates them."""
+
+    q_rows: int  # the first product's rows that are q's (or q_a's)
+    q_norm: torch.Tensor | None  # [q_lora_rank] (None: q is the first product's)
+    q_b: torch.Tensor | None  # [Hq (pe + nope), q_lora_rank]
+    kv_norm: torch.Tensor  # [kv_lora_rank]
+    kv_b: torch.Tensor  # [Hq (nope + v), kv_lora_rank]
+    rank: int  # kv_lora_rank
+    nope: int
+    pe: int
+    v: int
+    eps: float  # the two norms' (DeepSeek's RMSNorm default, not the config's)
+
+    def mats(self) -> list[torch.Tensor]:
+        return [t for t in (self.q_b, self.kv_b) if t is not None]
 
 
 @dataclass
@@ -144,12 +174,13 @@ class Layer:
     # GPT-OSS: a learned logit per query head [Hq] that joins each row's softmax as one more
     # key with no value (the explicit attention path)
     sinks: torch.Tensor | None = None
+    mla: MLA | None = None  # DeepSeek's latent attention (`w_qkv` is its first product)
 
     def mats(self) -> list[torch.Tensor]:
-        """Every product's matrix: qkv, output, then the MLP's (gate/up and down, or the
-        experts')."""
+        """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
+        (gate/up and down, or the experts')."""
         mlp = [self.w_gate_up, self.w_down] if self.moe is None else self.moe.mats()
-        return [self.w_qkv, self.w_o, *mlp]
+        return [self.w_qkv, *([] if self.mla is None else self.mla.mats()), self.w_o, *mlp]
 
 
 @dataclass
@@ -191,7 +222,10 @@ _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode")
 
 def kv_heads(cfg) -> int:
     """The config's K/V heads: num_key_value_heads; GPT-BigCode's one where `multi_query`;
-    one a query head for the families that have no such field (`_MULTI_HEAD`)."""
+    one a query head for the families that have no such field (`_MULTI_HEAD`) and for latent
+    attention (`MLA`: every head its own key)."""
+    if getattr(cfg, "kv_lora_rank", None):
+        return cfg.num_attention_heads
     if cfg.model_type in _MULTI_HEAD:
         return 1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -201,8 +235,12 @@ def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.detach().to(device).contiguous()
 
 
-def _head_dim(cfg) -> int:
+def head_dim(cfg) -> int:
+    """A head's width in the cache (latent attention's: its key's, nope + pe, `MLA`)."""
+    if getattr(cfg, "kv_lora_rank", None):
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
 
 
 def _rope_params(cfg) -> dict[str, dict]:
@@ -328,10 +366,12 @@ def _experts(cfg, mlp, device) -> Experts:
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's name)
     after = cfg.model_type in _TOP_K_THEN_SOFTMAX
     # DeepSeek-V3's router keeps its bias (MiniMax-M2's block keeps it); its class has groups
+    # (Mistral 4's has groups and no bias: softmax scores)
     bias = getattr(router, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
     groups = getattr(router, "num_group", None)
-    sigmoid = {} if bias is None else dict(
-        sigmoid=True, score_bias=_t(bias, device), norm_eps=1e-20 if groups else 0.0,
+    grouped = {} if bias is None and groups is None else dict(
+        scores="sigmoid" if bias is not None else "softmax",
+        score_bias=None if bias is None else _t(bias, device), norm_eps=1e-20 if groups else 0.0,
         groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
         scale=float(getattr(router, "routed_scaling_factor", 1.0)))
     return Experts(
@@ -340,20 +380,54 @@ def _experts(cfg, mlp, device) -> Experts:
         down=[_t(w, device) for w in ex.down_proj],
         top_k=int(router.top_k), norm_topk=bool(getattr(router, "norm_topk_prob", not after)),
         softmax_after_topk=after, router_float32=after,
-        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32 and bias is None,
+        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32 and bias is None,  # (route's)
         shared_gate_up=None if shared is None else _gate_up(shared, device),
         shared_down=None if shared is None else _t(shared.down_proj.weight, device),
         shared_gate=None if gate is None else _t(gate.weight, device),
-        **sigmoid)
+        **grouped)
+
+
+def _mla(cfg, a, device) -> dict:
+    """A latent attention's first product and its `MLA`, as `Layer` fields."""
+    hq, nope, pe, v, rank = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                             cfg.v_head_dim, cfg.kv_lora_rank)
+    d = nope + pe
+    if v > d:
+        raise ModelLoadError(f"{cfg.model_type}: a value wider than the key ({v} > {d}) is not "
+                             "supported by the runner")
+    pairs = _halves_order(pe, pe) if getattr(cfg, "rope_interleave", False) else torch.arange(pe)
+    head = torch.cat([nope + pairs, torch.arange(nope)])  # a head's q: pe, then nope
+    q_order = (torch.arange(hq)[:, None] * d + head[None]).reshape(-1)
+    kv_order = torch.cat([torch.arange(rank), rank + pairs])
+    kv_a = a.kv_a_proj_with_mqa
+    q = a.q_proj if a.q_proj is not None else a.q_b_proj
+    first = a.q_proj.weight[q_order] if a.q_proj is not None else a.q_a_proj.weight
+    b_first = None if a.q_proj is not None else a.q_a_proj.bias
+    w_qkv = _t(torch.cat([first, kv_a.weight[kv_order]]), device)
+    b_qkv = None
+    if kv_a.bias is not None:
+        b_qkv = _t(torch.cat([torch.zeros(first.shape[0], dtype=kv_a.bias.dtype)
+                              if b_first is None else b_first, kv_a.bias[kv_order]]), device)
+    mla = MLA(q_rows=first.shape[0],
+              q_norm=None if a.q_proj is not None else _t(a.q_a_layernorm.weight, device),
+              q_b=None if a.q_proj is not None else _t(q.weight[q_order], device),
+              kv_norm=_t(a.kv_a_layernorm.weight, device), kv_b=_t(a.kv_b_proj.weight, device),
+              rank=rank, nope=nope, pe=pe, v=v, eps=float(a.kv_a_layernorm.variance_epsilon))
+    return dict(w_qkv=w_qkv, b_qkv=b_qkv, mla=mla)
 
 
 def _block(lyr, device, cfg=None, **kw) -> Layer:
     """A decoder layer's projections in the runner's layout (fused QKV and gate/up, from
-    separate q/k/v and gate/up projections; a sparse MoE block's experts, `_experts`, which
-    needs the `cfg`); the family's norms, window and the rest in `kw`."""
+    separate q/k/v and gate/up projections; a latent attention's, `_mla`; a sparse MoE
+    block's experts, `_experts`, which needs the `cfg`); the family's norms, window and the
+    rest in `kw`."""
     a = lyr.self_attn
     mlp = lyr.mlp if hasattr(lyr, "mlp") else lyr.block_sparse_moe  # (Granite-MoE's name)
-    w_qkv, bias = _attention(a, device)
+    if hasattr(a, "kv_a_proj_with_mqa"):
+        kw.update(_mla(cfg, a, device))
+        w_qkv, bias = kw.pop("w_qkv"), kw.pop("b_qkv")
+    else:
+        w_qkv, bias = _attention(a, device)
     kw.update(_output_biases(a, mlp, device))
     if hasattr(mlp, "experts"):
         ffn = dict(w_gate_up=None, w_down=None, moe=_experts(cfg, mlp, device))
@@ -371,7 +445,7 @@ def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
         ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
     kw.setdefault("activation", getattr(cfg, "hidden_act", None) or "silu")
     return Weights(layers, embed, _t(m.norm.weight, device) if norm is None else norm, lm_head,
-                   ropes, _head_dim(cfg), **kw)
+                   ropes, head_dim(cfg), **kw)
 
 
 def _llama(hf, device) -> Weights:
@@ -413,31 +487,16 @@ def _granite(hf, device) -> Weights:
     top-k float32 logits; Granite-MoE-Shared adds a shared MLP, not gated by the router, as the
     experts' shared expert) with four multipliers. The embedding's is `embed_scale`, the
     attention's is its scale, and the logits are divided by `logits_scaling`. The residual
-    multiplier is folded into o_proj and down_proj (each expert's and the shared MLP's) (each weight
-    times it in float32, rounded once to the model's dtype), so the runner's block stays
-    Llama's (the fused pass serves it): a branch's output is (m W) x instead of m (W x), a
-    rounding apart."""
+    multiplier is folded into o_proj and down_proj (`_fold_residual`), so the fused pass
+    serves Granite."""
     cfg = hf.config
     w = _llama(hf, device)
-    m = float(cfg.residual_multiplier)
-
-    def scaled(t: torch.Tensor) -> torch.Tensor:
-        return (t.float() * m).to(t.dtype).contiguous()
-
     for lyr, src in zip(w.layers, hf.model.layers):  # Granite-MoE-Shared's shared MLP
         shared = getattr(src, "shared_mlp", None)
         if shared is not None:
             lyr.moe.shared_gate_up = _t(shared.input_linear.weight, device)
             lyr.moe.shared_down = _t(shared.output_linear.weight, device)
-    if m != 1.0:
-        for lyr in w.layers:
-            lyr.w_o = scaled(lyr.w_o)
-            if lyr.moe is None:
-                lyr.w_down = scaled(lyr.w_down)
-            else:
-                lyr.moe.down = [scaled(t) for t in lyr.moe.down]
-                if lyr.moe.shared_down is not None:
-                    lyr.moe.shared_down = scaled(lyr.moe.shared_down)
+    _fold_residual(w, float(cfg.residual_multiplier))
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
         w.embed_scale = float(cfg.embedding_multiplier)
@@ -523,7 +582,7 @@ def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
     RoPE pairs (x[i], x[i + rot/2]), `_halves_order`. q and k reordered alike leave every
     score as it was (v is not reordered), and the rotation is the same arithmetic on each
     pair."""
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     order = _halves_order(d, rot)
 
     def halves(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -551,7 +610,7 @@ def _cohere(hf, device) -> Weights:
     if getattr(cfg, "use_qk_norm", False):
         raise ModelLoadError("Cohere with q/k LayerNorms (use_qk_norm) is not supported by the "
                              "runner")
-    d = _head_dim(cfg)
+    d = head_dim(cfg)
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=None, parallel=True, window=_window(cfg, i))
               for i, lyr in enumerate(m.layers)]
@@ -682,19 +741,57 @@ def _exaone4(hf, device) -> Weights:
     return w
 
 
-def _ministral3(hf, device) -> Weights:
-    """Ministral 3: Mistral's block, YaRN RoPE, and q scaled after RoPE by 1 + beta
-    log(1 + floor(p / original_max_position_embeddings)) at position p (`q_scale`, computed
-    as transformers computes it: float32, then the model's dtype), exactly 1 below the
-    original context."""
-    cfg = hf.config
-    w = _llama(hf, device)
+def _q_scale(w: Weights, cfg, device) -> Weights:
+    """Where the RoPE parameters have `llama_4_scaling_beta` (Ministral 3, Mistral 4): q scaled
+    after RoPE by 1 + beta log(1 + floor(p / original_max_position_embeddings)) at position p
+    (`q_scale`, computed as transformers computes it: float32, then the model's dtype),
+    exactly 1 below the original context."""
     rp = cfg.rope_parameters
     beta, orig = rp.get("llama_4_scaling_beta"), rp.get("original_max_position_embeddings")
     if beta:
         p = torch.arange(max_positions(cfg))
         w.q_scale = _t((1 + beta * torch.log(1 + torch.floor(p / orig))).to(w.embed.dtype), device)
         w.q_scale_from = int(orig)
+    return w
+
+
+def _ministral3(hf, device) -> Weights:
+    """Ministral 3: Mistral's block, YaRN RoPE, q scaled by its position (`_q_scale`)."""
+    return _q_scale(_llama(hf, device), hf.config, device)
+
+
+def _fold_residual(w: Weights, m: float) -> None:
+    """A multiplier on each branch's output folded into o_proj and down_proj (each expert's
+    and the shared expert's): each weight times it in float32, rounded once to the model's
+    dtype, so the runner's block stays Llama's. A branch's output is then (m W) x instead of
+    m (W x), a rounding apart."""
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return (t.float() * m).to(t.dtype).contiguous()
+
+    if m == 1.0:
+        return
+    for lyr in w.layers:
+        lyr.w_o = scaled(lyr.w_o)
+        if lyr.moe is None:
+            lyr.w_down = scaled(lyr.w_down)
+        else:
+            lyr.moe.down = [scaled(t) for t in lyr.moe.down]
+            if lyr.moe.shared_down is not None:
+                lyr.moe.shared_down = scaled(lyr.moe.shared_down)
+
+
+def _deepseek(hf, device) -> Weights:
+    """DeepSeek-V3 (and Kimi K2), GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4 (its router's
+    softmax scores, `Experts.scores`; q scaled by position, `_q_scale`), Youtu and MiniCPM3
+    (its embedding, branch and logit scales): Llama's pre-norm block with latent attention
+    (`MLA`) and, where the config has them, DeepSeek-V3's experts. The attention's scale is
+    the module's own (YaRN's mscale folded in)."""
+    cfg = hf.config
+    w = _q_scale(_llama(hf, device), cfg, device)
+    w.attn_scale = float(hf.model.layers[0].self_attn.scaling)
+    if cfg.model_type == "minicpm3":
+        w.embed_scale, w.logit_divisor = float(cfg.scale_emb), float(cfg.logits_scaling)
+        _fold_residual(w, cfg.scale_depth / math.sqrt(cfg.num_hidden_layers))
     return w
 
 
@@ -937,6 +1034,11 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "olmoe": _olmoe,
     "minimax_m2": _olmoe,  # OLMoE's q/k norms over whole projections; a sigmoid router
     "glm4_moe": _llama,  # DeepSeek-V3's router (`Experts.sigmoid`), shared experts
+    "deepseek_v3": _deepseek,  # latent attention (`MLA`)
+    "glm4_moe_lite": _deepseek,
+    "youtu": _deepseek,
+    "minicpm3": _deepseek,
+    "mistral4": _deepseek,
     "dots1": _llama,
     "solar_open": _llama,
     "exaone_moe": _exaone_moe,

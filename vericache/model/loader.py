@@ -204,11 +204,10 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
 
 
 def _kv_bytes_per_token(cfg, dtype: str) -> int:
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    from vericache.model.families import kv_heads
+    from vericache.model.families import head_dim, kv_heads
 
     size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads(cfg) * head_dim * size
+    return 2 * cfg.num_hidden_layers * kv_heads(cfg) * head_dim(cfg) * size
 
 
 def transformers_class(model_type: str):

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
-from vericache.model.families import (SUPPORTED, Experts, Layer, Weights, extract, kv_heads,
-                                       rowwise)
+from vericache.model.families import (MLA, SUPPORTED, Experts, Layer, Weights, extract,
+                                       kv_heads, rowwise)
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
@@ -223,7 +223,7 @@ class Runner:
         # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, a mixture of
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
-                    and lyr.qk_norm_wide is None and not lyr.parallel
+                    and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
         plain = plain and len({c.shape[1] for c, _ in w.ropes}) == 1
@@ -300,15 +300,17 @@ class Runner:
         return self.kv_bytes_per_token(self.draft_dtype)
 
     # ---- the forward ----------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dim; w: [x.shape[-1]] or broadcastable (per-head q/k norms).
-        In float32 the native kernel's where it serves (a contiguous x), else torch's."""
+    def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+        """RMSNorm over the last dim; w: [x.shape[-1]] or broadcastable (per-head q/k norms);
+        `eps`: the norm's own (else the model's). In float32 the native kernel's where it
+        serves (a contiguous x), else torch's."""
+        eps = self.eps if eps is None else eps
         if x.dtype == torch.float32 and w.dim() == 1:
             if self.linear_kernel is not None and x.is_contiguous():
-                return self.linear_kernel.rms(x, w, self.eps)
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+                return self.linear_kernel.rms(x, w, eps)
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         if self.norm_upcast:  # Gemma: scale in fp32 (w holds 1 + weight), then cast
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
@@ -886,6 +888,8 @@ class Runner:
         for li, lyr in enumerate([] if fused else self.layers):
             x = h if lyr.ln_attn_in is None else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
+            if lyr.mla is not None:
+                qkv = self._mla(qkv, lyr.mla, lin)
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if lyr.qk_norm_wide is not None:  # one norm over q's heads, one over k's
                 # (each slice made contiguous, so that every pass takes the same norm: a
@@ -921,6 +925,8 @@ class Runner:
                 for i in explicit:  # the votes only: their plans gave the rows
                     self._votes_explicit(items[i], li, lyr, q, starts[i], lens[i], pasts[i],
                                          masks[i])
+            if lyr.mla is not None:  # each head's value, without the padding
+                attn = attn.view(-1, hq, d)[..., : lyr.mla.v].reshape(-1, hq * lyr.mla.v)
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
@@ -969,6 +975,21 @@ class Runner:
             gate = gu[:, :i]
             a = (rowwise(self.act, gate) if invariant and not self.silu else self.act(gate)) * gu[:, i:]
         return lin(a, w_down, b_down)
+
+    def _mla(self, first: torch.Tensor, m: MLA, lin) -> torch.Tensor:
+        """A latent attention's q, k and v in the layout of a qkv product [T, (Hq + 2 Hq) D]
+        (`MLA`), from its first product: q (through its low-rank norm and q_b), each head's
+        key (the shared, rotated k_pe, then its k_nope from the normed latent) and value
+        (padded with zeros to D)."""
+        T, hq, d = first.shape[0], self.num_heads, m.nope + m.pe
+        q = first[:, : m.q_rows]
+        if m.q_b is not None:
+            q = lin(self._rms(q.contiguous(), m.q_norm, m.eps), m.q_b)
+        latent, k_pe = first[:, m.q_rows: m.q_rows + m.rank], first[:, m.q_rows + m.rank:]
+        kv = lin(self._rms(latent.contiguous(), m.kv_norm, m.eps), m.kv_b).view(T, hq, m.nope + m.v)
+        k = torch.cat([k_pe.unsqueeze(1).expand(T, hq, m.pe), kv[..., : m.nope]], -1)
+        v = torch.cat([kv[..., m.nope:], kv.new_zeros(T, hq, d - m.v)], -1)
+        return torch.cat([q.reshape(T, hq * d), k.reshape(T, hq * d), v.reshape(T, hq * d)], 1)
 
     def _experts(self, x: torch.Tensor, e: Experts, lin, invariant: bool) -> torch.Tensor:
         """A mixture of experts (`Experts`, in transformers' order): each expert's MLP over the
