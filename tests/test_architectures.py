@@ -702,19 +702,20 @@ def test_model_info_of_a_vision_language_model(name, tmp_path):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """BLOOM (ALiBi, no position in q or k) is refused, the message listing every family."""
+    from transformers import BloomConfig, BloomForCausalLM
 
     from vericache.errors import ModelLoadError
     from vericache.model.loader import load_model
     from vericache.model.runner import SUPPORTED
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as e:
         load_model(str(tmp_path))
     msg = str(e.value)
-    assert "'gpt2' is not supported" in msg
+    assert "'bloom' is not supported" in msg
     for name in SUPPORTED:
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
@@ -723,23 +724,29 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl", "qwen2_5_vl",
                               "qwen3_vl", "cohere", "cohere2", "starcoder2", "phi", "glm",
                               "glm4", "seed_oss", "arcee", "helium", "ernie4_5", "exaone4",
-                              "gpt_oss", "granitemoe"}
+                              "gpt_oss", "granitemoe", "granitemoeshared", "glm4_moe", "dots1",
+                              "solar_open", "exaone_moe", "minimax_m2", "flex_olmo", "gpt2",
+                              "gpt_bigcode", "opt", "gpt_neox", "ministral3", "internlm3",
+                              "iquestcoder", "stablelm", "jais2", "nemotron", "vaultgemma",
+                              "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3", "mistral4"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
-    """A LLaVA checkpoint whose language model is StableLM's: refused, naming both."""
+    """A LLaVA checkpoint whose language model is nanochat's (weightless q/k norms after RoPE):
+    refused, naming both."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     from vericache.errors import ModelLoadError
     from vericache.model.loader import load_model
 
     torch.manual_seed(0)
-    text = dict(model_type="stablelm", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    text = dict(model_type="nanochat", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     cfg = LlavaConfig(text_config=text, vision_config=ARCHS["llava"][1]["vision_config"])
     LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="llava's language model 'stablelm' is not supported"):
+    with pytest.raises(ModelLoadError,
+                       match="llava's language model 'nanochat' is not supported"):
         load_model(str(tmp_path))
 
 
