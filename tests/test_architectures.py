@@ -42,6 +42,11 @@ ARCHS = {
     # run as Llama by transformers
     "internlm3": ("InternLM3Config", dict(head_dim=32)),
     "iquestcoder": ("IQuestCoderConfig", dict(head_dim=32)),
+    # ERNIE 4.5's MoE: its block with experts on layers 1 and 2, a router with softmax scores and
+    # a correction bias, a shared expert, biases everywhere (the LM head's too)
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(
+        head_dim=32, use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
+        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral-sliding": ("MistralConfig", dict(sliding_window=WINDOW)),
     "qwen2": ("Qwen2Config", {}),
@@ -266,7 +271,8 @@ ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
-       "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4"}
+       "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
+       "ernie4_5_moe"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -400,7 +406,8 @@ def test_family_config(arch):
             assert windows == [WINDOW, None, WINDOW]
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
-        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek"))
+        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
+                                                               "ernie4_5_moe"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
@@ -413,8 +420,11 @@ def test_family_config(arch):
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
-        assert e.scores == ("sigmoid" if name in SIGMOID else "softmax" if name == "mistral3-mistral4"
-                            else None)
+        assert e.scores == ("sigmoid" if name in SIGMOID else "softmax"
+                            if name in ("mistral3-mistral4", "ernie4_5_moe") else None)
+        if name == "ernie4_5_moe":  # softmax scores, a bias in the choice, a clamped sum
+            assert e.norm_min == 1e-12 and e.score_bias.shape == (4,) and e.weights_in_dtype
+            assert e.shared_gate_up_b is not None and r.lm_head_b is not None
         if name == "mistral3-mistral4":  # softmax scores, 2 groups, no bias
             assert (e.groups, e.scale, e.norm_eps, e.score_bias) == ((2, 1), 1.0, 1e-20, None)
         if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)

@@ -58,6 +58,8 @@ class Experts:
     shared_gate_up: torch.Tensor | None = None  # [2 Is, H]
     shared_down: torch.Tensor | None = None  # [H, Is]
     shared_gate: torch.Tensor | None = None  # [1, H]
+    shared_gate_up_b: torch.Tensor | None = None  # the shared expert's biases (ERNIE's)
+    shared_down_b: torch.Tensor | None = None
     # GPT-OSS: a router bias [E]; the top_k of the logits, then their softmax (in the model's
     # dtype; Granite-MoE's: in float32, `router_float32`); biases on the experts' products; the
     # clamped SwiGLU (alpha, limit): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
@@ -73,12 +75,15 @@ class Experts:
     # `score_bias` (e_score_correction_bias) and keeps the experts of the `groups` (n_group,
     # topk_group) best groups, a group scored by its two best choices; the weights are the
     # chosen experts' scores (divided by their sum + `norm_eps` where `norm_topk`), times
-    # `scale` (routed_scaling_factor), float32. Mistral 4's, "softmax": the logits' softmax
-    # in their dtype, no bias, the other groups' scores masked to 0, its weights in that dtype
+    # `scale` (routed_scaling_factor), float32. Mistral 4's and ERNIE 4.5's, "softmax": the
+    # logits' softmax in their dtype (ERNIE's float32), the other groups' scores masked to 0,
+    # the weights divided by their sum clamped to at least `norm_min` (ERNIE's), then in the
+    # model's dtype
     scores: str | None = None
     score_bias: torch.Tensor | None = None  # [E]
     groups: tuple[int, int] | None = None
     norm_eps: float = 0.0
+    norm_min: float | None = None
     scale: float = 1.0
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +102,11 @@ class Experts:
             idx = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
             top = scores.gather(1, idx)
             if self.norm_topk:
-                top = top / (top.sum(dim=-1, keepdim=True) + self.norm_eps)
-            return top * self.scale, idx
+                total = top.sum(dim=-1, keepdim=True)
+                top = top / (total.clamp(min=self.norm_min) if self.norm_min is not None
+                             else total + self.norm_eps)
+            top = top * self.scale
+            return (top.to(dtype) if self.weights_in_dtype else top), idx
         if self.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
             top, idx = torch.topk(logits.float() if self.router_float32 else logits, self.top_k,
                                   dim=-1)
@@ -351,6 +359,8 @@ def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
 _TOP_K_FLOAT32 = ("mixtral",)
 # families whose router takes the top k of its float32 logits, then their softmax
 _TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared")
+# families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
+_SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe")
 
 
 def _experts(cfg, mlp, device) -> Experts:
@@ -365,14 +375,18 @@ def _experts(cfg, mlp, device) -> Experts:
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's name)
     after = cfg.model_type in _TOP_K_THEN_SOFTMAX
-    # DeepSeek-V3's router keeps its bias (MiniMax-M2's block keeps it); its class has groups
-    # (Mistral 4's has groups and no bias: softmax scores)
+    # DeepSeek-V3's router keeps its bias (MiniMax-M2's block, ERNIE's `moe_statics` keep it);
+    # its class has groups (Mistral 4's has groups and no bias)
+    statics = getattr(router, "moe_statics", None)
     bias = getattr(router, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
+    bias = statics.e_score_correction_bias.reshape(-1) if statics is not None else bias
     groups = getattr(router, "num_group", None)
+    softmax = cfg.model_type in _SOFTMAX_CHOICE
     grouped = {} if bias is None and groups is None else dict(
-        scores="sigmoid" if bias is not None else "softmax",
+        scores="softmax" if softmax else "sigmoid",
         score_bias=None if bias is None else _t(bias, device), norm_eps=1e-20 if groups else 0.0,
         groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
+        norm_min=getattr(router, "norm_min", None),
         scale=float(getattr(router, "routed_scaling_factor", 1.0)))
     return Experts(
         router=_t(router.weight, device),
@@ -380,10 +394,12 @@ def _experts(cfg, mlp, device) -> Experts:
         down=[_t(w, device) for w in ex.down_proj],
         top_k=int(router.top_k), norm_topk=bool(getattr(router, "norm_topk_prob", not after)),
         softmax_after_topk=after, router_float32=after,
-        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32 and bias is None,  # (route's)
+        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32 and (bias is None or softmax),
         shared_gate_up=None if shared is None else _gate_up(shared, device),
         shared_down=None if shared is None else _t(shared.down_proj.weight, device),
         shared_gate=None if gate is None else _t(gate.weight, device),
+        shared_gate_up_b=None if shared is None else _gate_up(shared, device, "bias"),
+        shared_down_b=None if shared is None else _bias(shared.down_proj, device),
         **grouped)
 
 
@@ -444,6 +460,7 @@ def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
     if ropes is None:
         ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
     kw.setdefault("activation", getattr(cfg, "hidden_act", None) or "silu")
+    kw.setdefault("lm_head_b", None if cfg.tie_word_embeddings else _bias(hf.lm_head, device))
     return Weights(layers, embed, _t(m.norm.weight, device) if norm is None else norm, lm_head,
                    ropes, head_dim(cfg), **kw)
 
@@ -681,7 +698,7 @@ def _arcee(hf, device) -> Weights:
 
 
 def _interleaved(hf, device) -> Weights:
-    """Helium, ERNIE 4.5, GLM and GLM-4: Llama's block (biases where `attention_bias` /
+    """Helium, ERNIE 4.5 (and its MoE), GLM and GLM-4: Llama's block (biases where `attention_bias` /
     `use_bias` put them; GLM's gate and up one projection) with RoPE over interleaved pairs
     of each head's first dims, as wide as the table (`_interleaved_rope`; transformers' table
     is already in halves). ERNIE's table is float32 (RoPE in float32, then cast, as the
@@ -1071,6 +1088,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "nemotron": lambda hf, device: _layer_norms(hf, device, one_plus=True),
     "helium": _interleaved,
     "ernie4_5": _interleaved,
+    "ernie4_5_moe": _interleaved,  # a router with softmax scores and a bias (`Experts.scores`)
     "glm": _interleaved,
     "glm4": _interleaved,
     "gemma2": _gemma3,

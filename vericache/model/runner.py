@@ -1004,7 +1004,8 @@ class Runner:
                           None if e.down_b is None else e.down_b[expert], e.swiglu)
             out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
         if e.shared_down is not None:
-            shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant)
+            shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant,
+                               e.shared_gate_up_b, e.shared_down_b)
             if e.shared_gate is not None:
                 shared = rowwise(torch.sigmoid, lin(x, e.shared_gate)) * shared
             out = out + shared
