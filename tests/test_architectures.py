@@ -203,6 +203,17 @@ ARCHS = {
         moe_intermediate_size=64, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
         qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4,
         rope_interleave=False, attention_bias=True)),
+    # an output gate, sigmoid(g) on the attention's output: MiniCPM5-MoE (each head's q, then
+    # its gate, in one projection; DeepSeek-V3's experts after a dense layer 0) and AFMoE
+    # (norms before and after each branch, q/k norms, RoPE on the sliding layers only, muP's
+    # embedding scale, a sigmoid router with a bias)
+    "minicpm5_moe": ("MiniCPM5MoeConfig", dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                                               n_group=2, topk_group=1, moe_intermediate_size=64,
+                                               routed_scaling_factor=2.0)),
+    "afmoe": ("AfmoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                  num_shared_experts=1, moe_intermediate_size=64, route_scale=1.5,
+                                  sliding_window=WINDOW, mup_enabled=True, layer_types=[
+                                      "sliding_attention", "sliding_attention", "full_attention"])),
     # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
     # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
@@ -272,13 +283,14 @@ MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
-       "ernie4_5_moe"}
+       "ernie4_5_moe", "minicpm5_moe", "afmoe"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
+           "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
-            "dots1", "exaone_moe",
+            "dots1", "exaone_moe", "afmoe",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -407,11 +419,12 @@ def test_family_config(arch):
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
-                                                               "ernie4_5_moe"))
+                                                               "ernie4_5_moe", "minicpm5_moe", "afmoe"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
-            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4") else 4, 2)
+            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe")
+            else 4, 2)
         assert e.weights_in_dtype == ("mixtral" not in name and name not in SIGMOID)
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared"))
         assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
@@ -429,8 +442,13 @@ def test_family_config(arch):
             assert (e.groups, e.scale, e.norm_eps, e.score_bias) == ((2, 1), 1.0, 1e-20, None)
         if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)
             groups, scale = SIGMOID[name]
-            assert (e.groups, e.scale, e.norm_eps) == (groups, scale, 0.0 if name == "minimax_m2" else 1e-20)
+            assert (e.groups, e.scale, e.norm_eps) == (groups, scale,
+                                                       0.0 if name == "minimax_m2" else 1e-20)
             assert e.score_bias.shape == (len(e.gate_up),) and float(e.score_bias.abs().min()) > 0
+        assert all(lyr.out_gate == (name in ("minicpm5_moe", "afmoe")) for lyr in r.layers)
+        if name == "afmoe":  # norms around both branches; RoPE on the sliding layers only
+            assert windows == [WINDOW, WINDOW, None] and [lyr.rope for lyr in r.layers] == [0, 0, 1]
+            assert r.layers[0].ln_mlp_out is not None and abs(float(r.embed_scale) - 128 ** 0.5) < 1e-5
         if name == "minimax_m2":
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,) and r.ropes[0][0].shape[-1] == 16
         if name == "glm4_moe":  # per-head q/k norms, RoPE on each head's first half

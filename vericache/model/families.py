@@ -183,6 +183,9 @@ class Layer:
     # key with no value (the explicit attention path)
     sinks: torch.Tensor | None = None
     mla: MLA | None = None  # DeepSeek's latent attention (`w_qkv` is its first product)
+    # an output gate (MiniCPM5-MoE, AFMoE): w_qkv's last Hq D rows give g, and the attention's
+    # output is multiplied by sigmoid(g) before o_proj
+    out_gate: bool = False
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
@@ -322,6 +325,21 @@ def _output_biases(a, mlp, device) -> dict:
                 b_down=None if down is None else _bias(down, device))
 
 
+def _gated_attention(cfg, a, device) -> tuple[torch.Tensor, None]:
+    """q, k, v and the output gate's rows in one product (`Layer.out_gate`): AFMoE's gate_proj
+    is its own; MiniCPM5-MoE's q_gate_proj holds each head's q, then its gate."""
+    if any(getattr(p, "bias", None) is not None for p in (a.k_proj, a.v_proj)):
+        raise ModelLoadError(f"{cfg.model_type}: a gated attention with biases is not supported "
+                             "by the runner")
+    if hasattr(a, "q_gate_proj"):
+        hq, d = cfg.num_attention_heads, head_dim(cfg)
+        qg = a.q_gate_proj.weight.reshape(hq, 2, d, -1)
+        q, g = qg[:, 0].reshape(hq * d, -1), qg[:, 1].reshape(hq * d, -1)
+    else:
+        q, g = a.q_proj.weight, a.gate_proj.weight
+    return _t(torch.cat([q, a.k_proj.weight, a.v_proj.weight, g]), device), None
+
+
 def _attention(a, device):
     w_qkv = _t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), device)
     bias = None
@@ -373,23 +391,26 @@ def _experts(cfg, mlp, device) -> Experts:
     shared = next((getattr(mlp, n) for n in ("shared_expert", "shared_experts")
                    if getattr(mlp, n, None) is not None), None)
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
-    router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's name)
+    router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's, AFMoE's name)
+    weight = router.weight if hasattr(router, "weight") else router.gate.weight  # (AFMoE's)
     after = cfg.model_type in _TOP_K_THEN_SOFTMAX
-    # DeepSeek-V3's router keeps its bias (MiniMax-M2's block, ERNIE's `moe_statics` keep it);
-    # its class has groups (Mistral 4's has groups and no bias)
+    # DeepSeek-V3's router keeps its bias (MiniMax-M2's block, ERNIE's `moe_statics`, AFMoE's
+    # block as `expert_bias` keep it); its class has groups (Mistral 4's has groups, no bias)
     statics = getattr(router, "moe_statics", None)
-    bias = getattr(router, "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
+    bias = getattr(router, "e_score_correction_bias",
+                   getattr(mlp, "e_score_correction_bias", getattr(mlp, "expert_bias", None)))
     bias = statics.e_score_correction_bias.reshape(-1) if statics is not None else bias
     groups = getattr(router, "num_group", None)
     softmax = cfg.model_type in _SOFTMAX_CHOICE
     grouped = {} if bias is None and groups is None else dict(
         scores="softmax" if softmax else "sigmoid",
-        score_bias=None if bias is None else _t(bias, device), norm_eps=1e-20 if groups else 0.0,
+        score_bias=None if bias is None else _t(bias, device),
+        norm_eps=0.0 if cfg.model_type == "minimax_m2" else 1e-20,
         groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
         norm_min=getattr(router, "norm_min", None),
-        scale=float(getattr(router, "routed_scaling_factor", 1.0)))
+        scale=float(getattr(router, "routed_scaling_factor", getattr(router, "route_scale", 1.0))))
     return Experts(
-        router=_t(router.weight, device),
+        router=_t(weight, device),
         gate_up=[_t(w, device) for w in ex.gate_up_proj],
         down=[_t(w, device) for w in ex.down_proj],
         top_k=int(router.top_k), norm_topk=bool(getattr(router, "norm_topk_prob", not after)),
@@ -442,6 +463,9 @@ def _block(lyr, device, cfg=None, **kw) -> Layer:
     if hasattr(a, "kv_a_proj_with_mqa"):
         kw.update(_mla(cfg, a, device))
         w_qkv, bias = kw.pop("w_qkv"), kw.pop("b_qkv")
+    elif hasattr(a, "q_gate_proj") or hasattr(a, "gate_proj"):  # an output gate (`out_gate`)
+        w_qkv, bias = _gated_attention(cfg, a, device)
+        kw["out_gate"] = True
     else:
         w_qkv, bias = _attention(a, device)
     kw.update(_output_biases(a, mlp, device))
@@ -812,6 +836,28 @@ def _deepseek(hf, device) -> Weights:
     return w
 
 
+def _afmoe(hf, device) -> Weights:
+    """AFMoE (Arcee's Trinity): norms before and after each branch that scale in float32 (as
+    OLMo 2's: `norm_upcast`), per-head q/k norms, an output gate (`Layer.out_gate`), RoPE on
+    the sliding layers only (`_without_rope`), embeddings times sqrt(hidden) where
+    `mup_enabled`, and a sigmoid router with a bias and no groups (`Experts.scores`) after
+    `num_dense_layers` dense layers."""
+    cfg, m = hf.config, hf.model
+
+    def f32(norm) -> torch.Tensor:
+        return _t(norm.weight.float(), device)
+
+    layers = [_block(lyr, device, cfg, ln_attn_in=f32(lyr.input_layernorm),
+                     ln_attn_out=f32(lyr.post_attention_layernorm),
+                     ln_mlp_in=f32(lyr.pre_mlp_layernorm), ln_mlp_out=f32(lyr.post_mlp_layernorm),
+                     qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
+              for i, lyr in enumerate(m.layers)]
+    w = _common(hf, device, layers, norm=f32(m.norm), norm_upcast=True)
+    if cfg.mup_enabled:
+        w.embed_scale = cfg.hidden_size ** 0.5
+    return _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+
+
 def _exaone_moe(hf, device) -> Weights:
     """EXAONE-MoE: Llama's pre-norm block with per-head q/k norms and DeepSeek-V3's router
     (`Experts.sigmoid`) over the sparse layers; where it slides, its global layers have no
@@ -1059,6 +1105,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "dots1": _llama,
     "solar_open": _llama,
     "exaone_moe": _exaone_moe,
+    "minicpm5_moe": _llama,  # an output gate (`Layer.out_gate`) in q_gate_proj
+    "afmoe": _afmoe,
     "gpt_oss": _gpt_oss,
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,

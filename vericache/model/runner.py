@@ -224,6 +224,7 @@ class Runner:
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
+                    and not lyr.out_gate
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
         plain = plain and len({c.shape[1] for c, _ in w.ropes}) == 1
@@ -904,7 +905,7 @@ class Runner:
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             if self.q_scale is not None:
                 q = q * self.q_scale[positions].view(-1, 1, 1)
-            v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+            v = qkv[:, (hq + hkv) * d: (hq + 2 * hkv) * d].view(-1, hkv, d)
             for it, s0, L in captures:
                 it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
             if invariant:
@@ -927,6 +928,9 @@ class Runner:
                                          masks[i])
             if lyr.mla is not None:  # each head's value, without the padding
                 attn = attn.view(-1, hq, d)[..., : lyr.mla.v].reshape(-1, hq * lyr.mla.v)
+            if lyr.out_gate:  # sigmoid(g), g the first product's last rows
+                g = qkv[:, (hq + 2 * hkv) * d:]
+                attn = attn * (rowwise(torch.sigmoid, g) if invariant else torch.sigmoid(g))
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
