@@ -756,7 +756,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "solar_open", "exaone_moe", "minimax_m2", "flex_olmo", "gpt2",
                               "gpt_bigcode", "opt", "gpt_neox", "ministral3", "internlm3",
                               "iquestcoder", "stablelm", "jais2", "nemotron", "vaultgemma",
-                              "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3", "mistral4"}
+                              "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3", "mistral4",
+                              "ernie4_5_moe", "minicpm5_moe", "afmoe"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
