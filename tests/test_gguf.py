@@ -5,7 +5,7 @@ stored as 1 + w), then loaded through the project's loader (`--model file.gguf`)
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
 Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe and gpt2. Mistral has no GGUF architecture of its own:
+gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, gpt2, stablelm and nemotron. Mistral has no GGUF architecture of its own:
 llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
 without a sliding window; transformers' special case for a llama file named "mistral" fails
 (gguf-py knows no "mistral" tensor map).
@@ -48,6 +48,11 @@ ARCHS = {
     # (transformers reads a Qwen3-MoE file with norm_topk_prob set, as llama.cpp runs it)
     "qwen3_moe": ("qwen3moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                                       head_dim=32, norm_topk_prob=True)),
+    # LayerNorms over Llama's block: transformers reads StableLM's q/k/v biases and parallel
+    # block from which tensors the file holds, and no partial rotary (its defaults: a quarter
+    # of each head, half of Nemotron's); llama.cpp stores Nemotron's norms as 1 + w
+    "stablelm": ("stablelm", "StableLmConfig", dict(use_qkv_bias=True, layer_norm_eps=1e-5)),
+    "nemotron": ("nemotron", "NemotronConfig", dict(norm_eps=1e-5)),
     # learned positions; llama.cpp stores the Conv1D products transposed (as Linear's);
     # transformers reads no context length for GPT-2 (n_ctx, not n_positions): 1024
     "gpt2": ("gpt2", "GPT2Config", dict(max_position_embeddings=1024)),
@@ -95,6 +100,10 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
         w.add_layer_norm_eps(cfg.norm_epsilon)
     elif arch == "gpt2":
         w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    elif arch == "stablelm":
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+    elif arch == "nemotron":
+        w.add_layer_norm_rms_eps(cfg.norm_eps)  # (transformers reads Nemotron's eps from there)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = getattr(cfg, "rope_parameters", None)  # (GPT-2 has none)
@@ -139,8 +148,8 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
             a = _permute(a, cfg.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             a = _permute(a, cfg.num_key_value_heads)
-        elif arch in ("gemma2", "gemma3") and "norm" in base:
-            a = a + 1.0  # llama.cpp stores Gemma's (1 + w)
+        elif arch in ("gemma2", "gemma3", "nemotron") and "norm" in base and suffix == "weight":
+            a = a + 1.0  # llama.cpp stores Gemma's and Nemotron's (1 + w)
         elif base.endswith("shared_expert_gate"):
             a = a.reshape(-1)  # llama.cpp's [H], not [1, H]
         elif arch == "gpt2" and suffix == "weight" and base.endswith(("c_attn", "c_proj", "c_fc")):
