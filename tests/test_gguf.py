@@ -5,7 +5,7 @@ stored as 1 + w), then loaded through the project's loader (`--model file.gguf`)
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
 Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, gpt2, stablelm and nemotron. Mistral has no GGUF architecture of its own:
+gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, minimax_m2, gpt2, stablelm and nemotron. Mistral has no GGUF architecture of its own:
 llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
 without a sliding window; transformers' special case for a llama file named "mistral" fails
 (gguf-py knows no "mistral" tensor map).
@@ -53,6 +53,10 @@ ARCHS = {
     # of each head, half of Nemotron's); llama.cpp stores Nemotron's norms as 1 + w
     "stablelm": ("stablelm", "StableLmConfig", dict(use_qkv_bias=True, layer_norm_eps=1e-5)),
     "nemotron": ("nemotron", "NemotronConfig", dict(norm_eps=1e-5)),
+    # a sigmoid router whose correction bias is a tensor of its own (exp_probs_b), q/k norms
+    # over whole projections, RoPE on half of each head
+    "minimax_m2": ("minimax-m2", "MiniMaxM2Config", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                          head_dim=32, rotary_dim=16)),
     # learned positions; llama.cpp stores the Conv1D products transposed (as Linear's);
     # transformers reads no context length for GPT-2 (n_ctx, not n_positions): 1024
     "gpt2": ("gpt2", "GPT2Config", dict(max_position_embeddings=1024)),
@@ -87,6 +91,9 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
         for pname, p in hf.named_parameters():
             if "norm" in pname or pname.endswith(".bias"):
                 p.copy_(p + 0.3 * torch.randn_like(p))
+        for bname, b in hf.named_buffers():  # MiniMax-M2's router bias is a buffer
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(b + 0.3 * torch.randn_like(b))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)  # a llama file named "mistral": transformers reads it as Mistral
@@ -110,7 +117,7 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     if rope is not None:
         rope = rope.get("full_attention", rope)  # Gemma 3: global layers'
         w.add_rope_freq_base(float(rope["rope_theta"]))
-        w.add_rope_dimension_count(head_dim)
+        w.add_rope_dimension_count(getattr(cfg, "rotary_dim", None) or head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_uint32(f"{arch}.vocab_size", VOCAB)
@@ -120,6 +127,10 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "minimax-m2":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     tokens, merges = _tokens()
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
@@ -141,6 +152,9 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
             continue
         if suffix == "down_proj":  # the experts' [E, H, I]
             base, suffix = key, "weight"
+        if suffix == "e_score_correction_bias":  # llama.cpp's exp_probs_b
+            w.add_tensor(f"blk.{key.split('.')[2]}.exp_probs_b.bias", t.float().numpy().copy())
+            continue
         gname = names.get_name(base)
         assert gname is not None, key
         a = t.float().numpy().copy()
