@@ -70,8 +70,8 @@ class Experts:
     gate_up_b: list[torch.Tensor] | None = None  # E x [2 I]
     down_b: list[torch.Tensor] | None = None  # E x [H]
     swiglu: tuple[float, float] | None = None
-    # DeepSeek-V3's router (GLM-4.5, dots.llm1, EXAONE-MoE, Solar Open; MiniMax-M2's without
-    # groups), `scores` "sigmoid": sigmoid scores of the float32 logits; the choice adds
+    # DeepSeek-V3's router (GLM-4.5, dots.llm1, EXAONE-MoE, Solar Open, MiniCPM5-MoE; AFMoE's
+    # and MiniMax-M2's without groups), `scores` "sigmoid": sigmoid scores of the float32 logits; the choice adds
     # `score_bias` (e_score_correction_bias) and keeps the experts of the `groups` (n_group,
     # topk_group) best groups, a group scored by its two best choices; the weights are the
     # chosen experts' scores (divided by their sum + `norm_eps` where `norm_topk`), times
@@ -89,31 +89,30 @@ class Experts:
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
         `weights_in_dtype`), from the router's logits [T, E], with transformers' arithmetic."""
-        if self.scores is not None:
-            sigmoid = self.scores == "sigmoid"
-            scores = rowwise(torch.sigmoid, logits.float()) if sigmoid else logits.softmax(-1)
-            choice = scores if self.score_bias is None else scores + self.score_bias
-            if self.groups is not None:
-                n, keep = self.groups
-                best = choice.view(-1, n, choice.shape[-1] // n).topk(2, dim=-1)[0].sum(dim=-1)
-                mask = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1)
-                choice = choice.masked_fill(~mask.bool().repeat_interleave(choice.shape[-1] // n, 1),
-                                            float("-inf") if sigmoid else 0.0)
-            idx = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
-            top = scores.gather(1, idx)
-            if self.norm_topk:
-                total = top.sum(dim=-1, keepdim=True)
-                top = top / (total.clamp(min=self.norm_min) if self.norm_min is not None
-                             else total + self.norm_eps)
-            top = top * self.scale
-            return (top.to(dtype) if self.weights_in_dtype else top), idx
         if self.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
             top, idx = torch.topk(logits.float() if self.router_float32 else logits, self.top_k,
                                   dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype).to(dtype), idx
-        top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        sigmoid = self.scores == "sigmoid"
+        if sigmoid:
+            scores = rowwise(torch.sigmoid, logits.float())
+        else:  # in float32 (Mixtral's), or in the logits' dtype (`scores` "softmax")
+            scores = logits.softmax(-1) if self.scores else torch.softmax(logits.float(), dim=-1)
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.groups is not None:
+            n, keep = self.groups
+            best = choice.view(-1, n, choice.shape[-1] // n).topk(2, dim=-1)[0].sum(dim=-1)
+            mask = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1)
+            choice = choice.masked_fill(~mask.bool().repeat_interleave(choice.shape[-1] // n, 1),
+                                        float("-inf") if sigmoid else 0.0)
+        # (transformers' DeepSeek-V3 routers take their top k unsorted, Mixtral's sorted)
+        idx = torch.topk(choice, self.top_k, dim=-1, sorted=self.scores is None)[1]
+        top = scores.gather(1, idx)
         if self.norm_topk:
-            top = top / top.sum(dim=-1, keepdim=True)
+            total = top.sum(dim=-1, keepdim=True)
+            top = top / (total.clamp(min=self.norm_min) if self.norm_min is not None
+                         else total + self.norm_eps)
+        top = top * self.scale
         return (top.to(dtype) if self.weights_in_dtype else top), idx
 
     def mats(self) -> list[torch.Tensor]:

@@ -929,8 +929,7 @@ class Runner:
             if lyr.mla is not None:  # each head's value, without the padding
                 attn = attn.view(-1, hq, d)[..., : lyr.mla.v].reshape(-1, hq * lyr.mla.v)
             if lyr.out_gate:  # sigmoid(g), g the first product's last rows
-                g = qkv[:, (hq + 2 * hkv) * d:]
-                attn = attn * (rowwise(torch.sigmoid, g) if invariant else torch.sigmoid(g))
+                attn = attn * self._each(torch.sigmoid, qkv[:, (hq + 2 * hkv) * d:], invariant)
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
@@ -958,7 +957,7 @@ class Runner:
         """The gated MLP: down(act(gate x) * up x), gate and up one product; or, where the
         family's is not gated (`gated`), down(act(up x)); `swiglu` (alpha, limit): GPT-OSS's
         experts' clamped SwiGLU (`Experts.swiglu`). In the invariant pass activations run
-        element by element (`rowwise`), but SiLU over the gate's slice: a slice's rows cannot
+        through `rowwise` (`_each`), but SiLU over the gate's slice: a slice's rows cannot
         merge into one run, so each row's run is the one a row alone gets, vector code and
         tail alike (exact GELU's is not: torch takes its vector code for contiguous input
         only)."""
@@ -967,18 +966,23 @@ class Runner:
             alpha, limit = swiglu
             i = gu.shape[1] // 2
             gate = gu[:, :i].clamp(max=limit)
-            a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * (
-                gate * (rowwise(torch.sigmoid, gate * alpha) if invariant else torch.sigmoid(gate * alpha)))
+            glu = gate * self._each(torch.sigmoid, gate * alpha, invariant)
+            a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * glu
         elif not self.gated:
-            a = rowwise(self.act, gu) if invariant else self.act(gu)
+            a = self._each(self.act, gu, invariant)
         elif (not invariant and self.silu and self.linear_kernel is not None
                 and gu.shape[0] <= LINEAR_ROWS):
             a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
         else:
             i = gu.shape[1] // 2
-            gate = gu[:, :i]
-            a = (rowwise(self.act, gate) if invariant and not self.silu else self.act(gate)) * gu[:, i:]
+            a = self._each(self.act, gu[:, :i], invariant and not self.silu) * gu[:, i:]
         return lin(a, w_down, b_down)
+
+    @staticmethod
+    def _each(fn, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """fn, elementwise, over x: through `rowwise` in the invariant pass, so that each row's
+        bits are those it gets alone."""
+        return rowwise(fn, x) if invariant else fn(x)
 
     def _mla(self, first: torch.Tensor, m: MLA, lin) -> torch.Tensor:
         """A latent attention's q, k and v in the layout of a qkv product [T, (Hq + 2 Hq) D]
