@@ -821,7 +821,7 @@ def _fold_residual(w: Weights, m: float) -> None:
 
 
 def _deepseek(hf, device) -> Weights:
-    """DeepSeek-V3 (and Kimi K2), GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4 (its router's
+    """DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4 (its router's
     softmax scores, `Experts.scores`; q scaled by position, `_q_scale`), Youtu and MiniCPM3
     (its embedding, branch and logit scales): Llama's pre-norm block with latent attention
     (`MLA`) and, where the config has them, DeepSeek-V3's experts. The attention's scale is
