@@ -508,8 +508,7 @@ def _without_rope(w: Weights, nope: list[int]) -> Weights:
     x * 1 - y * 0 = x. It is a stride-0 view, so it costs no memory."""
     if nope:
         cos = w.ropes[0][0]
-        one = torch.ones(1, cos.shape[1], dtype=cos.dtype, device=cos.device)
-        w.ropes.append((one.expand_as(cos), torch.zeros_like(one).expand_as(cos)))
+        w.ropes.append(_identity_rope(*cos.shape, cos.dtype, cos.device))
         for i in nope:
             w.layers[i].rope = len(w.ropes) - 1
     return w
