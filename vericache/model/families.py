@@ -423,8 +423,8 @@ def _experts(cfg, mlp, device) -> Experts:
         **grouped)
 
 
-def _mla(cfg, a, device) -> dict:
-    """A latent attention's first product and its `MLA`, as `Layer` fields."""
+def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
+    """A latent attention's first product (its weight and bias) and its `MLA`."""
     hq, nope, pe, v, rank = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                              cfg.v_head_dim, cfg.kv_lora_rank)
     d = nope + pe
@@ -436,20 +436,21 @@ def _mla(cfg, a, device) -> dict:
     q_order = (torch.arange(hq)[:, None] * d + head[None]).reshape(-1)
     kv_order = torch.cat([torch.arange(rank), rank + pairs])
     kv_a = a.kv_a_proj_with_mqa
-    q = a.q_proj if a.q_proj is not None else a.q_b_proj
-    first = a.q_proj.weight[q_order] if a.q_proj is not None else a.q_a_proj.weight
-    b_first = None if a.q_proj is not None else a.q_a_proj.bias
-    w_qkv = _t(torch.cat([first, kv_a.weight[kv_order]]), device)
+    low_rank = a.q_proj is None  # q = q_b(norm(q_a x)), else q_proj x in the first product
+    first = a.q_a_proj if low_rank else a.q_proj
+    w_first = first.weight if low_rank else first.weight[q_order]
+    w_qkv = _t(torch.cat([w_first, kv_a.weight[kv_order]]), device)
     b_qkv = None
     if kv_a.bias is not None:
-        b_qkv = _t(torch.cat([torch.zeros(first.shape[0], dtype=kv_a.bias.dtype)
-                              if b_first is None else b_first, kv_a.bias[kv_order]]), device)
-    mla = MLA(q_rows=first.shape[0],
-              q_norm=None if a.q_proj is not None else _t(a.q_a_layernorm.weight, device),
-              q_b=None if a.q_proj is not None else _t(q.weight[q_order], device),
+        b_first = first.bias if first.bias is not None else torch.zeros(w_first.shape[0],
+                                                                        dtype=kv_a.bias.dtype)
+        b_qkv = _t(torch.cat([b_first, kv_a.bias[kv_order]]), device)
+    mla = MLA(q_rows=w_first.shape[0],
+              q_norm=_t(a.q_a_layernorm.weight, device) if low_rank else None,
+              q_b=_t(a.q_b_proj.weight[q_order], device) if low_rank else None,
               kv_norm=_t(a.kv_a_layernorm.weight, device), kv_b=_t(a.kv_b_proj.weight, device),
               rank=rank, nope=nope, pe=pe, v=v, eps=float(a.kv_a_layernorm.variance_epsilon))
-    return dict(w_qkv=w_qkv, b_qkv=b_qkv, mla=mla)
+    return w_qkv, b_qkv, mla
 
 
 def _block(lyr, device, cfg=None, **kw) -> Layer:
@@ -460,8 +461,7 @@ def _block(lyr, device, cfg=None, **kw) -> Layer:
     a = lyr.self_attn
     mlp = lyr.mlp if hasattr(lyr, "mlp") else lyr.block_sparse_moe  # (Granite-MoE's name)
     if hasattr(a, "kv_a_proj_with_mqa"):
-        kw.update(_mla(cfg, a, device))
-        w_qkv, bias = kw.pop("w_qkv"), kw.pop("b_qkv")
+        w_qkv, bias, kw["mla"] = _mla(cfg, a, device)
     elif hasattr(a, "q_gate_proj") or hasattr(a, "gate_proj"):  # an output gate (`out_gate`)
         w_qkv, bias = _gated_attention(cfg, a, device)
         kw["out_gate"] = True
