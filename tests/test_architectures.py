@@ -8,6 +8,8 @@ window then masks by recorded positions)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -216,6 +218,29 @@ ARCHS = {
                                       "sliding_attention", "sliding_attention", "full_attention"])),
     # attention sinks, biases on q/k/v/o, alternating sliding layers, YaRN RoPE (its default);
     # experts with biases and the clamped SwiGLU, a router bias, softmax over the top-k logits
+    # q/k norms after RoPE: HunYuan (its "dynamic" RoPE with a fixed alpha is static NTK-alpha;
+    # the MoE's float32 router beside a shared MLP), nanochat (norms without weights, one on the
+    # embedding, RoPE's rotation flipped, ReLU², soft-capped logits)
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(head_dim=32, rope_parameters=dict(
+        rope_type="dynamic", alpha=1000.0, rope_theta=10000.0, factor=1.0))),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(head_dim=32, num_experts=4, moe_topk=2)),
+    "nanochat": ("NanoChatConfig", dict(final_logit_softcapping=3.0)),
+    # DeepSeek-V2: latent attention with RoPE as complex pairs; its router's softmax scores,
+    # the top 2 of the best group (a group scored by its best), scaled, not normalised
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        topk_method="group_limited_greedy", n_shared_experts=1, moe_intermediate_size=64,
+        first_k_dense_replace=1, routed_scaling_factor=2.0, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4)),
+    "deepseek_v2-greedy": ("DeepseekV2Config", dict(
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=48, qk_rope_head_dim=16,
+        v_head_dim=32, num_key_value_heads=4)),
+    # Phi-MoE: LayerNorms with biases, biases on the attention and the LM head, the sparse
+    # mixer's two choices
+    "phimoe": ("PhimoeConfig", dict(num_local_experts=4, attention_bias=True, lm_head_bias=True,
+                                    router_jitter_noise=0.3)),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -279,11 +304,13 @@ def auto_class(name: str):
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
-MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4"}
+MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
+             "deepseek_v2", "deepseek_v2-greedy"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
-       "ernie4_5_moe", "minicpm5_moe", "afmoe"}
+       "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
+       "phimoe"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -373,6 +400,7 @@ def test_family_config(arch):
                                     "gpt_neox-sequential": "gpt_neox",
                                     "stablelm-parallel": "stablelm",
                                     "deepseek_v3-q": "deepseek_v3",
+                                    "deepseek_v2-greedy": "deepseek_v2",
                                     "mistral3-mistral4": "mistral3",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
@@ -423,18 +451,30 @@ def test_family_config(arch):
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
-            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe")
+            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe",
+                          "deepseek_v2")
             else 4, 2)
-        assert e.weights_in_dtype == ("mixtral" not in name and name not in SIGMOID)
-        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared"))
+        # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
+        assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
+            ("mixtral", "deepseek_v2", "hunyuan")))
+        assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
+                                            "deepseek_v2", "deepseek_v2-greedy"))
         assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
                                                                         "granitemoeshared"))
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
-                                                            "minimax_m2", "flex_olmo"))
+                                                            "minimax_m2", "flex_olmo", "phimoe"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.scores == ("sigmoid" if name in SIGMOID else "softmax"
-                            if name in ("mistral3-mistral4", "ernie4_5_moe") else None)
+                            if name.startswith(("mistral3-mistral4", "ernie4_5_moe", "deepseek_v2"))
+                            else "sparsemixer" if name == "phimoe" else None)
+        if name.startswith("deepseek_v2"):  # a group scored by its best; scaled, not normalised
+            assert (e.groups, e.group_top, e.scale) == (
+                ((2, 1), 1, 2.0) if name == "deepseek_v2" else (None, 1, 1.0))
+        if name == "phimoe":  # LayerNorms with biases, the LM head's bias
+            assert e.jitter == 0.3 and r.layer_norm and r.gated and r.lm_head_b is not None
+        if name == "hunyuan_v1_moe":  # the router float32, as transformers builds it
+            assert e.router.dtype == torch.float32 and e.shared_down is not None
         if name == "ernie4_5_moe":  # softmax scores, a bias in the choice, a clamped sum
             assert e.norm_min == 1e-12 and e.score_bias.shape == (4,) and e.weights_in_dtype
             assert e.shared_gate_up_b is not None and r.lm_head_b is not None
@@ -517,7 +557,8 @@ def test_family_config(arch):
         m = r.layers[0].mla
         v = {"deepseek_v3": 24, "glm4_moe_lite": 64}.get(name, 32)
         assert (r.num_kv_heads, r.head_dim, m.v, m.rank, m.pe) == (4, 64, v, 32, 16)
-        assert (m.q_b is None) == (name == "deepseek_v3-q") and r.ropes[0][0].shape[-1] == 16
+        assert (m.q_b is None) == (name in ("deepseek_v3-q", "deepseek_v2-greedy"))
+        assert r.ropes[0][0].shape[-1] == 16
         model = hf.model.language_model if name == "mistral3-mistral4" else hf.model
         assert r.scale == model.layers[0].self_attn.scaling and r._fused_w is None
         if name in ("deepseek_v3", "mistral3-mistral4"):  # YaRN's mscale in the scale
@@ -530,6 +571,18 @@ def test_family_config(arch):
         assert abs(float(r.q_scale[64]) - (1 + 0.1 * torch.log(torch.tensor(3.0)))) < 1e-6
     if name == "llama-rope-llama3":
         assert hf.config.rope_parameters["rope_type"] == "llama3"
+    # q/k norms after RoPE: not the fused pass (its kernel norms before RoPE)
+    assert all(lyr.qk_norm_after_rope == name.startswith(("hunyuan", "nanochat"))
+               for lyr in r.layers)
+    if name.startswith(("hunyuan", "nanochat")):
+        assert r._fused_w is None and r.layers[0].qk_norm.shape == (4 + 2, 32)
+    if name == "hunyuan_v1_dense":  # "dynamic" with alpha: NTK-alpha's static base
+        d, base = r.head_dim, 10000.0 * 1000.0 ** (32 / 30)
+        assert float(r.ropes[0][0][5, 1]) == pytest.approx(math.cos(5 * base ** (-2 / d)), rel=1e-5)
+    if name == "nanochat":  # norms without weights; RoPE's rotation flipped: the sine negated
+        assert torch.equal(r.embed_norm, torch.ones(128)) and torch.equal(r.norm, torch.ones(128))
+        assert float(r.ropes[0][1][5, 0]) == pytest.approx(-math.sin(5.0))
+        assert r.final_softcap == 3.0 and not r.gated
 
 
 def test_logits_match_transformers(arch):
@@ -757,11 +810,12 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "gpt_bigcode", "opt", "gpt_neox", "ministral3", "internlm3",
                               "iquestcoder", "stablelm", "jais2", "nemotron", "vaultgemma",
                               "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3", "mistral4",
-                              "ernie4_5_moe", "minicpm5_moe", "afmoe"}
+                              "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_dense",
+                              "hunyuan_v1_moe", "nanochat", "deepseek_v2", "phimoe"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
-    """A LLaVA checkpoint whose language model is nanochat's (weightless q/k norms after RoPE):
+    """A LLaVA checkpoint whose language model is JetMoE's (a mixture of attention heads):
     refused, naming both."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
@@ -769,13 +823,13 @@ def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_p
     from vericache.model.loader import load_model
 
     torch.manual_seed(0)
-    text = dict(model_type="nanochat", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    text = dict(model_type="jetmoe", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, kv_channels=16)
     cfg = LlavaConfig(text_config=text, vision_config=ARCHS["llava"][1]["vision_config"])
     LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError,
-                       match="llava's language model 'nanochat' is not supported"):
+                       match="llava's language model 'jetmoe' is not supported"):
         load_model(str(tmp_path))
 
 
@@ -1002,7 +1056,8 @@ def test_rowwise_gives_each_row_its_own_bits(act, n):
 
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
-                            "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox"])
+                            "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
+                            "nanochat"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

@@ -78,10 +78,13 @@ class Experts:
     # `scale` (routed_scaling_factor), float32. Mistral 4's and ERNIE 4.5's, "softmax": the
     # logits' softmax in their dtype (ERNIE's float32), the other groups' scores masked to 0,
     # the weights divided by their sum clamped to at least `norm_min` (ERNIE's), then in the
-    # model's dtype
+    # model's dtype. DeepSeek-V2's, "softmax" too: a group scored by its best (`group_top` 1),
+    # the weights float32. Phi-MoE's, "sparsemixer": `_sparsemixer`'s two choices
     scores: str | None = None
     score_bias: torch.Tensor | None = None  # [E]
     groups: tuple[int, int] | None = None
+    group_top: int = 2
+    jitter: float = 0.0  # "sparsemixer": router_jitter_noise
     norm_eps: float = 0.0
     norm_min: float | None = None
     scale: float = 1.0
@@ -93,6 +96,8 @@ class Experts:
             top, idx = torch.topk(logits.float() if self.router_float32 else logits, self.top_k,
                                   dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype).to(dtype), idx
+        if self.scores == "sparsemixer":
+            return _sparsemixer(logits, self.jitter)
         sigmoid = self.scores == "sigmoid"
         if sigmoid:
             scores = rowwise(torch.sigmoid, logits.float())
@@ -101,7 +106,7 @@ class Experts:
         choice = scores if self.score_bias is None else scores + self.score_bias
         if self.groups is not None:
             n, keep = self.groups
-            best = choice.view(-1, n, choice.shape[-1] // n).topk(2, dim=-1)[0].sum(dim=-1)
+            best = choice.view(-1, n, choice.shape[-1] // n).topk(self.group_top, dim=-1)[0].sum(dim=-1)
             mask = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1)
             choice = choice.masked_fill(~mask.bool().repeat_interleave(choice.shape[-1] // n, 1),
                                         float("-inf") if sigmoid else 0.0)
@@ -119,6 +124,20 @@ class Experts:
         """Every product's matrix: the router, the experts', the shared expert's."""
         return [self.router, *self.gate_up, *self.down] + [
             t for t in (self.shared_gate_up, self.shared_down, self.shared_gate) if t is not None]
+
+
+def _sparsemixer(logits: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-MoE's router at inference (transformers' `sparsemixer`, top 2): the best expert, its
+    weight the softmax of the logits within 2 `jitter` (relative) of it at its index; then the
+    same over the logits with the first masked out. Weights in the logits' dtype."""
+    tops, idx, masked = [], [], logits
+    for _ in range(2):
+        best, i = masked.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * jitter
+        tops.append(masked.masked_fill(far, float("-inf")).softmax(-1).gather(-1, i))
+        idx.append(i)
+        masked = torch.scatter(logits, -1, i, float("-inf"))
+    return torch.cat(tops, -1), torch.cat(idx, -1)
 
 
 @dataclass
@@ -163,6 +182,7 @@ class Layer:
     ln_attn_out: torch.Tensor | None = None  # [H] on the attention output (Gemma)
     ln_mlp_out: torch.Tensor | None = None  # [H] on the MLP output (Gemma)
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D] per-head RMSNorm of q then k, before RoPE
+    qk_norm_after_rope: bool = False  # `qk_norm` after RoPE instead (HunYuan, nanochat)
     # [(Hq + Hkv) D]: one RMSNorm over all of q's heads, then one over k's, before RoPE (OLMo 2)
     qk_norm_wide: torch.Tensor | None = None
     window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
@@ -224,6 +244,8 @@ class Weights:
     # `q_scale_from`, where the fused pass may run)
     q_scale: torch.Tensor | None = None
     q_scale_from: int = 0
+    # nanochat: a norm of the embedding (and of `pos_embed`'s sum) before the first layer
+    embed_norm: torch.Tensor | None = None  # [H]
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
@@ -268,7 +290,9 @@ def max_positions(cfg) -> int:
     n = cfg.max_position_embeddings
     for params in _rope_params(cfg).values():
         rope_type = params.get("rope_type", "default")
-        if "dynamic" in rope_type:
+        # (HunYuan's "dynamic" with a fixed `alpha` is NTK-alpha, static: transformers runs it so)
+        if "dynamic" in rope_type and not (cfg.model_type.startswith("hunyuan")
+                                           and params.get("alpha")):
             raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (its frequencies "
                                  "change with the sequence length; positions must be static)")
         if rope_type == "longrope":
@@ -282,7 +306,10 @@ def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | No
     positions = torch.arange(n).unsqueeze(0)
     probe = torch.zeros(1, dtype=dtype)
     with torch.no_grad():
-        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+        out = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+    if torch.is_tensor(out) and out.is_complex():  # DeepSeek-V2's freqs_cis: cos + i sin a pair
+        out = [torch.cat([t, t], -1) for t in (out.real, out.imag)]  # (`_mla` reorders pairs)
+    cos, sin = out
     return _t(cos[0], device), _t(sin[0], device)
 
 
@@ -349,10 +376,15 @@ def _attention(a, device):
 
 def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None:
     """The q_norm weight for every query head, then k_norm's for every KV head: [Hq + Hkv, D]
-    (with `offset`, Gemma's (offset + w) in fp32)."""
-    if getattr(a, "q_norm", None) is None:
+    (with `offset`, Gemma's (offset + w) in fp32; HunYuan's query_ and key_layernorm; ones
+    for nanochat's norms without weights)."""
+    qn, kn = (getattr(a, n, None) or getattr(a, f"{long}_layernorm", None)
+              for n, long in (("q_norm", "query"), ("k_norm", "key")))
+    if qn is None:
         return None
-    q, k = a.q_norm.weight, a.k_norm.weight
+    d = head_dim(cfg)
+    q, k = (n.weight if getattr(n, "weight", None) is not None else torch.ones(d)
+            for n in (qn, kn))
     if offset is not None:
         q, k = offset + q.float(), offset + k.float()
     return _t(torch.cat([q.expand(cfg.num_attention_heads, -1), k.expand(cfg.num_key_value_heads, -1)]),
@@ -377,7 +409,7 @@ _TOP_K_FLOAT32 = ("mixtral",)
 # families whose router takes the top k of its float32 logits, then their softmax
 _TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared")
 # families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
-_SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe")
+_SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe", "deepseek_v2")
 
 
 def _experts(cfg, mlp, device) -> Experts:
@@ -387,34 +419,46 @@ def _experts(cfg, mlp, device) -> Experts:
     if getattr(ex, "has_bias", False) or getattr(ex, "is_transposed", False):
         raise ModelLoadError(f"{cfg.model_type}: experts with biases or transposed weights are "
                              "not supported by the runner")
-    shared = next((getattr(mlp, n) for n in ("shared_expert", "shared_experts")
+    shared = next((getattr(mlp, n) for n in ("shared_expert", "shared_experts", "shared_mlp")
                    if getattr(mlp, n, None) is not None), None)
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's, AFMoE's name)
-    weight = router.weight if hasattr(router, "weight") else router.gate.weight  # (AFMoE's)
+    # (AFMoE's router holds a gate; HunYuan's, `wg`, float32 as its weights)
+    weight = next(getattr(router, n) if n == "weight" else getattr(router, n).weight
+                  for n in ("weight", "gate", "wg") if hasattr(router, n))
     after = cfg.model_type in _TOP_K_THEN_SOFTMAX
+    # DeepSeek-V2's: softmax scores, the top k of all ("greedy") or of the best groups, a group
+    # scored by its best; the weights not normalised, times routed_scaling_factor, float32
+    method = getattr(router, "topk_method", None)
     # DeepSeek-V3's router keeps its bias (MiniMax-M2's block, ERNIE's `moe_statics`, AFMoE's
     # block as `expert_bias` keep it); its class has groups (Mistral 4's has groups, no bias)
     statics = getattr(router, "moe_statics", None)
     bias = getattr(router, "e_score_correction_bias",
                    getattr(mlp, "e_score_correction_bias", getattr(mlp, "expert_bias", None)))
     bias = statics.e_score_correction_bias.reshape(-1) if statics is not None else bias
-    groups = getattr(router, "num_group", None)
+    groups = None if method == "greedy" else getattr(router, "num_group", None)
     softmax = cfg.model_type in _SOFTMAX_CHOICE
-    grouped = {} if bias is None and groups is None else dict(
+    grouped = {} if bias is None and groups is None and method is None else dict(
         scores="softmax" if softmax else "sigmoid",
         score_bias=None if bias is None else _t(bias, device),
         norm_eps=0.0 if cfg.model_type == "minimax_m2" else 1e-20,
         groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
+        group_top=1 if method else 2,
         norm_min=getattr(router, "norm_min", None),
         scale=float(getattr(router, "routed_scaling_factor", getattr(router, "route_scale", 1.0))))
+    if hasattr(router, "router_jitter_noise"):  # Phi-MoE's
+        grouped = dict(scores="sparsemixer", jitter=float(router.router_jitter_noise))
     return Experts(
         router=_t(weight, device),
         gate_up=[_t(w, device) for w in ex.gate_up_proj],
         down=[_t(w, device) for w in ex.down_proj],
-        top_k=int(router.top_k), norm_topk=bool(getattr(router, "norm_topk_prob", not after)),
+        top_k=int(router.top_k),
+        norm_topk=bool(getattr(router, "norm_topk_prob", not after and method is None)),
         softmax_after_topk=after, router_float32=after,
-        weights_in_dtype=cfg.model_type not in _TOP_K_FLOAT32 and (bias is None or softmax),
+        # (HunYuan's weights are in its router's dtype)
+        weights_in_dtype=(weight.dtype != torch.float32 if hasattr(router, "wg") else
+                          cfg.model_type not in _TOP_K_FLOAT32 and method is None
+                          and (bias is None or softmax)),
         shared_gate_up=None if shared is None else _gate_up(shared, device),
         shared_down=None if shared is None else _t(shared.down_proj.weight, device),
         shared_gate=None if gate is None else _t(gate.weight, device),
@@ -431,7 +475,9 @@ def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
     if v > d:
         raise ModelLoadError(f"{cfg.model_type}: a value wider than the key ({v} > {d}) is not "
                              "supported by the runner")
-    pairs = _halves_order(pe, pe) if getattr(cfg, "rope_interleave", False) else torch.arange(pe)
+    # (DeepSeek-V2's RoPE is over interleaved pairs: complex numbers)
+    interleave = getattr(cfg, "rope_interleave", cfg.model_type == "deepseek_v2")
+    pairs = _halves_order(pe, pe) if interleave else torch.arange(pe)
     head = torch.cat([nope + pairs, torch.arange(nope)])  # a head's q: pe, then nope
     q_order = (torch.arange(hq)[:, None] * d + head[None]).reshape(-1)
     kv_order = torch.cat([torch.arange(rank), rank + pairs])
@@ -690,7 +736,8 @@ def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
     no gate) with LayerNorms (with biases) for its norms: StableLM (RoPE on a quarter of each
     head; with `use_parallel_residual` the MLP beside the attention on the same norm), Jais 2
     and Nemotron (its LayerNorm1P scales by 1 + w, the sum in the weights' dtype as
-    transformers forms it; RoPE on half of each head). StableLM's q/k LayerNorms
+    transformers forms it; RoPE on half of each head); Phi-MoE, with its experts (Phi-MoE's
+    router, `_sparsemixer`). StableLM's q/k LayerNorms
     (`qk_layernorm`) are refused."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "qk_layernorm", False):
@@ -708,8 +755,39 @@ def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
                              ln_mlp_in=None if post is None else w(post),
                              ln_mlp_in_b=None if post is None else _bias(post, device),
                              parallel=post is None))
+    mlp = m.layers[0].mlp
     return _common(hf, device, layers, norm=w(m.norm), norm_b=_bias(m.norm, device),
-                   layer_norm=True, eps=m.norm.eps, gated=hasattr(m.layers[0].mlp, "gate_proj"))
+                   layer_norm=True, eps=m.norm.eps,
+                   gated=hasattr(mlp, "gate_proj") or hasattr(mlp, "experts"))
+
+
+def _hunyuan(hf, device) -> Weights:
+    """HunYuan (dense and MoE): Llama's block with per-head q/k norms after RoPE
+    (`Layer.qk_norm_after_rope`); the MoE's router is float32, softmax then top k,
+    normalised, beside a shared MLP."""
+    w = _llama(hf, device)
+    for lyr in w.layers:
+        lyr.qk_norm_after_rope = True
+    return w
+
+
+def _nanochat(hf, device) -> Weights:
+    """nanochat: norms without weights (RMSNorm times ones, exact), one on the embedding
+    (`Weights.embed_norm`), q/k norms after RoPE, RoPE whose rotation is flipped (its
+    rotate_half is (x2, -x1): the table's sine negated, exact), an MLP not gated (ReLU²) and
+    soft-capped logits."""
+    cfg, m = hf.config, hf.model
+    ones = torch.ones(cfg.hidden_size, dtype=m.embed_tokens.weight.dtype)
+    layers = [Layer(ln_attn_in=_t(ones, device), w_qkv=w_qkv, b_qkv=b_qkv,
+                    w_o=_t(lyr.self_attn.o_proj.weight, device), b_o=_bias(lyr.self_attn.o_proj, device),
+                    ln_mlp_in=_t(ones, device), w_gate_up=_t(lyr.mlp.fc1.weight, device),
+                    w_down=_t(lyr.mlp.fc2.weight, device),
+                    qk_norm=_qk_norm(cfg, lyr.self_attn, device), qk_norm_after_rope=True)
+              for lyr in m.layers for w_qkv, b_qkv in [_attention(lyr.self_attn, device)]]
+    cos, sin = _rope_table(m.rotary_emb, max_positions(cfg), ones.dtype, device)
+    return _common(hf, device, layers, norm=_t(ones, device), ropes=[(cos, -sin)],
+                   embed_norm=_t(ones, device), gated=False,
+                   final_softcap=cfg.final_logit_softcapping)
 
 
 def _arcee(hf, device) -> Weights:
@@ -820,7 +898,8 @@ def _fold_residual(w: Weights, m: float) -> None:
 
 
 def _deepseek(hf, device) -> Weights:
-    """DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4 (its router's
+    """DeepSeek-V2 (its RoPE's complex pairs, `_rope_table`; its router, `Experts.scores`),
+    DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4 (its router's
     softmax scores, `Experts.scores`; q scaled by position, `_q_scale`), Youtu and MiniCPM3
     (its embedding, branch and logit scales): Llama's pre-norm block with latent attention
     (`MLA`) and, where the config has them, DeepSeek-V3's experts. The attention's scale is
@@ -1128,6 +1207,11 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "opt": _opt,
     "gpt_neox": _gpt_neox,
     "seed_oss": _llama,  # Llama's block with biases
+    "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
+    "hunyuan_v1_moe": _hunyuan,
+    "nanochat": _nanochat,
+    "deepseek_v2": _deepseek,
+    "phimoe": _layer_norms,
     "arcee": _arcee,
     "stablelm": _layer_norms,  # LayerNorms (`_layer_norms`)
     "jais2": _layer_norms,

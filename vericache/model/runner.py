@@ -174,6 +174,7 @@ class Runner:
         self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.pos_embed = w.pos_embed
+        self.embed_norm = w.embed_norm
         self.q_scale, self.q_scale_from = w.q_scale, w.q_scale_from
         self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
@@ -224,6 +225,7 @@ class Runner:
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
+                    and not lyr.qk_norm_after_rope
                     and not lyr.out_gate
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -876,6 +878,8 @@ class Runner:
             h = h * self.embed_scale
         if self.pos_embed is not None:
             h = h + self.pos_embed[positions]
+        if self.embed_norm is not None:
+            h = self._norm(h, self.embed_norm)
         fused = (len(plans) == 1 and not explicit and not invariant and not captures
                  and plans[0].votes is None and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
@@ -899,9 +903,11 @@ class Runner:
                 qk = torch.cat([self._rms(qkv[:, : hq * d].contiguous(), wq),
                                 self._rms(qkv[:, hq * d: (hq + hkv) * d].contiguous(), wk)], 1)
                 qk = qk.view(-1, hq + hkv, d)
-            if lyr.qk_norm is not None:
+            if lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             qk = self._rope_pass(qk, *ropes[lyr.rope])
+            if lyr.qk_norm_after_rope:
+                qk = self._qk_norm(qk, lyr.qk_norm)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             if self.q_scale is not None:
                 q = q * self.q_scale[positions].view(-1, 1, 1)
