@@ -241,6 +241,14 @@ ARCHS = {
     # mixer's two choices
     "phimoe": ("PhimoeConfig", dict(num_local_experts=4, attention_bias=True, lm_head_bias=True,
                                     router_jitter_noise=0.3)),
+    # OLMo (the first): LayerNorms without weights, q/k/v clamped; Apertus: xIELU (learned, a
+    # layer's own) in an MLP not gated, q/k norms; CWM: Llama's block with sliding layers
+    "olmo": ("OlmoConfig", dict(clip_qkv=0.5)),
+    "apertus": ("ApertusConfig", dict(head_dim=32)),
+    "cwm": ("CwmConfig", dict(head_dim=32, sliding_window=WINDOW, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"], rope_parameters=dict(
+        rope_type="llama3", rope_theta=1_000_000.0, factor=16.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64))),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -317,7 +325,7 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
-            "dots1", "exaone_moe", "afmoe",
+            "dots1", "exaone_moe", "afmoe", "cwm",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -350,8 +358,9 @@ def _tokenizer():
 
 
 def build(name: str, folder, **config) -> None:
-    """Save a tiny random model of `name` (every norm weight and bias randomised too, so a wrong
-    norm offset, a missing q/k norm or a dropped bias shows) with a word-level tokenizer;
+    """Save a tiny random model of `name` (every norm weight and bias randomised too, and
+    xIELU's parameters, so a wrong norm offset, a missing q/k norm, a dropped bias or one
+    layer's activation for another shows) with a word-level tokenizer;
     `config` overrides its config's fields (benchmarks/gpu_identity.py: a longer context)."""
     import transformers
 
@@ -366,7 +375,8 @@ def build(name: str, folder, **config) -> None:
     hf = auto_class(name).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in hf.named_parameters():
-            if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks")):
+            if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks", ".alpha_p",
+                                                  ".alpha_n")):  # (xIELU's, Apertus's)
                 p.copy_(p + 0.3 * torch.randn_like(p))
         for bname, b in hf.named_buffers():  # DeepSeek-V3's router bias is a buffer
             if bname.endswith("e_score_correction_bias"):
@@ -579,6 +589,15 @@ def test_family_config(arch):
     if name == "hunyuan_v1_dense":  # "dynamic" with alpha: NTK-alpha's static base
         d, base = r.head_dim, 10000.0 * 1000.0 ** (32 / 30)
         assert float(r.ropes[0][0][5, 1]) == pytest.approx(math.cos(5 * base ** (-2 / d)), rel=1e-5)
+    if name == "olmo":  # LayerNorms without weights; q, k and v clamped
+        assert r.layer_norm and r.eps == 1e-5 and torch.equal(r.norm, torch.ones(128))
+        assert all(lyr.clip_qkv == 0.5 for lyr in r.layers) and r._fused_w is None
+    if name == "apertus":  # each layer's xIELU, its learned parameters; not gated
+        acts = [lyr.act for lyr in r.layers]
+        assert not r.gated and r.layers[0].qk_norm is not None and r._fused_w is None
+        assert len({id(a) for a in acts}) == 3 and not torch.equal(acts[0].alpha_p, acts[1].alpha_p)
+    if name == "cwm":
+        assert windows == [WINDOW, None, WINDOW] and r._fused_w is not None
     if name == "nanochat":  # norms without weights; RoPE's rotation flipped: the sine negated
         assert torch.equal(r.embed_norm, torch.ones(128)) and torch.equal(r.norm, torch.ones(128))
         assert float(r.ropes[0][1][5, 0]) == pytest.approx(-math.sin(5.0))
@@ -1057,7 +1076,7 @@ def test_rowwise_gives_each_row_its_own_bits(act, n):
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
-                            "nanochat"])
+                            "nanochat", "olmo", "apertus"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

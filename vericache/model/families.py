@@ -205,6 +205,10 @@ class Layer:
     # an output gate (MiniCPM5-MoE, AFMoE): w_qkv's last Hq D rows give g, and the attention's
     # output is multiplied by sigmoid(g) before o_proj
     out_gate: bool = False
+    clip_qkv: float | None = None  # q, k and v clamped to [-c, c] (OLMo's)
+    # the MLP's activation where it is the layer's own (Apertus's xIELU has learned
+    # parameters a layer); None: the model's (`Weights.activation`)
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
@@ -790,6 +794,31 @@ def _nanochat(hf, device) -> Weights:
                    final_softcap=cfg.final_logit_softcapping)
 
 
+def _olmo(hf, device) -> Weights:
+    """OLMo (the first): Llama's block with LayerNorms without weights or biases (ones, eps
+    1e-5, in float32 as transformers' F.layer_norm over a float32 copy) and q, k and v
+    clamped to `clip_qkv` (`Layer.clip_qkv`)."""
+    cfg, m = hf.config, hf.model
+    ones = _t(torch.ones(cfg.hidden_size, dtype=m.embed_tokens.weight.dtype), device)
+    layers = [_block(lyr, device, cfg, ln_attn_in=ones, ln_mlp_in=ones, clip_qkv=cfg.clip_qkv)
+              for lyr in m.layers]
+    return _common(hf, device, layers, norm=ones, layer_norm=True, eps=1e-5)
+
+
+def _apertus(hf, device) -> Weights:
+    """Apertus: Llama's block (its norms named for their branches) with per-head q/k norms and
+    an MLP not gated (up, xIELU, down), each layer's xIELU its own (`Layer.act`:
+    transformers' module, its learned parameters)."""
+    cfg = hf.config
+    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.attention_layernorm.weight, device),
+                     ln_mlp_in=_t(lyr.feedforward_layernorm.weight, device),
+                     qk_norm=_qk_norm(cfg, lyr.self_attn, device),
+                     act=lyr.mlp.act_fn.to(device) if isinstance(lyr.mlp.act_fn, torch.nn.Module)
+                     else None)
+              for lyr in hf.model.layers]
+    return _common(hf, device, layers, gated=False)
+
+
 def _arcee(hf, device) -> Weights:
     """Arcee (AFM): Llama's block with an MLP that is not gated (up, ReLU², down)."""
     w = _llama(hf, device)
@@ -1210,6 +1239,9 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
     "hunyuan_v1_moe": _hunyuan,
     "nanochat": _nanochat,
+    "olmo": _olmo,
+    "apertus": _apertus,
+    "cwm": _llama,  # Llama's block, sliding on the layers `layer_types` marks
     "deepseek_v2": _deepseek,
     "phimoe": _layer_norms,
     "arcee": _arcee,

@@ -225,7 +225,7 @@ class Runner:
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
-                    and not lyr.qk_norm_after_rope
+                    and not lyr.qk_norm_after_rope and lyr.clip_qkv is None and lyr.act is None
                     and not lyr.out_gate
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -893,6 +893,8 @@ class Runner:
         for li, lyr in enumerate([] if fused else self.layers):
             x = h if lyr.ln_attn_in is None else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
+            if lyr.clip_qkv is not None:
+                qkv = qkv.clamp(-lyr.clip_qkv, lyr.clip_qkv)
             if lyr.mla is not None:
                 qkv = self._mla(qkv, lyr.mla, lin)
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
@@ -946,7 +948,7 @@ class Runner:
                 x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
             if lyr.moe is None:
                 y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant, lyr.b_gate_up,
-                              lyr.b_down)
+                              lyr.b_down, act=lyr.act)
             else:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
@@ -959,9 +961,10 @@ class Runner:
     def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, lin,
              invariant: bool, b_gate_up: torch.Tensor | None = None,
              b_down: torch.Tensor | None = None,
-             swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+             swiglu: tuple[float, float] | None = None, act=None) -> torch.Tensor:
         """The gated MLP: down(act(gate x) * up x), gate and up one product; or, where the
-        family's is not gated (`gated`), down(act(up x)); `swiglu` (alpha, limit): GPT-OSS's
+        family's is not gated (`gated`), down(act(up x)); `act`: the layer's own activation
+        (`Layer.act`), else the model's; `swiglu` (alpha, limit): GPT-OSS's
         experts' clamped SwiGLU (`Experts.swiglu`). In the invariant pass activations run
         through `rowwise` (`_each`), but SiLU over the gate's slice: a slice's rows cannot
         merge into one run, so each row's run is the one a row alone gets, vector code and
@@ -975,13 +978,14 @@ class Runner:
             glu = gate * self._each(torch.sigmoid, gate * alpha, invariant)
             a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * glu
         elif not self.gated:
-            a = self._each(self.act, gu, invariant)
-        elif (not invariant and self.silu and self.linear_kernel is not None
+            a = self._each(act or self.act, gu, invariant)
+        elif (not invariant and self.silu and act is None and self.linear_kernel is not None
                 and gu.shape[0] <= LINEAR_ROWS):
             a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
         else:
             i = gu.shape[1] // 2
-            a = self._each(self.act, gu[:, :i], invariant and not self.silu) * gu[:, i:]
+            a = self._each(act or self.act, gu[:, :i],
+                           invariant and (act is not None or not self.silu)) * gu[:, i:]
         return lin(a, w_down, b_down)
 
     @staticmethod
