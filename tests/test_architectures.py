@@ -249,6 +249,27 @@ ARCHS = {
         "sliding_attention", "full_attention", "sliding_attention"], rope_parameters=dict(
         rope_type="llama3", rope_theta=1_000_000.0, factor=16.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=64))),
+    # Granite's multipliers with sliding layers and attention sinks (Granite-SWA, its MoE), or
+    # with norms on each branch's output and logits multiplied (HyperCLOVAX)
+    "granite_swa": ("GraniteSWAConfig", dict(
+        sliding_window=WINDOW, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, logits_scaling=2.0)),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+        sliding_window=WINDOW, residual_multiplier=0.5, attention_multiplier=0.1)),
+    "hyperclovax": ("HyperCLOVAXConfig", dict(
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1,
+        logits_scaling=0.5)),
+    # configurations transformers runs with another family's model: EXAONE 3 (Llama), Sarvam-MoE
+    # and Param2-MoE (GLM-4.5's), Sarvam-MLA (DeepSeek-V3's)
+    "exaone": ("ExaoneConfig", {}),
+    "sarvam_moe": ("SarvamMoEConfig", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                           topk_group=1, moe_intermediate_size=64, head_dim=32)),
+    "param2moe": ("Param2MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=64, head_dim=32)),
+    "sarvam_mla": ("SarvamMLAConfig", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, kv_lora_rank=32,
+        qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4)),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -313,19 +334,20 @@ def auto_class(name: str):
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
-             "deepseek_v2", "deepseek_v2-greedy"}
+             "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
-       "phimoe"}
+       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
-           "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0)}
+           "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
+           "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
-            "dots1", "exaone_moe", "afmoe", "cwm",
+            "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -457,20 +479,22 @@ def test_family_config(arch):
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
-                                                               "ernie4_5_moe", "minicpm5_moe", "afmoe"))
+                                                               "ernie4_5_moe", "minicpm5_moe", "afmoe",
+                                                               "sarvam", "param2moe"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
             8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe",
-                          "deepseek_v2")
+                          "deepseek_v2", "sarvam_moe")
             else 4, 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
         assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
             ("mixtral", "deepseek_v2", "hunyuan")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
-                                            "deepseek_v2", "deepseek_v2-greedy"))
+                                            "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy"))
         assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
-                                                                        "granitemoeshared"))
+                                                                        "granitemoeshared",
+                                                                        "granitemoe_swa"))
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe"))
@@ -567,7 +591,7 @@ def test_family_config(arch):
         m = r.layers[0].mla
         v = {"deepseek_v3": 24, "glm4_moe_lite": 64}.get(name, 32)
         assert (r.num_kv_heads, r.head_dim, m.v, m.rank, m.pe) == (4, 64, v, 32, 16)
-        assert (m.q_b is None) == (name in ("deepseek_v3-q", "deepseek_v2-greedy"))
+        assert (m.q_b is None) == (name in ("deepseek_v3-q", "deepseek_v2-greedy", "sarvam_mla"))
         assert r.ropes[0][0].shape[-1] == 16
         model = hf.model.language_model if name == "mistral3-mistral4" else hf.model
         assert r.scale == model.layers[0].self_attn.scaling and r._fused_w is None
@@ -598,6 +622,13 @@ def test_family_config(arch):
         assert len({id(a) for a in acts}) == 3 and not torch.equal(acts[0].alpha_p, acts[1].alpha_p)
     if name == "cwm":
         assert windows == [WINDOW, None, WINDOW] and r._fused_w is not None
+    if name in ("granite_swa", "granitemoe_swa"):  # every fourth layer global; sinks everywhere
+        assert windows == [None, WINDOW, WINDOW] and r.attend_kernel is None
+        assert all(lyr.sinks.shape == (4,) for lyr in r.layers) and r.scale == 0.1
+    if name == "hyperclovax":  # the residual multiplier in the branch-output norms' weights
+        src = hf.model.layers[0].post_norm1.weight
+        assert torch.equal(r.layers[0].ln_attn_out, src * 0.5) and r.logit_scale == 0.5
+        assert float(r.embed_scale) == 2.0 and r.logit_divisor is None
     if name == "nanochat":  # norms without weights; RoPE's rotation flipped: the sine negated
         assert torch.equal(r.embed_norm, torch.ones(128)) and torch.equal(r.norm, torch.ones(128))
         assert float(r.ropes[0][1][5, 0]) == pytest.approx(-math.sin(5.0))

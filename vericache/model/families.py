@@ -411,7 +411,7 @@ def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
 # families whose top-k weights stay float32 until they scale the experts' outputs
 _TOP_K_FLOAT32 = ("mixtral",)
 # families whose router takes the top k of its float32 logits, then their softmax
-_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared")
+_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa")
 # families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
 _SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe", "deepseek_v2")
 
@@ -577,19 +577,33 @@ def _granite(hf, device) -> Weights:
     experts' shared expert) with four multipliers. The embedding's is `embed_scale`, the
     attention's is its scale, and the logits are divided by `logits_scaling`. The residual
     multiplier is folded into o_proj and down_proj (`_fold_residual`), so the fused pass
-    serves Granite."""
+    serves Granite. Granite-SWA (and its MoE) adds sliding layers and attention sinks
+    (`Layer.sinks`: transformers scales the output by sigmoid(lse - sink), which equals one
+    more logit in the softmax). HyperCLOVAX norms each branch's output before the residual
+    multiplier, which is then folded into those norms' weights, and multiplies its logits by
+    `logits_scaling`."""
     cfg = hf.config
     w = _llama(hf, device)
-    for lyr, src in zip(w.layers, hf.model.layers):  # Granite-MoE-Shared's shared MLP
-        shared = getattr(src, "shared_mlp", None)
+    m = float(cfg.residual_multiplier)
+    clova = cfg.model_type == "hyperclovax"
+    for lyr, src in zip(w.layers, hf.model.layers):
+        shared = getattr(src, "shared_mlp", None)  # Granite-MoE-Shared's shared MLP
         if shared is not None:
             lyr.moe.shared_gate_up = _t(shared.input_linear.weight, device)
             lyr.moe.shared_down = _t(shared.output_linear.weight, device)
-    _fold_residual(w, float(cfg.residual_multiplier))
+        if getattr(src.self_attn, "sinks", None) is not None:
+            lyr.sinks = _t(src.self_attn.sinks, device)
+        if clova and cfg.use_post_norm:
+            lyr.ln_attn_out = _t(src.post_norm1.weight * m, device)
+            lyr.ln_mlp_out = _t(src.post_norm2.weight * m, device)
+    if not (clova and cfg.use_post_norm):
+        _fold_residual(w, m)
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
         w.embed_scale = float(cfg.embedding_multiplier)
-    if float(cfg.logits_scaling) != 1.0:
+    if float(cfg.logits_scaling) != 1.0 and clova:
+        w.logit_scale = float(cfg.logits_scaling)
+    elif float(cfg.logits_scaling) != 1.0:
         w.logit_divisor = float(cfg.logits_scaling)
     return w
 
@@ -1239,6 +1253,14 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
     "hunyuan_v1_moe": _hunyuan,
     "nanochat": _nanochat,
+    "granite_swa": _granite,  # sliding layers, attention sinks
+    "granitemoe_swa": _granite,
+    "hyperclovax": _granite,  # branch-output norms, logits multiplied
+    # configurations transformers runs with another family's model
+    "exaone": _llama,  # EXAONE 3 and 3.5: Llama
+    "sarvam_moe": _llama,  # GLM-4.5's MoE
+    "param2moe": _llama,
+    "sarvam_mla": _deepseek,  # DeepSeek-V3
     "olmo": _olmo,
     "apertus": _apertus,
     "cwm": _llama,  # Llama's block, sliding on the layers `layer_types` marks
