@@ -270,6 +270,9 @@ ARCHS = {
     "sarvam_mla": ("SarvamMLAConfig", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, kv_lora_rank=32,
         qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4)),
+    # GPT-J: a parallel block on one LayerNorm, RoPE over interleaved pairs of a quarter of each
+    # head, biases on the MLP and the LM head
+    "gptj": ("GPTJConfig", dict(rotary_dim=8, n_inner=256)),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -620,6 +623,10 @@ def test_family_config(arch):
         acts = [lyr.act for lyr in r.layers]
         assert not r.gated and r.layers[0].qk_norm is not None and r._fused_w is None
         assert len({id(a) for a in acts}) == 3 and not torch.equal(acts[0].alpha_p, acts[1].alpha_p)
+    if name == "gptj":  # one LayerNorm before both branches; RoPE on a quarter of each head
+        assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
+        assert r.layer_norm and not r.gated and r.lm_head_b is not None
+        assert r.ropes[0][0].shape[-1] == 8 and r.num_kv_heads == 4
     if name == "cwm":
         assert windows == [WINDOW, None, WINDOW] and r._fused_w is not None
     if name in ("granite_swa", "granitemoe_swa"):  # every fourth layer global; sinks everywhere
@@ -1107,7 +1114,7 @@ def test_rowwise_gives_each_row_its_own_bits(act, n):
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
-                            "nanochat", "olmo", "apertus"])
+                            "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

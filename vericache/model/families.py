@@ -253,7 +253,7 @@ class Weights:
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
-_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode")
+_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj")
 
 
 def kv_heads(cfg) -> int:
@@ -685,7 +685,7 @@ def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
     RoPE pairs (x[i], x[i + rot/2]), `_halves_order`. q and k reordered alike leave every
     score as it was (v is not reordered), and the rotation is the same arithmetic on each
     pair."""
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+    hq, hkv, d = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
     order = _halves_order(d, rot)
 
     def halves(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -1072,6 +1072,32 @@ def _gpt2(hf, device) -> Weights:
                    eps=cfg.layer_norm_epsilon, gated=False, pos_embed=_t(m.wpe.weight, device))
 
 
+def _gptj(hf, device) -> Weights:
+    """GPT-J: attention and MLP in parallel on one LayerNorm (Phi's block: biases on the MLP
+    and the LM head, none on q/k/v/o) and RoPE over interleaved pairs of each head's first
+    `rotary_dim` dims (`_interleaved_rope`), its table transformers' sin and cos halves."""
+    cfg, m = hf.config, hf.transformer
+    d = head_dim(cfg)
+    layers = [Layer(ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
+                    w_qkv=_t(torch.cat([b.attn.q_proj.weight, b.attn.k_proj.weight,
+                                        b.attn.v_proj.weight]), device), b_qkv=None,
+                    w_o=_t(b.attn.out_proj.weight, device), ln_mlp_in=None,
+                    w_gate_up=_t(b.mlp.fc_in.weight, device), b_gate_up=_bias(b.mlp.fc_in, device),
+                    w_down=_t(b.mlp.fc_out.weight, device), b_down=_bias(b.mlp.fc_out, device),
+                    parallel=True)
+              for b in m.h]
+    rot = cfg.rotary_dim or d
+    _interleaved_rope(layers, cfg, rot)
+    sin, cos = m.rotary_emb.embed_positions[: max_positions(cfg)].split(rot // 2, dim=-1)
+    embed = _t(m.wte.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    ropes = [(_t(torch.cat([cos, cos], -1), device), _t(torch.cat([sin, sin], -1), device))]
+    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, ropes, d,
+                   activation=cfg.activation_function, layer_norm=True,
+                   norm_b=_bias(m.ln_f, device), lm_head_b=_bias(hf.lm_head, device),
+                   eps=cfg.layer_norm_epsilon, gated=False)
+
+
 def _opt(hf, device) -> Weights:
     """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
     OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
@@ -1248,6 +1274,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
     "gpt_bigcode": _gpt2,
     "opt": _opt,
+    "gptj": _gptj,
     "gpt_neox": _gpt_neox,
     "seed_oss": _llama,  # Llama's block with biases
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
