@@ -273,6 +273,14 @@ ARCHS = {
     # GPT-J: a parallel block on one LayerNorm, RoPE over interleaved pairs of a quarter of each
     # head, biases on the MLP and the LM head
     "gptj": ("GPTJConfig", dict(rotary_dim=8, n_inner=256)),
+    # Falcon: the new architecture (each K/V group's queries, key and value in one product; a
+    # norm for each parallel branch), multi-query with one norm (7B's), and per-head q/k/v in a
+    # sequential block with biases
+    "falcon": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2,
+                                    ffn_hidden_size=256)),
+    "falcon-mq": ("FalconConfig", dict(multi_query=True, parallel_attn=True, ffn_hidden_size=256)),
+    "falcon-seq": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True,
+                                        num_kv_heads=4, ffn_hidden_size=256)),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -436,6 +444,7 @@ def test_family_config(arch):
                                     "stablelm-parallel": "stablelm",
                                     "deepseek_v3-q": "deepseek_v3",
                                     "deepseek_v2-greedy": "deepseek_v2",
+                                    "falcon-mq": "falcon", "falcon-seq": "falcon",
                                     "mistral3-mistral4": "mistral3",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
@@ -627,6 +636,12 @@ def test_family_config(arch):
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
         assert r.layer_norm and not r.gated and r.lm_head_b is not None
         assert r.ropes[0][0].shape[-1] == 8 and r.num_kv_heads == 4
+    if name.startswith("falcon"):  # new: a norm each parallel branch; 7B's: one; else sequential
+        assert r.layer_norm and not r.gated and r.num_kv_heads == {"falcon": 2, "falcon-mq": 1}.get(
+            name, 4)
+        assert all(lyr.parallel == (name != "falcon-seq") and (lyr.ln_mlp_in is None) == (
+            name == "falcon-mq") for lyr in r.layers)
+        assert (r.layers[0].b_qkv is not None) == (name == "falcon-seq")
     if name == "cwm":
         assert windows == [WINDOW, None, WINDOW] and r._fused_w is not None
     if name in ("granite_swa", "granitemoe_swa"):  # every fourth layer global; sinks everywhere
@@ -902,6 +917,17 @@ def test_dynamic_rope_is_refused(tmp_path):
         Runner.from_hf(LlamaForCausalLM(cfg))
 
 
+def test_falcon_with_alibi_is_refused():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    cfg = FalconConfig(**{**COMMON, "num_hidden_layers": 1}, alibi=True)
+    with pytest.raises(ModelLoadError, match="Falcon with ALiBi"):
+        Runner.from_hf(FalconForCausalLM(cfg))
+
+
 
 @pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])
 def test_caches_of_one_arena_are_pooled_from_their_first_token(positions, tmp_path, monkeypatch):
@@ -1114,7 +1140,8 @@ def test_rowwise_gives_each_row_its_own_bits(act, n):
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
-                            "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa"])
+                            "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
+                            "falcon"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

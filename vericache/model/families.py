@@ -259,9 +259,12 @@ _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj")
 def kv_heads(cfg) -> int:
     """The config's K/V heads: num_key_value_heads; GPT-BigCode's one where `multi_query`;
     one a query head for the families that have no such field (`_MULTI_HEAD`) and for latent
-    attention (`MLA`: every head its own key)."""
+    attention (`MLA`: every head its own key); Falcon's as its attention counts them."""
     if getattr(cfg, "kv_lora_rank", None):
         return cfg.num_attention_heads
+    if cfg.model_type == "falcon":
+        return (cfg.num_kv_heads if cfg.new_decoder_architecture else
+                1 if cfg.multi_query else cfg.num_attention_heads)
     if cfg.model_type in _MULTI_HEAD:
         return 1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -1098,6 +1101,54 @@ def _gptj(hf, device) -> Weights:
                    eps=cfg.layer_norm_epsilon, gated=False)
 
 
+def _falcon(hf, device) -> Weights:
+    """Falcon: LayerNorms with biases, biases on every product where `bias`, an MLP not gated,
+    and RoPE (ALiBi is refused). Its fused q/k/v holds each K/V group's queries then its key
+    and value (`new_decoder_architecture`), or q's heads then one key and value
+    (`multi_query`), or each head's q, k and v in turn (`_heads_interleaved`): here q's heads,
+    then k's, then v's. The block is sequential, or parallel on one norm (`parallel_attn`), or
+    parallel with a norm for each branch (the new architecture's two, as GPT-NeoX's)."""
+    cfg, m = hf.config, hf.transformer
+    if cfg.alibi:
+        raise ModelLoadError("Falcon with ALiBi is not supported by the runner (no position in q "
+                             "or k)")
+    hq, hkv, d = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
+
+    def qkv(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or (cfg.multi_query and not cfg.new_decoder_architecture):
+            return t
+        if not cfg.new_decoder_architecture:
+            return _heads_interleaved(t, hq, d)
+        g = t.reshape(hkv, hq // hkv + 2, d, *t.shape[1:])
+        rest = t.shape[1:]
+        return torch.cat([g[:, :-2].reshape(hq * d, *rest), g[:, -2].reshape(hkv * d, *rest),
+                          g[:, -1].reshape(hkv * d, *rest)]).contiguous()
+
+    two = cfg.new_decoder_architecture and cfg.num_ln_in_parallel_attn == 2
+    parallel = cfg.new_decoder_architecture or cfg.parallel_attn
+    layers = []
+    for b in m.h:
+        a, mlp = b.self_attention, b.mlp
+        ln_in = b.ln_attn if two else b.input_layernorm
+        ln_mlp = b.ln_mlp if two else None if parallel else b.post_attention_layernorm
+        layers.append(Layer(
+            ln_attn_in=_t(ln_in.weight, device), ln_attn_in_b=_bias(ln_in, device),
+            w_qkv=_t(qkv(a.query_key_value.weight), device),
+            b_qkv=None if a.query_key_value.bias is None else _t(qkv(a.query_key_value.bias), device),
+            w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
+            ln_mlp_in=None if ln_mlp is None else _t(ln_mlp.weight, device),
+            ln_mlp_in_b=None if ln_mlp is None else _bias(ln_mlp, device),
+            w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
+            w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
+            parallel=parallel))
+    embed = _t(m.word_embeddings.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
+                   [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)], d,
+                   activation=cfg.activation, layer_norm=True, norm_b=_bias(m.ln_f, device),
+                   eps=cfg.layer_norm_epsilon, gated=False)
+
+
 def _opt(hf, device) -> Weights:
     """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
     OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
@@ -1275,6 +1326,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gpt_bigcode": _gpt2,
     "opt": _opt,
     "gptj": _gptj,
+    "falcon": _falcon,
     "gpt_neox": _gpt_neox,
     "seed_oss": _llama,  # Llama's block with biases
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
