@@ -281,6 +281,12 @@ ARCHS = {
     "falcon-mq": ("FalconConfig", dict(multi_query=True, parallel_attn=True, ffn_hidden_size=256)),
     "falcon-seq": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True,
                                         num_kv_heads=4, ffn_hidden_size=256)),
+    # DBRX: LayerNorms without biases, q/k/v clamped, experts whose weights are divided by
+    # their p-norm
+    "dbrx": ("DbrxConfig", dict(d_model=128, n_heads=4, n_layers=3, max_seq_len=512,
+                                attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
+                                ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2,
+                                                moe_normalize_expert_weights=2.0))),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -350,7 +356,7 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
-       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla"}
+       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -503,13 +509,15 @@ def test_family_config(arch):
         assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
             ("mixtral", "deepseek_v2", "hunyuan")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
-                                            "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy"))
+                                            "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy",
+                                            "dbrx"))
         assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
                                                                         "granitemoeshared",
                                                                         "granitemoe_swa"))
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
-                                                            "minimax_m2", "flex_olmo", "phimoe"))
+                                                            "minimax_m2", "flex_olmo", "phimoe",
+                                                            "dbrx"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.scores == ("sigmoid" if name in SIGMOID else "softmax"
                             if name.startswith(("mistral3-mistral4", "ernie4_5_moe", "deepseek_v2"))
@@ -517,6 +525,8 @@ def test_family_config(arch):
         if name.startswith("deepseek_v2"):  # a group scored by its best; scaled, not normalised
             assert (e.groups, e.group_top, e.scale) == (
                 ((2, 1), 1, 2.0) if name == "deepseek_v2" else (None, 1, 1.0))
+        if name == "dbrx":  # weights divided by their 2-norm; q/k/v clamped; LayerNorms
+            assert e.norm_p == 2.0 and r.layer_norm and r.layers[0].clip_qkv == 0.5
         if name == "phimoe":  # LayerNorms with biases, the LM head's bias
             assert e.jitter == 0.3 and r.layer_norm and r.gated and r.lm_head_b is not None
         if name == "hunyuan_v1_moe":  # the router float32, as transformers builds it

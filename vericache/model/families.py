@@ -85,6 +85,8 @@ class Experts:
     groups: tuple[int, int] | None = None
     group_top: int = 2
     jitter: float = 0.0  # "sparsemixer": router_jitter_noise
+    # DBRX's: the top k of the softmax (in the logits' dtype) divided by their p-norm
+    norm_p: float | None = None
     norm_eps: float = 0.0
     norm_min: float | None = None
     scale: float = 1.0
@@ -92,6 +94,9 @@ class Experts:
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
         `weights_in_dtype`), from the router's logits [T, E], with transformers' arithmetic."""
+        if self.norm_p is not None:  # DBRX
+            top, idx = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+            return top / torch.norm(top, p=self.norm_p, dim=-1, keepdim=True), idx
         if self.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
             top, idx = torch.topk(logits.float() if self.router_float32 else logits, self.top_k,
                                   dim=-1)
@@ -1149,6 +1154,39 @@ def _falcon(hf, device) -> Weights:
                    eps=cfg.layer_norm_epsilon, gated=False)
 
 
+def _dbrx(hf, device) -> Weights:
+    """DBRX: Llama's pre-norm block with LayerNorms without biases, q/k/v clamped to
+    `clip_qkv` (`Layer.clip_qkv`), and experts whose router divides its top k by their p-norm
+    (`Experts.norm_p`); an expert's rows of transformers' w1 (gate), v1 (up) and w2 (down,
+    [I, H]: transposed here)."""
+    cfg, m = hf.config, hf.transformer
+    ac, fc = cfg.attn_config, cfg.ffn_config
+    if fc.moe_normalize_expert_weights is None:
+        raise ModelLoadError("DBRX without moe_normalize_expert_weights is not supported by the "
+                             "runner")
+    layers = []
+    for b in m.blocks:
+        nan, ffn = b.norm_attn_norm, b.ffn
+        g = ffn.experts.mlp
+        split = (fc.moe_num_experts, fc.ffn_hidden_size, cfg.hidden_size)
+        w1, v1, w2 = (t.view(split) for t in (g.w1, g.v1, g.w2))
+        experts = Experts(router=_t(ffn.router.layer.weight, device),
+                          gate_up=[_t(torch.cat([w1[e], v1[e]]), device) for e in range(split[0])],
+                          down=[_t(w2[e].t(), device) for e in range(split[0])],
+                          top_k=int(fc.moe_top_k), norm_topk=False, weights_in_dtype=True,
+                          norm_p=float(fc.moe_normalize_expert_weights))
+        layers.append(Layer(ln_attn_in=_t(nan.norm_1.weight, device), w_qkv=_t(nan.attn.Wqkv.weight, device),
+                            b_qkv=_bias(nan.attn.Wqkv, device), w_o=_t(nan.attn.out_proj.weight, device),
+                            ln_mlp_in=_t(nan.norm_2.weight, device), w_gate_up=None, w_down=None,
+                            moe=experts, clip_qkv=ac.clip_qkv))
+    embed = _t(m.wte.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    return Weights(layers, embed, _t(m.norm_f.weight, device), lm_head,
+                   [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)],
+                   head_dim(cfg), activation=fc.ffn_act_fn.get("name", "silu"),
+                   layer_norm=True, eps=m.norm_f.eps)
+
+
 def _opt(hf, device) -> Weights:
     """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
     OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
@@ -1327,6 +1365,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "opt": _opt,
     "gptj": _gptj,
     "falcon": _falcon,
+    "dbrx": _dbrx,
     "gpt_neox": _gpt_neox,
     "seed_oss": _llama,  # Llama's block with biases
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
