@@ -225,6 +225,10 @@ ARCHS = {
         rope_type="dynamic", alpha=1000.0, rope_theta=10000.0, factor=1.0))),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(head_dim=32, num_experts=4, moe_topk=2)),
     "nanochat": ("NanoChatConfig", dict(final_logit_softcapping=3.0)),
+    # HY-V3: per-head q/k norms; a sigmoid router with a correction bias after a dense layer
+    "hy_v3": ("HYV3Config", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=64, num_shared_experts=1,
+                                 router_scaling_factor=2.5)),
     # DeepSeek-V2: latent attention with RoPE as complex pairs; its router's softmax scores,
     # the top 2 of the best group (a group scored by its best), scaled, not normalised
     "deepseek_v2": ("DeepseekV2Config", dict(
@@ -356,13 +360,13 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
-       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx"}
+       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
-           "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5)}
+           "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
@@ -498,7 +502,7 @@ def test_family_config(arch):
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
-                                                               "sarvam", "param2moe"))
+                                                               "sarvam", "param2moe", "hy_v3"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (

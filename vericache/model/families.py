@@ -457,7 +457,9 @@ def _experts(cfg, mlp, device) -> Experts:
         groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
         group_top=1 if method else 2,
         norm_min=getattr(router, "norm_min", None),
-        scale=float(getattr(router, "routed_scaling_factor", getattr(router, "route_scale", 1.0))))
+        scale=float(next((getattr(router, n) for n in ("routed_scaling_factor", "route_scale",
+                                                        "router_scaling_factor")
+                          if hasattr(router, n)), 1.0)))
     if hasattr(router, "router_jitter_noise"):  # Phi-MoE's
         grouped = dict(scores="sparsemixer", jitter=float(router.router_jitter_noise))
     return Experts(
@@ -1371,6 +1373,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
     "hunyuan_v1_moe": _hunyuan,
     "nanochat": _nanochat,
+    "hy_v3": _llama,  # a sigmoid router with a bias (MiniMax-M2's) after dense layers
     "granite_swa": _granite,  # sliding layers, attention sinks
     "granitemoe_swa": _granite,
     "hyperclovax": _granite,  # branch-output norms, logits multiplied
