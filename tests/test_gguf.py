@@ -5,7 +5,8 @@ stored as 1 + w), then loaded through the project's loader (`--model file.gguf`)
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
 Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, minimax_m2, gpt2, stablelm and nemotron. Mistral has no GGUF architecture of its own:
+gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, minimax_m2, gpt2, stablelm, nemotron and
+falcon. Mistral has no GGUF architecture of its own:
 llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
 without a sliding window; transformers' special case for a llama file named "mistral" fails
 (gguf-py knows no "mistral" tensor map).
@@ -60,6 +61,11 @@ ARCHS = {
     # learned positions; llama.cpp stores the Conv1D products transposed (as Linear's);
     # transformers reads no context length for GPT-2 (n_ctx, not n_positions): 1024
     "gpt2": ("gpt2", "GPT2Config", dict(max_position_embeddings=1024)),
+    # transformers reads a Falcon file as Falcon-7B's block (multi-query, one norm for both
+    # parallel branches; the embedding tied to the LM head), its MLP 4 hidden wide
+    "falcon": ("falcon", "FalconConfig", dict(multi_query=True, parallel_attn=True,
+                                              tie_word_embeddings=True, ffn_hidden_size=256,
+                                              layer_norm_epsilon=1e-5)),
 }
 
 
@@ -102,10 +108,10 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "falcon" else cfg.num_key_value_heads)
     if arch == "starcoder2":
         w.add_layer_norm_eps(cfg.norm_epsilon)
-    elif arch == "gpt2":
+    elif arch in ("gpt2", "falcon"):
         w.add_layer_norm_eps(cfg.layer_norm_epsilon)
     elif arch == "stablelm":
         w.add_layer_norm_eps(cfg.layer_norm_eps)
