@@ -394,9 +394,8 @@ def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None
               for n, long in (("q_norm", "query"), ("k_norm", "key")))
     if qn is None:
         return None
-    d = head_dim(cfg)
-    q, k = (n.weight if getattr(n, "weight", None) is not None else torch.ones(d)
-            for n in (qn, kn))
+    ones = torch.ones(head_dim(cfg), dtype=a.q_proj.weight.dtype)
+    q, k = (n.weight if getattr(n, "weight", None) is not None else ones for n in (qn, kn))
     if offset is not None:
         q, k = offset + q.float(), offset + k.float()
     return _t(torch.cat([q.expand(cfg.num_attention_heads, -1), k.expand(cfg.num_key_value_heads, -1)]),
