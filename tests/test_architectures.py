@@ -227,6 +227,15 @@ ARCHS = {
         rope_type="dynamic", alpha=1000.0, rope_theta=10000.0, factor=1.0))),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(head_dim=32, num_experts=4, moe_topk=2)),
     "nanochat": ("NanoChatConfig", dict(final_logit_softcapping=3.0)),
+    # Mellum: Qwen3-MoE's block with sliding layers whose RoPE is their own, dense and sparse
+    # MLPs
+    "mellum": ("MellumConfig", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                            "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], rope_parameters={
+            "full_attention": dict(rope_type="default", rope_theta=500000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
     # HY-V3: per-head q/k norms; a sigmoid router with a correction bias after a dense layer
     "hy_v3": ("HYV3Config", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=64, num_shared_experts=1,
@@ -362,7 +371,8 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
-       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3"}
+       "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
+       "mellum"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -370,7 +380,7 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
-            "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa",
+            "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -504,7 +514,8 @@ def test_family_config(arch):
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
-                                                               "sarvam", "param2moe", "hy_v3"))
+                                                               "sarvam", "param2moe", "hy_v3",
+                                                               "mellum"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
@@ -523,7 +534,7 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe",
-                                                            "dbrx"))
+                                                            "dbrx", "mellum"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.scores == ("sigmoid" if name in SIGMOID else "softmax"
                             if name.startswith(("mistral3-mistral4", "ernie4_5_moe", "deepseek_v2"))
@@ -658,6 +669,9 @@ def test_family_config(arch):
         assert all(lyr.parallel == (name != "falcon-seq") and (lyr.ln_mlp_in is None) == (
             name == "falcon-mq") for lyr in r.layers)
         assert (r.layers[0].b_qkv is not None) == (name == "falcon-seq")
+    if name == "mellum":  # the sliding layers' table: their own theta
+        assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [1, 0, 1]
+        assert not torch.equal(r.ropes[0][0], r.ropes[1][0]) and r._fused_w is None
     if name == "cwm":
         assert windows == [WINDOW, None, WINDOW] and r._fused_w is not None
     if name in ("granite_swa", "granitemoe_swa"):  # every fourth layer global; sinks everywhere

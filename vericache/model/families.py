@@ -554,11 +554,14 @@ def _llama(hf, device) -> Weights:
     optional), dots.llm1 and Solar Open, the same blocks with a mixture of experts in some or
     all of the MLPs (`Experts`)."""
     cfg = hf.config
+    # a RoPE table a layer type where the config gives each its own (Mellum's)
+    ropes, rope = _ropes(cfg, hf.model, device, per_kind="" not in _rope_params(cfg))
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
-                     qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
+                     qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i),
+                     rope=rope[i])
               for i, lyr in enumerate(hf.model.layers)]
-    return _common(hf, device, layers)
+    return _common(hf, device, layers, ropes=ropes)
 
 
 def _without_rope(w: Weights, nope: list[int]) -> Weights:
@@ -1373,6 +1376,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "hunyuan_v1_moe": _hunyuan,
     "nanochat": _nanochat,
     "hy_v3": _llama,  # a sigmoid router with a bias (MiniMax-M2's) after dense layers
+    "mellum": _llama,  # Qwen3-MoE's block, a RoPE table a layer type
     "granite_swa": _granite,  # sliding layers, attention sinks
     "granitemoe_swa": _granite,
     "hyperclovax": _granite,  # branch-output norms, logits multiplied
