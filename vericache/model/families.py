@@ -534,11 +534,16 @@ def _block(lyr, device, cfg=None, **kw) -> Layer:
     return Layer(w_qkv=w_qkv, b_qkv=bias, w_o=_t(a.o_proj.weight, device), **ffn, **kw)
 
 
+def _embed_and_head(hf, embed: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding table and the LM head's weight: the same tensor where they are tied."""
+    embed = _t(embed, device)
+    return embed, embed if hf.config.tie_word_embeddings else _t(hf.lm_head.weight, device)
+
+
 def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
             ropes: list | None = None, **kw) -> Weights:
     cfg, m = hf.config, hf.model
-    embed = _t(m.embed_tokens.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.embed_tokens.weight, device)
     if ropes is None:
         ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
     kw.setdefault("activation", getattr(cfg, "hidden_act", None) or "silu")
@@ -613,10 +618,8 @@ def _granite(hf, device) -> Weights:
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
         w.embed_scale = float(cfg.embedding_multiplier)
-    if float(cfg.logits_scaling) != 1.0 and clova:
-        w.logit_scale = float(cfg.logits_scaling)
-    elif float(cfg.logits_scaling) != 1.0:
-        w.logit_divisor = float(cfg.logits_scaling)
+    if float(cfg.logits_scaling) != 1.0:  # (HyperCLOVAX multiplies, Granite divides)
+        setattr(w, "logit_scale" if clova else "logit_divisor", float(cfg.logits_scaling))
     return w
 
 
@@ -1075,8 +1078,7 @@ def _gpt2(hf, device) -> Weights:
                     w_gate_up=w(b.mlp.c_fc), b_gate_up=_bias(b.mlp.c_fc, device),
                     w_down=w(b.mlp.c_proj), b_down=_bias(b.mlp.c_proj, device))
               for b in m.h]
-    embed = _t(m.wte.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.wte.weight, device)
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
                    [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
                    activation=cfg.activation_function, layer_norm=True,
@@ -1091,18 +1093,15 @@ def _gptj(hf, device) -> Weights:
     cfg, m = hf.config, hf.transformer
     d = head_dim(cfg)
     layers = [Layer(ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
-                    w_qkv=_t(torch.cat([b.attn.q_proj.weight, b.attn.k_proj.weight,
-                                        b.attn.v_proj.weight]), device), b_qkv=None,
-                    w_o=_t(b.attn.out_proj.weight, device), ln_mlp_in=None,
-                    w_gate_up=_t(b.mlp.fc_in.weight, device), b_gate_up=_bias(b.mlp.fc_in, device),
-                    w_down=_t(b.mlp.fc_out.weight, device), b_down=_bias(b.mlp.fc_out, device),
-                    parallel=True)
-              for b in m.h]
+                    w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(b.attn.out_proj.weight, device),
+                    ln_mlp_in=None, w_gate_up=_t(b.mlp.fc_in.weight, device),
+                    b_gate_up=_bias(b.mlp.fc_in, device), w_down=_t(b.mlp.fc_out.weight, device),
+                    b_down=_bias(b.mlp.fc_out, device), parallel=True)
+              for b in m.h for w_qkv, b_qkv in [_attention(b.attn, device)]]
     rot = cfg.rotary_dim or d
     _interleaved_rope(layers, cfg, rot)
     sin, cos = m.rotary_emb.embed_positions[: max_positions(cfg)].split(rot // 2, dim=-1)
-    embed = _t(m.wte.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.wte.weight, device)
     ropes = [(_t(torch.cat([cos, cos], -1), device), _t(torch.cat([sin, sin], -1), device))]
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, ropes, d,
                    activation=cfg.activation_function, layer_norm=True,
@@ -1150,8 +1149,7 @@ def _falcon(hf, device) -> Weights:
             w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
             parallel=parallel))
-    embed = _t(m.word_embeddings.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.word_embeddings.weight, device)
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
                    [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)], d,
                    activation=cfg.activation, layer_norm=True, norm_b=_bias(m.ln_f, device),
@@ -1183,8 +1181,7 @@ def _dbrx(hf, device) -> Weights:
                             b_qkv=_bias(nan.attn.Wqkv, device), w_o=_t(nan.attn.out_proj.weight, device),
                             ln_mlp_in=_t(nan.norm_2.weight, device), w_gate_up=None, w_down=None,
                             moe=experts, clip_qkv=ac.clip_qkv))
-    embed = _t(m.wte.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.wte.weight, device)
     return Weights(layers, embed, _t(m.norm_f.weight, device), lm_head,
                    [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)],
                    head_dim(cfg), activation=fc.ffn_act_fn.get("name", "silu"),
@@ -1214,8 +1211,7 @@ def _opt(hf, device) -> Weights:
             ln_mlp_in_b=_bias(lyr.final_layer_norm, device),
             w_gate_up=_t(lyr.fc1.weight, device), b_gate_up=_bias(lyr.fc1, device),
             w_down=_t(lyr.fc2.weight, device), b_down=_bias(lyr.fc2, device)))
-    embed = _t(m.embed_tokens.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.embed_tokens.weight, device)
     d = cfg.hidden_size // cfg.num_attention_heads
     offset = m.embed_positions.offset
     return Weights(layers, embed, _t(m.final_layer_norm.weight, device), lm_head,
@@ -1247,8 +1243,7 @@ def _gpt_neox(hf, device) -> Weights:
             parallel=bool(cfg.use_parallel_residual),
             w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device)))
-    embed = _t(m.embed_in.weight, device)
-    lm_head = embed if cfg.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    embed, lm_head = _embed_and_head(hf, m.embed_in.weight, device)
     ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
     return Weights(layers, embed, _t(m.final_layer_norm.weight, device), lm_head, ropes, d,
                    activation=cfg.hidden_act, layer_norm=True,
@@ -1380,16 +1375,16 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "granite_swa": _granite,  # sliding layers, attention sinks
     "granitemoe_swa": _granite,
     "hyperclovax": _granite,  # branch-output norms, logits multiplied
-    # configurations transformers runs with another family's model
-    "exaone": _llama,  # EXAONE 3 and 3.5: Llama
-    "sarvam_moe": _llama,  # GLM-4.5's MoE
-    "param2moe": _llama,
-    "sarvam_mla": _deepseek,  # DeepSeek-V3
     "olmo": _olmo,
     "apertus": _apertus,
     "cwm": _llama,  # Llama's block, sliding on the layers `layer_types` marks
     "deepseek_v2": _deepseek,
     "phimoe": _layer_norms,
+    # configurations transformers runs with another family's model
+    "exaone": _llama,  # EXAONE 3 and 3.5: Llama
+    "sarvam_moe": _llama,  # GLM-4.5's MoE
+    "param2moe": _llama,
+    "sarvam_mla": _deepseek,  # DeepSeek-V3
     "arcee": _arcee,
     "stablelm": _layer_norms,  # LayerNorms (`_layer_norms`)
     "jais2": _layer_norms,
