@@ -434,9 +434,9 @@ def _experts(cfg, mlp, device) -> Experts:
                    if getattr(mlp, n, None) is not None), None)
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's, AFMoE's name)
-    # (AFMoE's router holds a gate; HunYuan's, `wg`, float32 as its weights)
-    weight = next(getattr(router, n) if n == "weight" else getattr(router, n).weight
-                  for n in ("weight", "gate", "wg") if hasattr(router, n))
+    weight = getattr(router, "weight", None)
+    if weight is None:  # AFMoE's router holds a gate; HunYuan's, `wg`, float32 as its weights
+        weight = (router.gate if hasattr(router, "gate") else router.wg).weight
     after = cfg.model_type in _TOP_K_THEN_SOFTMAX
     # DeepSeek-V2's: softmax scores, the top k of all ("greedy") or of the best groups, a group
     # scored by its best; the weights not normalised, times routed_scaling_factor, float32
@@ -449,18 +449,21 @@ def _experts(cfg, mlp, device) -> Experts:
     bias = statics.e_score_correction_bias.reshape(-1) if statics is not None else bias
     groups = None if method == "greedy" else getattr(router, "num_group", None)
     softmax = cfg.model_type in _SOFTMAX_CHOICE
-    grouped = {} if bias is None and groups is None and method is None else dict(
-        scores="softmax" if softmax else "sigmoid",
-        score_bias=None if bias is None else _t(bias, device),
-        norm_eps=0.0 if cfg.model_type == "minimax_m2" else 1e-20,
-        groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
-        group_top=1 if method else 2,
-        norm_min=getattr(router, "norm_min", None),
-        scale=float(next((getattr(router, n) for n in ("routed_scaling_factor", "route_scale",
-                                                        "router_scaling_factor")
-                          if hasattr(router, n)), 1.0)))
     if hasattr(router, "router_jitter_noise"):  # Phi-MoE's
         grouped = dict(scores="sparsemixer", jitter=float(router.router_jitter_noise))
+    elif bias is None and groups is None and method is None:
+        grouped = {}
+    else:
+        scale = next((getattr(router, n) for n in ("routed_scaling_factor", "route_scale",
+                                                   "router_scaling_factor")
+                      if hasattr(router, n)), 1.0)
+        grouped = dict(
+            scores="softmax" if softmax else "sigmoid",
+            score_bias=None if bias is None else _t(bias, device),
+            norm_eps=0.0 if cfg.model_type == "minimax_m2" else 1e-20,
+            groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
+            group_top=1 if method else 2, norm_min=getattr(router, "norm_min", None),
+            scale=float(scale))
     return Experts(
         router=_t(weight, device),
         gate_up=[_t(w, device) for w in ex.gate_up_proj],
