@@ -260,6 +260,8 @@ ARCHS = {
     # layer's own) in an MLP not gated, q/k norms; CWM: Llama's block with sliding layers
     "olmo": ("OlmoConfig", dict(clip_qkv=0.5)),
     "apertus": ("ApertusConfig", dict(head_dim=32)),
+    # Apertus 1.5's language model: Apertus with its LM head pruned to the first 250 ids
+    "apertus1p5_text": ("Apertus1p5TextConfig", dict(head_dim=32, output_vocab_size=250)),
     "cwm": ("CwmConfig", dict(head_dim=32, sliding_window=WINDOW, layer_types=[
         "sliding_attention", "full_attention", "sliding_attention"], rope_parameters=dict(
         rope_type="llama3", rope_theta=1_000_000.0, factor=16.0, low_freq_factor=1.0,
@@ -302,6 +304,22 @@ ARCHS = {
                                 attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=10000.0),
                                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2,
                                                 moe_normalize_expert_weights=2.0))),
+    # Flint: Qwen3-MoE's block with sinks, RoPE on the sliding layers only, a sigmoid router
+    # without a bias, a shared expert not gated, a dense layer 0
+    "flint": ("FlintConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=96, head_dim=32,
+                                  sliding_window=WINDOW, mlp_only_layers=[0], layer_types=[
+                                      "full_attention", "sliding_attention", "sliding_attention"])),
+    # Cohere 2 MoE: a dense prefix layer (full attention, RoPE), then experts; the second full
+    # layer has no RoPE; the shared expert averaged in (LayerNorms), or summed (RMSNorms)
+    "cohere2_moe": ("Cohere2MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+        prefix_dense_intermediate_size=96, sliding_window=WINDOW, sliding_window_pattern=2,
+        logit_scale=0.5, layer_norm_eps=1e-5, rms_norm_eps=None)),
+    "cohere2_moe-rms": ("Cohere2MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+        shared_expert_combination_strategy="sum", rms_norm_eps=1e-6, sliding_window=WINDOW,
+        logit_scale=0.5)),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
@@ -335,6 +353,15 @@ ARCHS["llava"] = ("LlavaConfig", dict(
     vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
                        projection_dim=16, num_hidden_layers=1, num_attention_heads=2,
                        image_size=28, patch_size=14)))
+# Apertus 1.5: its language model (the LM head pruned) beside tiny image and audio tokenizers,
+# their codes' ids within the 300-token vocabulary
+ARCHS["apertus1p5"] = ("Apertus1p5Config", dict(
+    text_config=dict(ARCHS["apertus1p5_text"][1], model_type="apertus1p5_text"),
+    vision_config=dict(codebook_size=40, base_channels=32, latent_channels=32, embed_dim=8,
+                       num_res_blocks=1, channel_multiplier=[1, 2]),
+    audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=50, hidden_size=32,
+                      codebook_dim=32, num_filters=4, num_lstm_layers=1),
+    image_token_offset=200, audio_token_offset=240, image_token_id=250, audio_token_id=251))
 # Qwen2-VL, Qwen2.5-VL and Qwen3-VL: on text prompts their multimodal RoPE's three position
 # ids are equal, so each section of the head reads the same frequencies as one RoPE would
 # (sections in halves of the 32-wide heads; Qwen3-VL's interleaved)
@@ -372,7 +399,7 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
-       "mellum"}
+       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -382,7 +409,7 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
-            "gemma3_text", "gemma3", "vaultgemma"}
+            "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -467,6 +494,7 @@ def test_family_config(arch):
                                     "deepseek_v3-q": "deepseek_v3",
                                     "deepseek_v2-greedy": "deepseek_v2",
                                     "falcon-mq": "falcon", "falcon-seq": "falcon",
+                                    "cohere2_moe-rms": "cohere2_moe",
                                     "mistral3-mistral4": "mistral3",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
@@ -515,7 +543,7 @@ def test_family_config(arch):
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
-                                                               "mellum"))
+                                                               "mellum", "flint", "cohere2_moe"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
@@ -524,19 +552,18 @@ def test_family_config(arch):
             else 4, 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
         assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
-            ("mixtral", "deepseek_v2", "hunyuan")))
+            ("mixtral", "deepseek_v2", "hunyuan", "flint")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
                                             "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy",
                                             "dbrx"))
-        assert r._fused_w is None and e.softmax_after_topk == (name in ("gpt_oss", "granitemoe",
-                                                                        "granitemoeshared",
-                                                                        "granitemoe_swa"))
+        assert r._fused_w is None and e.softmax_after_topk == name.startswith((
+            "gpt_oss", "granitemoe", "cohere2_moe"))
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe",
                                                             "dbrx", "mellum"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
-        assert e.scores == ("sigmoid" if name in SIGMOID else "softmax"
+        assert e.scores == ("sigmoid" if name in SIGMOID or name == "flint" else "softmax"
                             if name.startswith(("mistral3-mistral4", "ernie4_5_moe", "deepseek_v2"))
                             else "sparsemixer" if name == "phimoe" else None)
         if name.startswith("deepseek_v2"):  # a group scored by its best; scaled, not normalised
@@ -573,6 +600,17 @@ def test_family_config(arch):
         if name in ("olmoe", "flex_olmo"):
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
             assert (r.layers[0].ln_attn_in is None) == (name == "flex_olmo")  # post-norms
+        if name == "flint":  # sinks; RoPE on the sliding layers; sigmoid scores, no bias
+            assert windows == [None, WINDOW, WINDOW] and [lyr.rope for lyr in r.layers] == [1, 0, 0]
+            assert all(lyr.sinks.shape == (4,) for lyr in r.layers) and r.attend_kernel is None
+            assert (e.score_bias, e.groups, e.norm_eps) == (None, None, 0.0) and e.norm_topk
+        if name.startswith("cohere2_moe"):  # the prefix layer dense, full, with RoPE
+            average = name == "cohere2_moe"
+            assert windows == [None, WINDOW, None if average else WINDOW]
+            assert [lyr.rope for lyr in r.layers] == [0, 0, int(average)]
+            shared = hf.model.layers[1].mlp.shared_experts.down_proj.weight
+            assert e.scale == r.layers[1].moe.scale == (0.5 if average else 1.0)
+            assert torch.equal(r.layers[1].moe.shared_down, shared * e.scale)
         if name == "gpt_oss":  # sinks: the explicit attention path, not the native kernel
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
@@ -595,7 +633,8 @@ def test_family_config(arch):
         assert (r.layers[0].ln_mlp_out is not None) == (name == "glm4")
     if name.startswith("cohere"):  # one LayerNorm before both branches; no fused pass
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
-        assert r.layer_norm and r.logit_scale == 0.5 and r._fused_w is None
+        assert r.layer_norm == (name != "cohere2_moe-rms")  # (its RMSNorms)
+        assert r.logit_scale == 0.5 and r._fused_w is None
         if name == "cohere2":  # RoPE on the sliding layers only
             assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [0, 1, 0]
     if name in QWEN_VL:  # the multimodal RoPE of text positions: one RoPE's table, bit for bit
@@ -655,10 +694,11 @@ def test_family_config(arch):
     if name == "olmo":  # LayerNorms without weights; q, k and v clamped
         assert r.layer_norm and r.eps == 1e-5 and torch.equal(r.norm, torch.ones(128))
         assert all(lyr.clip_qkv == 0.5 for lyr in r.layers) and r._fused_w is None
-    if name == "apertus":  # each layer's xIELU, its learned parameters; not gated
+    if name.startswith("apertus"):  # each layer's xIELU, its learned parameters; not gated
         acts = [lyr.act for lyr in r.layers]
         assert not r.gated and r.layers[0].qk_norm is not None and r._fused_w is None
         assert len({id(a) for a in acts}) == 3 and not torch.equal(acts[0].alpha_p, acts[1].alpha_p)
+        assert r.vocab_size == (VOCAB if name == "apertus" else 250)  # (1.5's head pruned)
     if name == "gptj":  # one LayerNorm before both branches; RoPE on a quarter of each head
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
         assert r.layer_norm and not r.gated and r.lm_head_b is not None
@@ -764,6 +804,35 @@ def test_vericache_equals_full(arch, full, via_store):
             res.token_ids == full[:N_VERICACHE], round(s.acceptance_rate, 2))
         assert res.token_ids == full[:N_VERICACHE], (name, spec, via_store)
         assert s.rounds >= 1 and s.drafted >= 1, (name, spec)
+
+
+def test_flints_attention_is_float32_in_a_bfloat16_model(tmp_path):
+    """Flint's eager attention takes its scores, its sinks' logits and their softmax in float32
+    whatever the model's dtype (its q/k-normed scores reach tens), then casts the weights back.
+    The runner's explicit path does too (`attn_float32`): in bfloat16 its output is
+    transformers' bit for bit, and the same path with bfloat16 scores is not."""
+    from transformers.models.flint.modeling_flint import eager_attention_forward
+
+    from vericache.model.loader import load_model
+
+    build("flint", tmp_path)
+    r = load_model(str(tmp_path), dtype="bfloat16").runner
+    attn = auto_class("flint").from_pretrained(str(tmp_path), dtype=torch.bfloat16).model.layers[0].self_attn
+    assert r.attn_float32 and attn.sinks.dtype == torch.float32
+    g, (L, n, hkv, grp, d) = torch.Generator().manual_seed(3), (5, 20, 2, 2, 32)
+    q, k = ((torch.randn(1, h, m, d, generator=g) * 3).bfloat16() for h, m in ((hkv * grp, L), (hkv, n)))
+    v = torch.randn(1, hkv, n, d, generator=g).bfloat16()
+    seen = torch.arange(n)[None, :] <= torch.arange(n - L, n)[:, None]  # [L, n], causal
+    ref = eager_attention_forward(attn, q, k, v, torch.zeros(1, 1, L, n).masked_fill(~seen, -torch.inf),
+                                  scaling=attn.scaling)[0].transpose(1, 2)  # [1, Hq, L, D]
+
+    def ours() -> torch.Tensor:  # rows by query head, then row
+        out = r._sdpa(q.reshape(1, hkv, grp * L, d), k, v, seen.repeat(grp, 1), r.layers[0].sinks)
+        return out.reshape(1, hkv * grp, L, d)
+
+    assert torch.equal(ours(), ref)
+    r.attn_float32 = False
+    assert not torch.equal(ours(), ref)
 
 
 @pytest.mark.parametrize("name", ["olmo2", "nanochat"])
@@ -959,6 +1028,19 @@ def test_falcon_with_alibi_is_refused():
     with pytest.raises(ModelLoadError, match="Falcon with ALiBi"):
         Runner.from_hf(FalconForCausalLM(cfg))
 
+
+def test_cohere2_moe_with_its_sigmoid_router_is_refused():
+    """Its sigmoid router takes the sigmoid and the sum in the logits' dtype (the runner's
+    sigmoid scores are float32's), so it is refused by name; the softmax router is served."""
+    from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    over = dict(ARCHS["cohere2_moe"][1], num_hidden_layers=2, expert_selection_fn="sigmoid")
+    cfg = Cohere2MoeConfig(**{**COMMON, **over})
+    with pytest.raises(ModelLoadError, match="Cohere 2 MoE's 'sigmoid' router"):
+        Runner.from_hf(Cohere2MoeForCausalLM(cfg))
 
 
 @pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])

@@ -79,7 +79,9 @@ class Experts:
     # logits' softmax in their dtype (ERNIE's float32), the other groups' scores masked to 0,
     # the weights divided by their sum clamped to at least `norm_min` (ERNIE's), then in the
     # model's dtype. DeepSeek-V2's, "softmax" too: a group scored by its best (`group_top` 1),
-    # the weights float32. Phi-MoE's, "sparsemixer": `_sparsemixer`'s two choices
+    # the weights float32. Phi-MoE's, "sparsemixer": `_sparsemixer`'s two choices. `scale`
+    # also multiplies the softmax-after-top-k weights (Cohere 2 MoE's 0.5 where it averages
+    # the routed and shared experts' outputs: `_cohere`)
     scores: str | None = None
     score_bias: torch.Tensor | None = None  # [E]
     groups: tuple[int, int] | None = None
@@ -97,10 +99,11 @@ class Experts:
         if self.norm_p is not None:  # DBRX
             top, idx = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
             return top / torch.norm(top, p=self.norm_p, dim=-1, keepdim=True), idx
-        if self.softmax_after_topk:  # GPT-OSS, Granite-MoE (float32)
+        if self.softmax_after_topk:  # GPT-OSS, Granite-MoE, Cohere 2 MoE (float32)
             top, idx = torch.topk(logits.float() if self.router_float32 else logits, self.top_k,
                                   dim=-1)
-            return torch.softmax(top, dim=-1, dtype=top.dtype).to(dtype), idx
+            top = torch.softmax(top, dim=-1, dtype=top.dtype)
+            return (top if self.scale == 1.0 else top * self.scale).to(dtype), idx
         if self.scores == "sparsemixer":
             return _sparsemixer(logits, self.jitter)
         sigmoid = self.scores == "sigmoid"
@@ -237,6 +240,9 @@ class Weights:
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
+    # Flint: the scores, the sinks' logits and their softmax in float32, the weights then cast
+    # to the model's dtype (its eager attention's arithmetic; the explicit path, `Runner._sdpa`)
+    attn_float32: bool = False
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
     logit_scale: float | None = None  # Cohere: logits * logit_scale, in the model dtype
     # LayerNorm (x - mean) / std * w (+ b), in fp32 then cast (Cohere's, StarCoder 2's), for
@@ -417,8 +423,12 @@ def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
 
 # families whose top-k weights stay float32 until they scale the experts' outputs
 _TOP_K_FLOAT32 = ("mixtral",)
-# families whose router takes the top k of its float32 logits, then their softmax
-_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa")
+# families whose router takes the top k of its float32 logits, then their softmax (Cohere 2
+# MoE's takes them in its logits' dtype: the same choice, the float32 softmax of the same values)
+_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa", "cohere2_moe")
+# families whose router's scores are the sigmoid of its float32 logits, with no bias and no
+# groups (DeepSeek-V3's arithmetic otherwise: `Experts.scores` "sigmoid")
+_SIGMOID_PLAIN = ("flint",)
 # families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
 _SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe", "deepseek_v2")
 
@@ -451,7 +461,7 @@ def _experts(cfg, mlp, device) -> Experts:
     softmax = cfg.model_type in _SOFTMAX_CHOICE
     if hasattr(router, "router_jitter_noise"):  # Phi-MoE's
         grouped = dict(scores="sparsemixer", jitter=float(router.router_jitter_noise))
-    elif bias is None and groups is None and method is None:
+    elif bias is None and groups is None and method is None and cfg.model_type not in _SIGMOID_PLAIN:
         grouped = {}
     else:
         scale = next((getattr(router, n) for n in ("routed_scaling_factor", "route_scale",
@@ -460,7 +470,7 @@ def _experts(cfg, mlp, device) -> Experts:
         grouped = dict(
             scores="softmax" if softmax else "sigmoid",
             score_bias=None if bias is None else _t(bias, device),
-            norm_eps=0.0 if cfg.model_type == "minimax_m2" else 1e-20,
+            norm_eps=0.0 if cfg.model_type in ("minimax_m2", *_SIGMOID_PLAIN) else 1e-20,
             groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
             group_top=1 if method else 2, norm_min=getattr(router, "norm_min", None),
             scale=float(scale))
@@ -474,7 +484,7 @@ def _experts(cfg, mlp, device) -> Experts:
         # (HunYuan's weights are in its router's dtype)
         weights_in_dtype=(weight.dtype != torch.float32 if hasattr(router, "wg") else
                           cfg.model_type not in _TOP_K_FLOAT32 and method is None
-                          and (bias is None or softmax)),
+                          and grouped.get("scores") != "sigmoid"),
         shared_gate_up=None if shared is None else _gate_up(shared, device),
         shared_down=None if shared is None else _t(shared.down_proj.weight, device),
         shared_gate=None if gate is None else _t(gate.weight, device),
@@ -629,12 +639,13 @@ def _granite(hf, device) -> Weights:
 # vision-language checkpoints whose language model the runner serves on text prompts;
 # transformers loads those not in its causal-LM table as image-text-to-text models
 # (`vericache.model.loader`)
-VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                   "apertus1p5")
 
 
 def _language_model(hf, device) -> Weights:
     """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA,
-    Qwen2-VL, Qwen2.5-VL, Qwen3-VL): its language model (`text_config`,
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Apertus 1.5): its language model (`text_config`,
     `model.language_model`, `lm_head`), taken by its own family's function, served on text
     prompts; the vision tower is not taken. Their transformers classes compute the logits as
     lm_head(h) alone: Gemma3ForConditionalGeneration applies no final-logit soft-cap
@@ -725,12 +736,24 @@ def _cohere(hf, device) -> Weights:
     rows reordered, `_interleaved_rope`, and the table with them), logits times
     `logit_scale`. Cohere computes RoPE in float32, so the table is float32 (its values the
     model dtype's, as transformers' rotary module gives them). Cohere 2's full-attention
-    layers have no RoPE (`_without_rope`). Checkpoints with q/k LayerNorms (`use_qk_norm`)
-    are refused."""
+    layers have no RoPE (`_without_rope`). Cohere 2 MoE: Cohere 2's block with experts after
+    its dense prefix layers (full attention with RoPE where `prefix_dense_sliding_window_
+    pattern` is 1), its router the softmax of the top k logits; RMSNorms where it sets
+    `rms_norm_eps`; where it averages the routed and shared experts' outputs, the 0.5 is in
+    the routed weights (`Experts.scale`) and the shared expert's down_proj, exactly (a power
+    of two). Checkpoints with q/k LayerNorms (`use_qk_norm`) and Cohere 2 MoE's sigmoid
+    router (its sigmoid in the logits' dtype) are refused."""
     cfg, m = hf.config, hf.model
     if getattr(cfg, "use_qk_norm", False):
         raise ModelLoadError("Cohere with q/k LayerNorms (use_qk_norm) is not supported by the "
                              "runner")
+    if getattr(cfg, "expert_selection_fn", "softmax") != "softmax":
+        raise ModelLoadError(f"Cohere 2 MoE's {cfg.expert_selection_fn!r} router is not "
+                             "supported by the runner (its softmax router is)")
+    strategy = getattr(cfg, "shared_expert_combination_strategy", "sum")
+    if getattr(cfg, "num_shared_experts", 0) and strategy not in ("sum", "average"):
+        raise ModelLoadError(f"Cohere 2 MoE's {strategy!r} combination of experts is not "
+                             "supported by the runner")
     d = head_dim(cfg)
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=None, parallel=True, window=_window(cfg, i))
@@ -739,10 +762,17 @@ def _cohere(hf, device) -> Weights:
     cos, sin = _rope_table(m.rotary_emb, max_positions(cfg), m.embed_tokens.weight.dtype, device)
     order = _halves_order(d, d).to(cos.device)  # the table's interleaved pairs, in halves
     ropes = [(_t(cos[:, order].float(), device), _t(sin[:, order].float(), device))]
+    # Cohere 2 MoE's RMSNorms (the field means nothing to the others' configs)
+    rms = cfg.rms_norm_eps if cfg.model_type == "cohere2_moe" else None
     w = _common(hf, device, layers, ropes=ropes, logit_scale=float(cfg.logit_scale),
-                layer_norm=True, eps=cfg.layer_norm_eps)
-    if cfg.model_type == "cohere2":
-        _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+                layer_norm=rms is None, eps=cfg.layer_norm_eps if rms is None else rms)
+    if cfg.model_type in ("cohere2", "cohere2_moe"):
+        _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"
+                          and not getattr(m.layers[i].self_attn, "force_rope", False)])
+    if getattr(cfg, "num_shared_experts", 0) and strategy == "average":
+        for lyr in w.layers:
+            if lyr.moe is not None:
+                lyr.moe.scale, lyr.moe.shared_down = 0.5, lyr.moe.shared_down * 0.5
     return w
 
 
@@ -795,6 +825,22 @@ def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
     return _common(hf, device, layers, norm=w(m.norm), norm_b=_bias(m.norm, device),
                    layer_norm=True, eps=m.norm.eps,
                    gated=hasattr(mlp, "gate_proj") or hasattr(mlp, "experts"))
+
+
+def _flint(hf, device) -> Weights:
+    """Flint: Qwen3-MoE's block (per-head q/k norms before RoPE, dense MLPs on
+    `mlp_only_layers`) with attention sinks on every layer (`Layer.sinks`), RoPE on the
+    sliding layers only (`_without_rope`), and experts whose router takes the sigmoid of its
+    float32 logits, with no bias, normalised over the top k (`_SIGMOID_PLAIN`), beside a shared
+    expert that is not gated. Its attention's scores and softmax are float32 in any dtype
+    (`Weights.attn_float32`)."""
+    cfg = hf.config
+    w = _llama(hf, device)
+    for lyr, src in zip(w.layers, hf.model.layers):
+        lyr.sinks = _t(src.self_attn.sinks, device)
+    w.attn_float32 = True
+    return _without_rope(w, [i for i, t in enumerate(cfg.layer_types)
+                             if t != "sliding_attention" or not cfg.sliding_window])
 
 
 def _hunyuan(hf, device) -> Weights:
@@ -1360,6 +1406,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gemma": _gemma,
     "cohere": _cohere,
     "cohere2": _cohere,
+    "cohere2_moe": _cohere,
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
@@ -1380,6 +1427,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "hyperclovax": _granite,  # branch-output norms, logits multiplied
     "olmo": _olmo,
     "apertus": _apertus,
+    "apertus1p5_text": _apertus,  # Apertus 1.5's language model: Apertus, its LM head pruned
+    "flint": _flint,
     "cwm": _llama,  # Llama's block, sliding on the layers `layer_types` marks
     "deepseek_v2": _deepseek,
     "phimoe": _layer_norms,

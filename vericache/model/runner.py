@@ -192,6 +192,7 @@ class Runner:
         # Gemma 2's soft-capped scores: no fused kernel or SDPA computes them, so attention
         # takes the explicit path (`_sdpa`) and the native attention kernel is not used
         self.attn_softcap = w.attn_softcap
+        self.attn_float32 = w.attn_float32  # (Flint's: the explicit path's scores in float32)
         self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
         self.windowed = bool(self.windows)  # caches with positions matter only then
         # slots of each arena pool (`new_cache`); 0: caches of their own. An engine serving
@@ -205,7 +206,7 @@ class Runner:
         # (nor GPT-OSS's attention sinks)
         sinks = any(lyr.sinks is not None for lyr in w.layers)
         self.attend_kernel = (kernels.attend() if native and not self.attn_softcap
-                              and not sinks else None)
+                              and not sinks and not self.attn_float32 else None)
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
@@ -795,16 +796,19 @@ class Runner:
         scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
-        dropped. A row that sees no key (a padding row) gives zeros, not NaN."""
-        if not self.attn_softcap and sinks is None:
+        dropped; with `attn_float32` (Flint's), those scores and that softmax in float32, the
+        weights cast back. A row that sees no key (a padding row) gives zeros, not NaN."""
+        if not self.attn_softcap and sinks is None and not self.attn_float32:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        if self.attn_float32:
+            q, k = q.float(), k.float()
         s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.attn_softcap:
             s = _softcap(s, self.attn_softcap)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         if sinks is None:
-            w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(q.dtype)
+            w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(v.dtype)
             return torch.matmul(w, v)
         hkv, rows = s.shape[-3], s.shape[-2]
         g = sinks.shape[0] // hkv
