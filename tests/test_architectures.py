@@ -176,6 +176,9 @@ ARCHS = {
     "gpt_bigcode": ("GPTBigCodeConfig", dict(multi_query=True)),
     "gpt_bigcode-mha": ("GPTBigCodeConfig", dict(multi_query=False)),
     "opt": ("OPTConfig", dict(ffn_dim=256, word_embed_proj_dim=128)),
+    # GPT-Neo: GPT-2's block, q/k/v without biases, scores not scaled, a local layer sliding
+    "gpt_neo": ("GPTNeoConfig", dict(attention_types=[[["global", "local", "global"], 1]],
+                                     window_size=WINDOW, layer_norm_epsilon=1e-5)),
     # GPT-NeoX: per-head interleaved q/k/v, RoPE on a quarter of each head, the MLP beside the
     # attention on a LayerNorm of its own (or after it)
     "gpt_neox": ("GPTNeoXConfig", {}),
@@ -290,6 +293,10 @@ ARCHS = {
     # GPT-J: a parallel block on one LayerNorm, RoPE over interleaved pairs of a quarter of each
     # head, biases on the MLP and the LM head
     "gptj": ("GPTJConfig", dict(rotary_dim=8, n_inner=256)),
+    # CodeGen: GPT-J's block, its q, v and k in four parts of one product (8 heads of 32: two
+    # a part)
+    "codegen": ("CodeGenConfig", dict(rotary_dim=8, n_inner=256, num_attention_heads=8,
+                                      hidden_size=256)),
     # Falcon: the new architecture (each K/V group's queries, key and value in one product; a
     # norm for each parallel branch), multi-query with one norm (7B's), and per-head q/k/v in a
     # sequential block with biases
@@ -391,7 +398,7 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"}
+ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
              "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
@@ -409,7 +416,8 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
-            "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms"}
+            "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
+            "gpt_neo"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -648,6 +656,8 @@ def test_family_config(arch):
         assert r.pos_embed.shape == (512, 128) and r.layer_norm and not r.gated
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         assert r.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
+        if name == "gpt_neo":  # its local layer; scores not scaled (float32 in any dtype)
+            assert windows == [None, WINDOW, None] and r.scale == 1.0 and not r.attn_float32
         if name == "opt":  # the table's rows from the offset on
             assert torch.equal(r.pos_embed, hf.model.decoder.embed_positions.weight[2:])
     if name.startswith("gpt_neox"):  # RoPE on a quarter of each head
@@ -699,10 +709,10 @@ def test_family_config(arch):
         assert not r.gated and r.layers[0].qk_norm is not None and r._fused_w is None
         assert len({id(a) for a in acts}) == 3 and not torch.equal(acts[0].alpha_p, acts[1].alpha_p)
         assert r.vocab_size == (VOCAB if name == "apertus" else 250)  # (1.5's head pruned)
-    if name == "gptj":  # one LayerNorm before both branches; RoPE on a quarter of each head
+    if name in ("gptj", "codegen"):  # one LayerNorm before both branches; RoPE on part of a head
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
         assert r.layer_norm and not r.gated and r.lm_head_b is not None
-        assert r.ropes[0][0].shape[-1] == 8 and r.num_kv_heads == 4
+        assert r.ropes[0][0].shape[-1] == 8 and r.num_kv_heads == r.num_heads == (4 if name == "gptj" else 8)
     if name.startswith("falcon"):  # new: a norm each parallel branch; 7B's: one; else sequential
         assert r.layer_norm and not r.gated and r.num_kv_heads == {"falcon": 2, "falcon-mq": 1}.get(
             name, 4)

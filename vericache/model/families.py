@@ -240,8 +240,9 @@ class Weights:
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
-    # Flint: the scores, the sinks' logits and their softmax in float32, the weights then cast
-    # to the model's dtype (its eager attention's arithmetic; the explicit path, `Runner._sdpa`)
+    # Flint, GPT-Neo, GPT-J and CodeGen: the scores (Flint's sinks' logits too) and their
+    # softmax in float32, the weights then cast to the model's dtype (their eager attention's
+    # arithmetic; the explicit path, `Runner._sdpa`)
     attn_float32: bool = False
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
     logit_scale: float | None = None  # Cohere: logits * logit_scale, in the model dtype
@@ -264,7 +265,7 @@ class Weights:
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
-_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj")
+_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen")
 
 
 def kv_heads(cfg) -> int:
@@ -1135,18 +1136,57 @@ def _gpt2(hf, device) -> Weights:
                    eps=cfg.layer_norm_epsilon, gated=False, pos_embed=_t(m.wpe.weight, device))
 
 
+def _gpt_neo(hf, device) -> Weights:
+    """GPT-Neo: GPT-2's block (learned absolute positions, LayerNorms with biases, an MLP not
+    gated) with q/k/v without biases, attention not scaled and taken in float32
+    (`attn_float32`), and its "local" layers sliding over `window_size` keys (a row's own
+    among them)."""
+    cfg, m = hf.config, hf.transformer
+    d = cfg.hidden_size // cfg.num_heads
+    layers = []
+    for kind, b in zip(cfg.attention_layers, m.h):
+        a = b.attn.attention
+        layers.append(Layer(
+            ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
+            w_qkv=_t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), device),
+            b_qkv=None, w_o=_t(a.out_proj.weight, device), b_o=_bias(a.out_proj, device),
+            ln_mlp_in=_t(b.ln_2.weight, device), ln_mlp_in_b=_bias(b.ln_2, device),
+            w_gate_up=_t(b.mlp.c_fc.weight, device), b_gate_up=_bias(b.mlp.c_fc, device),
+            w_down=_t(b.mlp.c_proj.weight, device), b_down=_bias(b.mlp.c_proj, device),
+            window=int(cfg.window_size) if kind == "local" else None))
+    embed, lm_head = _embed_and_head(hf, m.wte.weight, device)
+    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
+                   [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
+                   activation=cfg.activation_function, layer_norm=True, attn_scale=1.0,
+                   norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon, gated=False,
+                   pos_embed=_t(m.wpe.weight, device), attn_float32=True)
+
+
+def _codegen_qkv(a, device) -> tuple[torch.Tensor, None]:
+    """CodeGen's qkv_proj in q, k, v order: it holds `mp_num` parts, each part's rows its
+    heads' queries, then values, then keys."""
+    w, parts = a.qkv_proj.weight, a.mp_num
+    local = w.shape[0] // 3 // parts
+    part = torch.arange(parts)[:, None] * 3 * local + torch.arange(local)[None]  # each q slice
+    q, v, k = (part + i * local for i in range(3))
+    return _t(w[torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])], device), None
+
+
 def _gptj(hf, device) -> Weights:
-    """GPT-J: attention and MLP in parallel on one LayerNorm (Phi's block: biases on the MLP
-    and the LM head, none on q/k/v/o) and RoPE over interleaved pairs of each head's first
-    `rotary_dim` dims (`_interleaved_rope`), its table transformers' sin and cos halves."""
+    """GPT-J and CodeGen: attention and MLP in parallel on one LayerNorm (Phi's block: biases
+    on the MLP and the LM head, none on q/k/v/o), RoPE over interleaved pairs of each head's
+    first `rotary_dim` dims (`_interleaved_rope`), its table transformers' sin and cos halves,
+    and attention scores in float32 in any dtype (`attn_float32`). CodeGen's q, k and v are
+    one product in its own order (`_codegen_qkv`)."""
     cfg, m = hf.config, hf.transformer
     d = head_dim(cfg)
+    qkv = _codegen_qkv if cfg.model_type == "codegen" else _attention
     layers = [Layer(ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
                     w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(b.attn.out_proj.weight, device),
                     ln_mlp_in=None, w_gate_up=_t(b.mlp.fc_in.weight, device),
                     b_gate_up=_bias(b.mlp.fc_in, device), w_down=_t(b.mlp.fc_out.weight, device),
                     b_down=_bias(b.mlp.fc_out, device), parallel=True)
-              for b in m.h for w_qkv, b_qkv in [_attention(b.attn, device)]]
+              for b in m.h for w_qkv, b_qkv in [qkv(b.attn, device)]]
     rot = cfg.rotary_dim or d
     _interleaved_rope(layers, cfg, rot)
     sin, cos = m.rotary_emb.embed_positions[: max_positions(cfg)].split(rot // 2, dim=-1)
@@ -1155,7 +1195,7 @@ def _gptj(hf, device) -> Weights:
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, ropes, d,
                    activation=cfg.activation_function, layer_norm=True,
                    norm_b=_bias(m.ln_f, device), lm_head_b=_bias(hf.lm_head, device),
-                   eps=cfg.layer_norm_epsilon, gated=False)
+                   eps=cfg.layer_norm_epsilon, gated=False, attn_float32=True)
 
 
 def _falcon(hf, device) -> Weights:
@@ -1413,6 +1453,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gpt_bigcode": _gpt2,
     "opt": _opt,
     "gptj": _gptj,
+    "codegen": _gptj,  # GPT-J's block, its q/v/k in parts
+    "gpt_neo": _gpt_neo,
     "falcon": _falcon,
     "dbrx": _dbrx,
     "gpt_neox": _gpt_neox,

@@ -192,7 +192,9 @@ class Runner:
         # Gemma 2's soft-capped scores: no fused kernel or SDPA computes them, so attention
         # takes the explicit path (`_sdpa`) and the native attention kernel is not used
         self.attn_softcap = w.attn_softcap
-        self.attn_float32 = w.attn_float32  # (Flint's: the explicit path's scores in float32)
+        # Flint's, GPT-Neo's, GPT-J's and CodeGen's scores in float32 (the explicit path) where
+        # the model's are not
+        self.attn_float32 = w.attn_float32 and self.dtype != torch.float32
         self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
         self.windowed = bool(self.windows)  # caches with positions matter only then
         # slots of each arena pool (`new_cache`); 0: caches of their own. An engine serving
