@@ -319,6 +319,13 @@ ARCHS = {
                                       "full_attention", "sliding_attention", "sliding_attention"])),
     # Cohere 2 MoE: a dense prefix layer (full attention, RoPE), then experts; the second full
     # layer has no RoPE; the shared expert averaged in (LayerNorms), or summed (RMSNorms)
+    # Kolibri-1: GLM-4's four norms, EXAONE 4's attention (RoPE on the sliding layers), a router
+    # that chooses by its logits plus a bias
+    "kolibri1": ("Kolibri1Config", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, head_dim=32, sliding_window=WINDOW,
+        norm_topk_prob=True, layer_types=["sliding_attention", "full_attention",
+                                          "sliding_attention"])),
     "cohere2_moe": ("Cohere2MoeConfig", dict(
         num_experts=4, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
         prefix_dense_intermediate_size=96, sliding_window=WINDOW, sliding_window_pattern=2,
@@ -406,18 +413,19 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
-       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms"}
+       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
-           "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5)}
+           "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
+           "kolibri1": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
-            "gpt_neo"}
+            "gpt_neo", "kolibri1"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -590,8 +598,8 @@ def test_family_config(arch):
             assert (e.groups, e.scale, e.norm_eps, e.score_bias) == ((2, 1), 1.0, 1e-20, None)
         if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)
             groups, scale = SIGMOID[name]
-            assert (e.groups, e.scale, e.norm_eps) == (groups, scale,
-                                                       0.0 if name == "minimax_m2" else 1e-20)
+            assert (e.groups, e.scale, e.norm_eps) == (groups, scale, 0.0 if name in (
+                "minimax_m2", "kolibri1") else 1e-20)
             assert e.score_bias.shape == (len(e.gate_up),) and float(e.score_bias.abs().min()) > 0
         assert all(lyr.out_gate == (name in ("minicpm5_moe", "afmoe")) for lyr in r.layers)
         if name == "afmoe":  # norms around both branches; RoPE on the sliding layers only
@@ -608,6 +616,11 @@ def test_family_config(arch):
         if name in ("olmoe", "flex_olmo"):
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
             assert (r.layers[0].ln_attn_in is None) == (name == "flex_olmo")  # post-norms
+        assert e.bias_on_logits == (name == "kolibri1")
+        if name == "kolibri1":  # GLM-4's norms after each branch; RoPE on the sliding layers
+            assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [0, 1, 0]
+            assert all(lyr.ln_attn_out is not None and lyr.ln_mlp_out is not None
+                       and lyr.qk_norm is not None for lyr in r.layers)
         if name == "flint":  # sinks; RoPE on the sliding layers; sigmoid scores, no bias
             assert windows == [None, WINDOW, WINDOW] and [lyr.rope for lyr in r.layers] == [1, 0, 0]
             assert all(lyr.sinks.shape == (4,) for lyr in r.layers) and r.attend_kernel is None

@@ -84,6 +84,8 @@ class Experts:
     # the routed and shared experts' outputs: `_cohere`)
     scores: str | None = None
     score_bias: torch.Tensor | None = None  # [E]
+    # Kolibri-1's: the bias added to the float32 logits for the choice, not to the scores
+    bias_on_logits: bool = False
     groups: tuple[int, int] | None = None
     group_top: int = 2
     jitter: float = 0.0  # "sparsemixer": router_jitter_noise
@@ -111,7 +113,8 @@ class Experts:
             scores = rowwise(torch.sigmoid, logits.float())
         else:  # in float32 (Mixtral's), or in the logits' dtype (`scores` "softmax")
             scores = logits.softmax(-1) if self.scores else torch.softmax(logits.float(), dim=-1)
-        choice = scores if self.score_bias is None else scores + self.score_bias
+        choice = scores if self.score_bias is None else (
+            logits.float() if self.bias_on_logits else scores) + self.score_bias
         if self.groups is not None:
             n, keep = self.groups
             best = choice.view(-1, n, choice.shape[-1] // n).topk(self.group_top, dim=-1)[0].sum(dim=-1)
@@ -430,6 +433,9 @@ _TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa", "cohe
 # families whose router's scores are the sigmoid of its float32 logits, with no bias and no
 # groups (DeepSeek-V3's arithmetic otherwise: `Experts.scores` "sigmoid")
 _SIGMOID_PLAIN = ("flint",)
+# families whose choice is their float32 logits plus the bias, their weights those logits'
+# sigmoid (`Experts.bias_on_logits`)
+_BIAS_ON_LOGITS = ("kolibri1",)
 # families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
 _SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe", "deepseek_v2")
 
@@ -471,7 +477,8 @@ def _experts(cfg, mlp, device) -> Experts:
         grouped = dict(
             scores="softmax" if softmax else "sigmoid",
             score_bias=None if bias is None else _t(bias, device),
-            norm_eps=0.0 if cfg.model_type in ("minimax_m2", *_SIGMOID_PLAIN) else 1e-20,
+            norm_eps=0.0 if cfg.model_type in ("minimax_m2", *_SIGMOID_PLAIN, *_BIAS_ON_LOGITS)
+            else 1e-20, bias_on_logits=cfg.model_type in _BIAS_ON_LOGITS,
             groups=(int(groups), int(router.topk_group)) if groups and groups > 1 else None,
             group_top=1 if method else 2, norm_min=getattr(router, "norm_min", None),
             scale=float(scale))
@@ -961,6 +968,22 @@ def _exaone4(hf, device) -> Weights:
                      qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
               for i, lyr in enumerate(m.layers)]
     w = _common(hf, device, layers)
+    if cfg.sliding_window:
+        _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+    return w
+
+
+def _kolibri(hf, device) -> Weights:
+    """Kolibri-1: GLM-4's four norms a layer (before and after each branch), EXAONE 4's
+    attention (per-head q/k norms; where it slides, RoPE on the sliding layers only), and
+    experts on every layer beside a shared expert not gated, whose router chooses by its
+    float32 logits plus a bias and weighs its choices by their sigmoid, normalised where
+    `norm_topk_prob` (`Experts.bias_on_logits`)."""
+    cfg = hf.config
+    w = _llama(hf, device)
+    for lyr, src in zip(w.layers, hf.model.layers):
+        lyr.ln_attn_out = _t(src.post_self_attn_layernorm.weight, device)
+        lyr.ln_mlp_out = _t(src.post_mlp_layernorm.weight, device)
     if cfg.sliding_window:
         _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
     return w
@@ -1471,6 +1494,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "apertus": _apertus,
     "apertus1p5_text": _apertus,  # Apertus 1.5's language model: Apertus, its LM head pruned
     "flint": _flint,
+    "kolibri1": _kolibri,  # GLM-4's norms, EXAONE 4's attention, a router biased on its logits
     "cwm": _llama,  # Llama's block, sliding on the layers `layer_types` marks
     "deepseek_v2": _deepseek,
     "phimoe": _layer_norms,
