@@ -106,6 +106,12 @@ ARCHS = {
     # (1 + w LayerNorms, RoPE on half of each head, ReLU² not gated)
     "stablelm": ("StableLmConfig", dict(use_qkv_bias=True, layer_norm_eps=1e-5)),
     "stablelm-parallel": ("StableLmConfig", dict(use_parallel_residual=True, layer_norm_eps=1e-5)),
+    # StableLM 2 12B's per-head q/k LayerNorms; Persimmon's one LayerNorm (with a bias) over
+    # each of q's heads and one over k's, in GPT-NeoX's block with ReLU², RoPE on half a head
+    "stablelm-qk": ("StableLmConfig", dict(qk_layernorm=True, use_qkv_bias=True,
+                                           layer_norm_eps=1e-5)),
+    "persimmon": ("PersimmonConfig", dict(qk_layernorm=True, partial_rotary_factor=0.5,
+                                          layer_norm_eps=1e-5)),
     "jais2": ("Jais2Config", dict(layer_norm_eps=1e-5)),
     "nemotron": ("NemotronConfig", dict(norm_eps=1e-5, attention_bias=True, mlp_bias=True)),
     # Phi (2): parallel blocks on one LayerNorm, biases everywhere (the LM head's too), partial
@@ -376,6 +382,9 @@ ARCHS["apertus1p5"] = ("Apertus1p5Config", dict(
     audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=50, hidden_size=32,
                       codebook_dim=32, num_filters=4, num_lstm_layers=1),
     image_token_offset=200, audio_token_offset=240, image_token_id=250, audio_token_id=251))
+# Fuyu: Persimmon beside a linear embedding of image patches
+ARCHS["fuyu"] = ("FuyuConfig", dict(text_config=dict(ARCHS["persimmon"][1], model_type="persimmon"),
+                                    hidden_size=128, vocab_size=VOCAB, patch_size=4))
 # Qwen2-VL, Qwen2.5-VL and Qwen3-VL: on text prompts their multimodal RoPE's three position
 # ids are equal, so each section of the head reads the same frequencies as one RoPE would
 # (sections in halves of the 32-wide heads; Qwen3-VL's interleaved)
@@ -506,7 +515,7 @@ def test_family_config(arch):
                                     "mixtral-sliding": "mixtral",
                                     "gpt_bigcode-mha": "gpt_bigcode",
                                     "gpt_neox-sequential": "gpt_neox",
-                                    "stablelm-parallel": "stablelm",
+                                    "stablelm-parallel": "stablelm", "stablelm-qk": "stablelm",
                                     "deepseek_v3-q": "deepseek_v3",
                                     "deepseek_v2-greedy": "deepseek_v2",
                                     "falcon-mq": "falcon", "falcon-seq": "falcon",
@@ -677,7 +686,16 @@ def test_family_config(arch):
         assert r.ropes[0][0].shape[-1] == r.head_dim // 4 and r.pos_embed is None
         assert all(lyr.parallel == (name == "gpt_neox") and lyr.ln_mlp_in is not None
                    for lyr in r.layers)
-    if name in ("stablelm", "stablelm-parallel", "jais2", "nemotron"):
+    # q/k LayerNorms: StableLM's a head, Persimmon's one for every head, with a bias
+    assert all(lyr.qk_layer_norm == (name in ("stablelm-qk", "persimmon", "fuyu")) for lyr in r.layers)
+    if name == "stablelm-qk":
+        src = hf.model.layers[0].self_attn
+        assert torch.equal(r.layers[0].qk_norm[5], src.k_layernorm.norms[1].weight)
+        assert r.layers[0].qk_norm.shape == (4 + 2, 32) and r.layers[0].qk_norm_b is None
+    if name == "persimmon":
+        assert r.layers[0].qk_norm_b.shape == (4 + 4, 32) and r.num_kv_heads == 4
+        assert r.ropes[0][0].shape[-1] == 16 and not r.gated and r.layer_norm
+    if name in ("stablelm", "stablelm-parallel", "stablelm-qk", "jais2", "nemotron"):
         assert r.layer_norm and r.norm_b is not None and r._fused_w is None
         assert r.gated == name.startswith("stablelm") and all(
             lyr.parallel == (name == "stablelm-parallel") for lyr in r.layers)
@@ -963,10 +981,11 @@ def test_model_info_caps_longrope_context(tmp_path):
     assert load_model_info(str(tmp_path)).max_context == 128
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl", "apertus1p5"])
 def test_model_info_of_a_vision_language_model(name, tmp_path):
     """The gateway's view of a vision-language checkpoint is its text model's: the context,
-    vocabulary, KV bytes a token and end-of-sequence ids the runner serves."""
+    vocabulary (the LM head's: Apertus 1.5's is pruned to 250), KV bytes a token and
+    end-of-sequence ids the runner serves."""
     from vericache.model.loader import load_model, load_model_info
 
     build(name, tmp_path)
@@ -974,7 +993,8 @@ def test_model_info_of_a_vision_language_model(name, tmp_path):
     assert (info.max_context, info.vocab_size, info.kv_bytes_per_token, info.eos_token_ids) == \
         (lm.max_context, lm.vocab_size, lm.kv_bytes_per_token, lm.eos_token_ids)
     r = lm.runner
-    assert (lm.max_context, lm.vocab_size) == (512, VOCAB) and 1 in lm.eos_token_ids
+    assert (lm.max_context, lm.vocab_size) == (512, 250 if name == "apertus1p5" else VOCAB)
+    assert 1 in lm.eos_token_ids
     assert lm.kv_bytes_per_token == 2 * r.num_layers * r.num_kv_heads * r.head_dim * 4
 
 

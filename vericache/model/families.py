@@ -194,6 +194,10 @@ class Layer:
     ln_mlp_out: torch.Tensor | None = None  # [H] on the MLP output (Gemma)
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D] per-head RMSNorm of q then k, before RoPE
     qk_norm_after_rope: bool = False  # `qk_norm` after RoPE instead (HunYuan, nanochat)
+    # `qk_norm` a LayerNorm instead (centred, in float32, then cast: StableLM's per-head ones,
+    # Persimmon's one for every head), plus its bias [Hq + Hkv, D] where it has one
+    qk_layer_norm: bool = False
+    qk_norm_b: torch.Tensor | None = None
     # [(Hq + Hkv) D]: one RMSNorm over all of q's heads, then one over k's, before RoPE (OLMo 2)
     qk_norm_wide: torch.Tensor | None = None
     window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
@@ -268,7 +272,8 @@ class Weights:
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
-_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen")
+_MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
+               "persimmon")
 
 
 def kv_heads(cfg) -> int:
@@ -648,12 +653,12 @@ def _granite(hf, device) -> Weights:
 # transformers loads those not in its causal-LM table as image-text-to-text models
 # (`vericache.model.loader`)
 VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                   "apertus1p5")
+                   "apertus1p5", "fuyu")
 
 
 def _language_model(hf, device) -> Weights:
     """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA,
-    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Apertus 1.5): its language model (`text_config`,
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Apertus 1.5, Fuyu): its language model (`text_config`,
     `model.language_model`, `lm_head`), taken by its own family's function, served on text
     prompts; the vision tower is not taken. Their transformers classes compute the logits as
     lm_head(h) alone: Gemma3ForConditionalGeneration applies no final-logit soft-cap
@@ -811,15 +816,18 @@ def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
     head; with `use_parallel_residual` the MLP beside the attention on the same norm), Jais 2
     and Nemotron (its LayerNorm1P scales by 1 + w, the sum in the weights' dtype as
     transformers forms it; RoPE on half of each head); Phi-MoE, with its experts (Phi-MoE's
-    router, `_sparsemixer`). StableLM's q/k LayerNorms
-    (`qk_layernorm`) are refused."""
+    router, `_sparsemixer`). StableLM's q/k LayerNorms (`qk_layernorm`: one a head, without
+    biases) are `Layer.qk_layer_norm`."""
     cfg, m = hf.config, hf.model
-    if getattr(cfg, "qk_layernorm", False):
-        raise ModelLoadError("StableLM with q/k LayerNorms (qk_layernorm) is not supported by the "
-                             "runner")
 
     def w(norm) -> torch.Tensor:
         return _t(norm.weight + 1.0 if one_plus else norm.weight, device)
+
+    def qk(a) -> dict:  # StableLM's q/k LayerNorms, one a head
+        if not getattr(cfg, "qk_layernorm", False):
+            return {}
+        heads = [n.weight for n in (*a.q_layernorm.norms, *a.k_layernorm.norms)]
+        return dict(qk_layer_norm=True, qk_norm=_t(torch.stack(heads), device))
 
     layers = []
     for lyr in m.layers:
@@ -828,7 +836,7 @@ def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
                              ln_attn_in_b=_bias(lyr.input_layernorm, device),
                              ln_mlp_in=None if post is None else w(post),
                              ln_mlp_in_b=None if post is None else _bias(post, device),
-                             parallel=post is None))
+                             parallel=post is None, **qk(lyr.self_attn)))
     mlp = m.layers[0].mlp
     return _common(hf, device, layers, norm=w(m.norm), norm_b=_bias(m.norm, device),
                    layer_norm=True, eps=m.norm.eps,
@@ -1362,6 +1370,39 @@ def _gpt_neox(hf, device) -> Weights:
                    norm_b=_bias(m.final_layer_norm, device), eps=cfg.layer_norm_eps, gated=False)
 
 
+def _persimmon(hf, device) -> Weights:
+    """Persimmon: GPT-NeoX's sequential block (LayerNorms with biases, the fused
+    query_key_value in per-head interleaved order, biases on every product, RoPE on part of
+    each head, an MLP not gated: ReLU²) with one LayerNorm (weight and bias) over each of q's
+    heads and one over each of k's, before RoPE (`Layer.qk_layer_norm`)."""
+    cfg, m = hf.config, hf.model
+    d, heads = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
+    layers = []
+    for lyr in m.layers:
+        a, mlp = lyr.self_attn, lyr.mlp
+        qk = {}
+        if cfg.qk_layernorm:
+            qk = dict(qk_layer_norm=True, **{name: _t(torch.stack(
+                [getattr(a.q_layernorm, p)] * heads + [getattr(a.k_layernorm, p)] * heads), device)
+                for name, p in (("qk_norm", "weight"), ("qk_norm_b", "bias"))})
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device),
+            ln_attn_in_b=_bias(lyr.input_layernorm, device),
+            w_qkv=_heads_interleaved(_t(a.query_key_value.weight, device), heads, d),
+            b_qkv=_heads_interleaved(_bias(a.query_key_value, device), heads, d),
+            w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
+            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+            ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
+            w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
+            w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
+            **qk))
+    embed, lm_head = _embed_and_head(hf, m.embed_tokens.weight, device)
+    ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
+    return Weights(layers, embed, _t(m.final_layernorm.weight, device), lm_head, ropes, d,
+                   activation=cfg.hidden_act, layer_norm=True,
+                   norm_b=_bias(m.final_layernorm, device), eps=cfg.layer_norm_eps, gated=False)
+
+
 def _phi3(hf, device) -> Weights:
     """Phi-3: fused qkv_proj and gate_up_proj (gate first) already in the runner's layout;
     partial rotary comes with the RoPE table's width."""
@@ -1481,6 +1522,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "falcon": _falcon,
     "dbrx": _dbrx,
     "gpt_neox": _gpt_neox,
+    "persimmon": _persimmon,  # GPT-NeoX's block with q/k LayerNorms
     "seed_oss": _llama,  # Llama's block with biases
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
     "hunyuan_v1_moe": _hunyuan,

@@ -199,7 +199,9 @@ def load_model_info(model: str | None = None, dtype: str = "float32") -> ModelIn
         gen_eos = None
     return ModelInfo(model_id=model_id + f":{dtype}", name=_model_name(path), tokenizer=tokenizer,
                      eos_token_ids=_eos_ids(gen_eos, _config_eos(cfg), tokenizer),
-                     max_context=max_positions(text), vocab_size=text.vocab_size,
+                     max_context=max_positions(text),
+                     # the LM head's width (Apertus 1.5's is pruned to `output_vocab_size`)
+                     vocab_size=getattr(text, "output_vocab_size", None) or text.vocab_size,
                      kv_bytes_per_token=_kv_bytes_per_token(text, dtype))
 
 

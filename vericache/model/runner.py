@@ -228,7 +228,8 @@ class Runner:
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
-                    and not lyr.qk_norm_after_rope and lyr.clip_qkv is None and lyr.act is None
+                    and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
+                    and lyr.clip_qkv is None and lyr.act is None
                     and not lyr.out_gate
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -324,10 +325,14 @@ class Runner:
     def _norm(self, x: torch.Tensor, w: torch.Tensor,
               b: torch.Tensor | None = None) -> torch.Tensor:
         """A layer's or the final norm: `_rms`, or where the family's norms are LayerNorms
-        (`layer_norm`), that in Cohere's order: centred, scaled by the variance's rsqrt and by
-        w (plus b, StarCoder 2's), in float32, then cast."""
-        if not self.layer_norm:
-            return self._rms(x, w)
+        (`layer_norm`), `_layer_norm`."""
+        return self._layer_norm(x, w, b) if self.layer_norm else self._rms(x, w)
+
+    def _layer_norm(self, x: torch.Tensor, w: torch.Tensor,
+                    b: torch.Tensor | None = None) -> torch.Tensor:
+        """A LayerNorm over the last dim in Cohere's order: centred, scaled by the variance's
+        rsqrt and by w (plus b, StarCoder 2's), in float32, then cast; w and b [x.shape[-1]],
+        or broadcastable (per-head q/k LayerNorms, `Layer.qk_layer_norm`)."""
         xf = x.float()
         xc = xf - xf.mean(-1, keepdim=True)
         var = xc.pow(2).mean(-1, keepdim=True)
@@ -911,7 +916,9 @@ class Runner:
                 qk = torch.cat([self._rms(qkv[:, : hq * d].contiguous(), wq),
                                 self._rms(qkv[:, hq * d: (hq + hkv) * d].contiguous(), wk)], 1)
                 qk = qk.view(-1, hq + hkv, d)
-            if lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
+            if lyr.qk_layer_norm:
+                qk = self._layer_norm(qk, lyr.qk_norm, lyr.qk_norm_b)
+            elif lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             qk = self._rope_pass(qk, *ropes[lyr.rope])
             if lyr.qk_norm_after_rope:
