@@ -876,12 +876,13 @@ def test_flints_attention_is_float32_in_a_bfloat16_model(tmp_path):
     assert not torch.equal(ours(), ref)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "nanochat"])
+@pytest.mark.parametrize("name", ["olmo2", "nanochat", "kolibri1"])
 def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     """OLMo computes RoPE in float32 whatever the model's dtype (its table is float32), then
     casts back; nanochat's norms have no weights, and the ones that stand in were float32. In
     bfloat16 the runner's pass ran into a float32 product; now its logits are transformers'
-    within bfloat16's rounding, and vericache (bitwise) is full."""
+    within bfloat16's rounding, and vericache (bitwise) is full. Kolibri-1's router is a
+    float32 product over a bfloat16 model's rows (`_ROUTER_FLOAT32`), as transformers' is."""
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
@@ -891,6 +892,8 @@ def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     lm = load_model(str(tmp_path), dtype="bfloat16")
     r = lm.runner
     assert (r.ropes[0][0].dtype == torch.float32) == (name == "olmo2") and r.dtype == torch.bfloat16
+    routers = [lyr.moe.router.dtype for lyr in r.layers if lyr.moe is not None]
+    assert routers == ([torch.float32] * 3 if name == "kolibri1" else [])
     hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(6)).tolist()
     with torch.no_grad():

@@ -44,7 +44,8 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 class Experts:
     """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), computed as
     transformers computes it: the router's logits (x router^T, in the router weight's dtype:
-    float32 where the checkpoint keeps it so), each row's top_k experts and their weights
+    float32 where the checkpoint keeps it so or transformers computes them so,
+    `_ROUTER_FLOAT32`), each row's top_k experts and their weights
     (`route`), each chosen expert's gated MLP over the rows that chose it, scaled by the row's
     weight and added to the row's output in the experts' order; then, where there is one, the
     shared expert's MLP, times sigmoid(x shared_gate^T) where it is gated (Qwen2-MoE)."""
@@ -441,6 +442,10 @@ _SIGMOID_PLAIN = ("flint",)
 # families whose choice is their float32 logits plus the bias, their weights those logits'
 # sigmoid (`Experts.bias_on_logits`)
 _BIAS_ON_LOGITS = ("kolibri1",)
+# families whose router's logits are F.linear(x.float(), W.float()) in any dtype while
+# transformers loads W in the model's dtype: W is kept in float32 here, so the runner's product
+# is that one (DeepSeek-V3's router and its kin, HunYuan's and Flint's, are float32 as loaded)
+_ROUTER_FLOAT32 = ("kolibri1",)
 # families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
 _SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe", "deepseek_v2")
 
@@ -488,7 +493,7 @@ def _experts(cfg, mlp, device) -> Experts:
             group_top=1 if method else 2, norm_min=getattr(router, "norm_min", None),
             scale=float(scale))
     return Experts(
-        router=_t(weight, device),
+        router=_t(weight, device).float() if cfg.model_type in _ROUTER_FLOAT32 else _t(weight, device),
         gate_up=[_t(w, device) for w in ex.gate_up_proj],
         down=[_t(w, device) for w in ex.down_proj],
         top_k=int(router.top_k),
