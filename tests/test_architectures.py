@@ -325,6 +325,9 @@ ARCHS = {
                                       "full_attention", "sliding_attention", "sliding_attention"])),
     # Cohere 2 MoE: a dense prefix layer (full attention, RoPE), then experts; the second full
     # layer has no RoPE; the shared expert averaged in (LayerNorms), or summed (RMSNorms)
+    # Aria's language model: Llama's block, experts on every layer (stored transposed), the
+    # softmax of the top k logits in their dtype, a shared MLP
+    "aria_text": ("AriaTextConfig", dict(moe_num_experts=4, moe_topk=2, head_dim=32)),
     # Kolibri-1: GLM-4's four norms, EXAONE 4's attention (RoPE on the sliding layers), a router
     # that chooses by its logits plus a bias
     "kolibri1": ("Kolibri1Config", dict(
@@ -382,6 +385,12 @@ ARCHS["apertus1p5"] = ("Apertus1p5Config", dict(
     audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=50, hidden_size=32,
                       codebook_dim=32, num_filters=4, num_lstm_layers=1),
     image_token_offset=200, audio_token_offset=240, image_token_id=250, audio_token_id=251))
+# Aria: its language model beside a tiny vision tower (the image token outside the vocabulary)
+ARCHS["aria"] = ("AriaConfig", dict(
+    text_config=dict(ARCHS["aria_text"][1], model_type="aria_text"), image_token_id=VOCAB,
+    projector_patch_to_query_dict={4: 4}, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14)))
 # Fuyu: Persimmon beside a linear embedding of image patches
 ARCHS["fuyu"] = ("FuyuConfig", dict(text_config=dict(ARCHS["persimmon"][1], model_type="persimmon"),
                                     hidden_size=128, vocab_size=VOCAB, patch_size=4))
@@ -422,7 +431,7 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
-       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1"}
+       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -580,9 +589,14 @@ def test_family_config(arch):
             ("mixtral", "deepseek_v2", "hunyuan", "flint")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
                                             "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy",
-                                            "dbrx"))
+                                            "dbrx", "aria_text", "aria"))
         assert r._fused_w is None and e.softmax_after_topk == name.startswith((
-            "gpt_oss", "granitemoe", "cohere2_moe"))
+            "gpt_oss", "granitemoe", "cohere2_moe", "aria"))
+        # the top k's softmax in float32 (Granite-MoE's, Cohere 2 MoE's), or in their dtype
+        assert e.router_float32 == name.startswith(("granitemoe", "cohere2_moe"))
+        if name.startswith("aria"):  # experts stored [E, H, 2I]: the runner's [2I, H]
+            src = (hf.model.language_model if name == "aria" else hf.model).layers[-1].mlp.experts
+            assert torch.equal(e.gate_up[1], src.gate_up_proj[1].t()) and e.gate_up[1].shape == (512, 128)
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe",

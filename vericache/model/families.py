@@ -436,6 +436,8 @@ _TOP_K_FLOAT32 = ("mixtral",)
 # families whose router takes the top k of its float32 logits, then their softmax (Cohere 2
 # MoE's takes them in its logits' dtype: the same choice, the float32 softmax of the same values)
 _TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa", "cohere2_moe")
+# ... and those whose softmax of the top k logits is in the logits' dtype (Aria's)
+_TOP_K_THEN_SOFTMAX_IN_DTYPE = ("aria_text",)
 # families whose router's scores are the sigmoid of its float32 logits, with no bias and no
 # groups (DeepSeek-V3's arithmetic otherwise: `Experts.scores` "sigmoid")
 _SIGMOID_PLAIN = ("flint",)
@@ -454,9 +456,11 @@ def _experts(cfg, mlp, device) -> Experts:
     """A sparse MoE block's router, experts (transformers' [E, 2I, H] and [E, H, I] tensors,
     an expert a view of them) and shared expert."""
     ex = mlp.experts
-    if getattr(ex, "has_bias", False) or getattr(ex, "is_transposed", False):
-        raise ModelLoadError(f"{cfg.model_type}: experts with biases or transposed weights are "
-                             "not supported by the runner")
+    if getattr(ex, "has_bias", False):
+        raise ModelLoadError(f"{cfg.model_type}: experts with biases are not supported by the "
+                             "runner")
+    # Aria's experts hold [E, H, 2I] and [E, I, H] (the runner's [2I, H] and [H, I] transposed)
+    flip = (lambda w: w.t()) if getattr(ex, "is_transposed", False) else (lambda w: w)
     shared = next((getattr(mlp, n) for n in ("shared_expert", "shared_experts", "shared_mlp")
                    if getattr(mlp, n, None) is not None), None)
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
@@ -464,7 +468,7 @@ def _experts(cfg, mlp, device) -> Experts:
     weight = getattr(router, "weight", None)
     if weight is None:  # AFMoE's router holds a gate; HunYuan's, `wg`, float32 as its weights
         weight = (router.gate if hasattr(router, "gate") else router.wg).weight
-    after = cfg.model_type in _TOP_K_THEN_SOFTMAX
+    after = cfg.model_type in (*_TOP_K_THEN_SOFTMAX, *_TOP_K_THEN_SOFTMAX_IN_DTYPE)
     # DeepSeek-V2's: softmax scores, the top k of all ("greedy") or of the best groups, a group
     # scored by its best; the weights not normalised, times routed_scaling_factor, float32
     method = getattr(router, "topk_method", None)
@@ -494,11 +498,11 @@ def _experts(cfg, mlp, device) -> Experts:
             scale=float(scale))
     return Experts(
         router=_t(weight, device).float() if cfg.model_type in _ROUTER_FLOAT32 else _t(weight, device),
-        gate_up=[_t(w, device) for w in ex.gate_up_proj],
-        down=[_t(w, device) for w in ex.down_proj],
+        gate_up=[_t(flip(w), device) for w in ex.gate_up_proj],
+        down=[_t(flip(w), device) for w in ex.down_proj],
         top_k=int(router.top_k),
         norm_topk=bool(getattr(router, "norm_topk_prob", not after and method is None)),
-        softmax_after_topk=after, router_float32=after,
+        softmax_after_topk=after, router_float32=cfg.model_type in _TOP_K_THEN_SOFTMAX,
         # (HunYuan's weights are in its router's dtype)
         weights_in_dtype=(weight.dtype != torch.float32 if hasattr(router, "wg") else
                           cfg.model_type not in _TOP_K_FLOAT32 and method is None
@@ -658,12 +662,12 @@ def _granite(hf, device) -> Weights:
 # transformers loads those not in its causal-LM table as image-text-to-text models
 # (`vericache.model.loader`)
 VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                   "apertus1p5", "fuyu")
+                   "apertus1p5", "fuyu", "aria")
 
 
 def _language_model(hf, device) -> Weights:
     """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA,
-    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Apertus 1.5, Fuyu): its language model (`text_config`,
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Apertus 1.5, Fuyu, Aria): its language model (`text_config`,
     `model.language_model`, `lm_head`), taken by its own family's function, served on text
     prompts; the vision tower is not taken. Their transformers classes compute the logits as
     lm_head(h) alone: Gemma3ForConditionalGeneration applies no final-logit soft-cap
@@ -1541,6 +1545,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "apertus": _apertus,
     "apertus1p5_text": _apertus,  # Apertus 1.5's language model: Apertus, its LM head pruned
     "flint": _flint,
+    "aria_text": _llama,  # Aria's language model: Llama's block, experts on every layer
     "kolibri1": _kolibri,  # GLM-4's norms, EXAONE 4's attention, a router biased on its logits
     "cwm": _llama,  # Llama's block, sliding on the layers `layer_types` marks
     "deepseek_v2": _deepseek,
