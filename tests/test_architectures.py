@@ -182,6 +182,10 @@ ARCHS = {
     "gpt_bigcode": ("GPTBigCodeConfig", dict(multi_query=True)),
     "gpt_bigcode-mha": ("GPTBigCodeConfig", dict(multi_query=False)),
     "opt": ("OPTConfig", dict(ffn_dim=256, word_embed_proj_dim=128)),
+    # BioGPT and XGLM: OPT's block with the embedding scaled by sqrt(hidden); XGLM's positions
+    # a sinusoidal table
+    "biogpt": ("BioGptConfig", dict(intermediate_size=256)),
+    "xglm": ("XGLMConfig", dict(ffn_dim=256)),
     # GPT-Neo: GPT-2's block, q/k/v without biases, scores not scaled, a local layer sliding
     "gpt_neo": ("GPTNeoConfig", dict(attention_types=[[["global", "local", "global"], 1]],
                                      window_size=WINDOW, layer_norm_epsilon=1e-5)),
@@ -423,7 +427,7 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo"}
+ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
              "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
@@ -694,6 +698,12 @@ def test_family_config(arch):
         assert r.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
         if name == "gpt_neo":  # its local layer; scores not scaled (float32 in any dtype)
             assert windows == [None, WINDOW, None] and r.scale == 1.0 and not r.attn_float32
+        assert (r.embed_scale is None) == (name not in ("biogpt", "xglm"))
+        if name in ("biogpt", "xglm"):  # the embedding scaled; the table from the offset on
+            table = hf.biogpt.embed_positions.weight if name == "biogpt" else \
+                hf.model.embed_positions.weights
+            assert float(r.embed_scale) == pytest.approx(128 ** 0.5)
+            assert torch.equal(r.pos_embed, table[2: 2 + 512])
         if name == "opt":  # the table's rows from the offset on
             assert torch.equal(r.pos_embed, hf.model.decoder.embed_positions.weight[2:])
     if name.startswith("gpt_neox"):  # RoPE on a quarter of each head

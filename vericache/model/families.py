@@ -274,7 +274,7 @@ class Weights:
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
 _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
-               "persimmon")
+               "persimmon", "biogpt", "xglm")
 
 
 def kv_heads(cfg) -> int:
@@ -1317,22 +1317,15 @@ def _dbrx(hf, device) -> Weights:
                    layer_norm=True, eps=m.norm_f.eps)
 
 
-def _opt(hf, device) -> Weights:
-    """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
-    OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
-    q/k/v projections. OPT scales q by head_dim^-0.5 before the scores; the runner scales the
-    scores (the same product, rounded once elsewhere). Checkpoints with project_in/out
-    (OPT-350m), post-norm blocks or LayerNorms without weights are refused."""
-    cfg, m = hf.config, hf.model.decoder
-    if (m.project_in is not None or not cfg.do_layer_norm_before or m.final_layer_norm is None
-            or not cfg.layer_norm_elementwise_affine):
-        raise ModelLoadError("OPT with project_in/out, post-norm blocks or LayerNorms without "
-                             "weights is not supported by the runner")
-    layers = []
-    for lyr in m.layers:
+def _fairseq_layers(layers, device) -> list[Layer]:
+    """The pre-norm blocks of OPT, BioGPT and XGLM (fairseq's decoder layer): LayerNorms with
+    biases (self_attn_layer_norm, final_layer_norm), separate q/k/v and out_proj with biases,
+    an MLP not gated (fc1, the activation, fc2)."""
+    out = []
+    for lyr in layers:
         a = lyr.self_attn
         w_qkv, b_qkv = _attention(a, device)
-        layers.append(Layer(
+        out.append(Layer(
             ln_attn_in=_t(lyr.self_attn_layer_norm.weight, device),
             ln_attn_in_b=_bias(lyr.self_attn_layer_norm, device), w_qkv=w_qkv, b_qkv=b_qkv,
             w_o=_t(a.out_proj.weight, device), b_o=_bias(a.out_proj, device),
@@ -1340,14 +1333,39 @@ def _opt(hf, device) -> Weights:
             ln_mlp_in_b=_bias(lyr.final_layer_norm, device),
             w_gate_up=_t(lyr.fc1.weight, device), b_gate_up=_bias(lyr.fc1, device),
             w_down=_t(lyr.fc2.weight, device), b_down=_bias(lyr.fc2, device)))
-    embed, lm_head = _embed_and_head(hf, m.embed_tokens.weight, device)
+    return out
+
+
+def _opt(hf, device) -> Weights:
+    """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
+    OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
+    q/k/v projections (`_fairseq_layers`). OPT scales q by head_dim^-0.5 before the scores; the
+    runner scales the scores (the same product, rounded once elsewhere). BioGPT: the same
+    block and positions, its embedding scaled by sqrt(hidden) where `scale_embedding`; XGLM:
+    the same with a sinusoidal position table (offset by two as well). OPT checkpoints with
+    project_in/out (OPT-350m), post-norm blocks or LayerNorms without weights are refused."""
+    cfg = hf.config
+    kind = cfg.model_type
+    m = {"opt": lambda: hf.model.decoder, "biogpt": lambda: hf.biogpt, "xglm": lambda: hf.model}[kind]()
+    final = m.layer_norm if kind != "opt" else m.final_layer_norm
+    if kind == "opt" and (m.project_in is not None or not cfg.do_layer_norm_before or final is None
+                          or not cfg.layer_norm_elementwise_affine):
+        raise ModelLoadError("OPT with project_in/out, post-norm blocks or LayerNorms without "
+                             "weights is not supported by the runner")
+    layers = _fairseq_layers(m.layers, device)
+    embed = _t(m.embed_tokens.weight, device)
+    lm_head = embed if cfg.tie_word_embeddings else _t(hf.get_output_embeddings().weight, device)
     d = cfg.hidden_size // cfg.num_attention_heads
-    offset = m.embed_positions.offset
-    return Weights(layers, embed, _t(m.final_layer_norm.weight, device), lm_head,
+    pos = m.embed_positions
+    table = pos.weights if kind == "xglm" else pos.weight  # (XGLM's: a sinusoidal buffer)
+    scale = getattr(m.embed_tokens, "embed_scale", 1.0)  # (BioGPT's, XGLM's: sqrt(hidden))
+    return Weights(layers, embed, _t(final.weight, device), lm_head,
                    [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
-                   activation=cfg.activation_function, layer_norm=True,
-                   norm_b=_bias(m.final_layer_norm, device), eps=m.final_layer_norm.eps,
-                   gated=False, pos_embed=_t(m.embed_positions.weight[offset:], device))
+                   activation=getattr(cfg, "activation_function", None) or cfg.hidden_act,
+                   layer_norm=True, norm_b=_bias(final, device), eps=final.eps, gated=False,
+                   pos_embed=_t(table[pos.offset: pos.offset + max_positions(cfg)].to(embed.dtype),
+                                device),
+                   embed_scale=None if scale == 1.0 else float(scale))
 
 
 def _gpt_neox(hf, device) -> Weights:
@@ -1525,6 +1543,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
     "gpt_bigcode": _gpt2,
     "opt": _opt,
+    "biogpt": _opt,  # OPT's block, a scaled embedding
+    "xglm": _opt,  # OPT's block, a scaled embedding, sinusoidal positions
     "gptj": _gptj,
     "codegen": _gptj,  # GPT-J's block, its q/v/k in parts
     "gpt_neo": _gpt_neo,
