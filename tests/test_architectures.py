@@ -297,6 +297,11 @@ ARCHS = {
                                            topk_group=1, moe_intermediate_size=64, head_dim=32)),
     "param2moe": ("Param2MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=64, head_dim=32)),
+    # A.X-K1: DeepSeek-V3's layers with a low-rank q and a norm on the experts' output
+    "axk1": ("AXK1Config", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, kv_lora_rank=32,
+        qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4,
+        q_lora_rank=48, first_k_dense_replace=1, n_group=1, topk_group=1)),
     "sarvam_mla": ("SarvamMLAConfig", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, kv_lora_rank=32,
         qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=4)),
@@ -429,20 +434,21 @@ def auto_class(name: str):
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
-             "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla"}
+             "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
-       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria"}
+       "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
+       "axk1"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
-           "kolibri1": (None, 1.0)}
+           "kolibri1": (None, 1.0), "axk1": (None, 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
@@ -581,7 +587,8 @@ def test_family_config(arch):
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
-                                                               "mellum", "flint", "cohere2_moe"))
+                                                               "mellum", "flint", "cohere2_moe",
+                                                               "axk1"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
@@ -644,6 +651,8 @@ def test_family_config(arch):
             assert r.layers[0].qk_norm_wide.shape == ((4 + 2) * 32,)
             assert (r.layers[0].ln_attn_in is None) == (name == "flex_olmo")  # post-norms
         assert e.bias_on_logits == (name == "kolibri1")
+        if name == "axk1":  # a norm on the experts' output, none on the dense layer's
+            assert [lyr.ln_mlp_out is not None for lyr in r.layers] == [False, True, True]
         if name == "kolibri1":  # GLM-4's norms after each branch; RoPE on the sliding layers
             assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [0, 1, 0]
             assert all(lyr.ln_attn_out is not None and lyr.ln_mlp_out is not None

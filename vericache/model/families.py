@@ -530,7 +530,8 @@ def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
     q_order = (torch.arange(hq)[:, None] * d + head[None]).reshape(-1)
     kv_order = torch.cat([torch.arange(rank), rank + pairs])
     kv_a = a.kv_a_proj_with_mqa
-    low_rank = a.q_proj is None  # q = q_b(norm(q_a x)), else q_proj x in the first product
+    # q = q_b(norm(q_a x)), else q_proj x in the first product (A.X-K1's module has no q_proj)
+    low_rank = getattr(a, "q_proj", None) is None
     first = a.q_a_proj if low_rank else a.q_proj
     w_first = first.weight if low_rank else first.weight[q_order]
     w_qkv = _t(torch.cat([w_first, kv_a.weight[kv_order]]), device)
@@ -1061,6 +1062,18 @@ def _deepseek(hf, device) -> Weights:
     return w
 
 
+def _axk1(hf, device) -> Weights:
+    """A.X-K1: DeepSeek-V3's layers (latent attention with a low-rank q, its router and
+    experts) with a norm on each mixture of experts' output (`ln_mlp_out`; its dense layers
+    have none)."""
+    w = _deepseek(hf, device)
+    for lyr, src in zip(w.layers, hf.model.layers):
+        norm = getattr(src.mlp, "post_mlp_layernorm", None)
+        if norm is not None:
+            lyr.ln_mlp_out = _t(norm.weight, device)
+    return w
+
+
 def _afmoe(hf, device) -> Weights:
     """AFMoE (Arcee's Trinity): norms before and after each branch that scale in float32 (as
     OLMo 2's: `norm_upcast`), per-head q/k norms, an output gate (`Layer.out_gate`), RoPE on
@@ -1575,6 +1588,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "sarvam_moe": _llama,  # GLM-4.5's MoE
     "param2moe": _llama,
     "sarvam_mla": _deepseek,  # DeepSeek-V3
+    "axk1": _axk1,  # DeepSeek-V3's, a norm on the experts' output
     "arcee": _arcee,
     "stablelm": _layer_norms,  # LayerNorms (`_layer_norms`)
     "jais2": _layer_norms,
