@@ -1386,42 +1386,18 @@ def _gpt_neox(hf, device) -> Weights:
     interleaved order (`_heads_interleaved`); RoPE on each head's first `rotary_ndims` dims;
     biases on every product; an MLP not gated. With `use_parallel_residual` the attention
     and the MLP both read the layer's input, each through its own LayerNorm (`parallel`
-    with `ln_mlp_in`)."""
-    cfg, m = hf.config, hf.gpt_neox
+    with `ln_mlp_in`). Persimmon: the sequential block (its own module names; ReLU²) with,
+    where `qk_layernorm`, one LayerNorm (weight and bias) over each of q's heads and one over
+    each of k's, before RoPE (`Layer.qk_layer_norm`)."""
+    cfg = hf.config
+    neox = cfg.model_type == "gpt_neox"
+    m = hf.gpt_neox if neox else hf.model
     d, heads = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
     layers = []
     for lyr in m.layers:
-        a, mlp = lyr.attention, lyr.mlp
-        layers.append(Layer(
-            ln_attn_in=_t(lyr.input_layernorm.weight, device),
-            ln_attn_in_b=_bias(lyr.input_layernorm, device),
-            w_qkv=_heads_interleaved(_t(a.query_key_value.weight, device), heads, d),
-            b_qkv=_heads_interleaved(_bias(a.query_key_value, device), heads, d),
-            w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
-            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
-            ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
-            parallel=bool(cfg.use_parallel_residual),
-            w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
-            w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device)))
-    embed, lm_head = _embed_and_head(hf, m.embed_in.weight, device)
-    ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
-    return Weights(layers, embed, _t(m.final_layer_norm.weight, device), lm_head, ropes, d,
-                   activation=cfg.hidden_act, layer_norm=True,
-                   norm_b=_bias(m.final_layer_norm, device), eps=cfg.layer_norm_eps, gated=False)
-
-
-def _persimmon(hf, device) -> Weights:
-    """Persimmon: GPT-NeoX's sequential block (LayerNorms with biases, the fused
-    query_key_value in per-head interleaved order, biases on every product, RoPE on part of
-    each head, an MLP not gated: ReLU²) with one LayerNorm (weight and bias) over each of q's
-    heads and one over each of k's, before RoPE (`Layer.qk_layer_norm`)."""
-    cfg, m = hf.config, hf.model
-    d, heads = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
-    layers = []
-    for lyr in m.layers:
-        a, mlp = lyr.self_attn, lyr.mlp
+        a, mlp = lyr.attention if neox else lyr.self_attn, lyr.mlp
         qk = {}
-        if cfg.qk_layernorm:
+        if getattr(cfg, "qk_layernorm", False):  # (Persimmon's: one for every head)
             qk = dict(qk_layer_norm=True, **{name: _t(torch.stack(
                 [getattr(a.q_layernorm, p)] * heads + [getattr(a.k_layernorm, p)] * heads), device)
                 for name, p in (("qk_norm", "weight"), ("qk_norm_b", "bias"))})
@@ -1433,14 +1409,16 @@ def _persimmon(hf, device) -> Weights:
             w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
             ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
             ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
+            parallel=bool(getattr(cfg, "use_parallel_residual", False)),
             w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
             **qk))
-    embed, lm_head = _embed_and_head(hf, m.embed_tokens.weight, device)
+    embed, lm_head = _embed_and_head(hf, (m.embed_in if neox else m.embed_tokens).weight, device)
+    final = m.final_layer_norm if neox else m.final_layernorm
     ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
-    return Weights(layers, embed, _t(m.final_layernorm.weight, device), lm_head, ropes, d,
+    return Weights(layers, embed, _t(final.weight, device), lm_head, ropes, d,
                    activation=cfg.hidden_act, layer_norm=True,
-                   norm_b=_bias(m.final_layernorm, device), eps=cfg.layer_norm_eps, gated=False)
+                   norm_b=_bias(final, device), eps=cfg.layer_norm_eps, gated=False)
 
 
 def _phi3(hf, device) -> Weights:
@@ -1564,7 +1542,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "falcon": _falcon,
     "dbrx": _dbrx,
     "gpt_neox": _gpt_neox,
-    "persimmon": _persimmon,  # GPT-NeoX's block with q/k LayerNorms
+    "persimmon": _gpt_neox,  # GPT-NeoX's sequential block with q/k LayerNorms
     "seed_oss": _llama,  # Llama's block with biases
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
     "hunyuan_v1_moe": _hunyuan,
