@@ -803,8 +803,8 @@ class Runner:
         scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
-        dropped; with `attn_float32` (Flint's), those scores and that softmax in float32, the
-        weights cast back. A row that sees no key (a padding row) gives zeros, not NaN."""
+        dropped; with `attn_float32` (Flint's, GPT-Neo's, GPT-J's, CodeGen's), those scores
+        and that softmax in float32, the weights cast back. A row that sees no key (a padding row) gives zeros, not NaN."""
         if not self.attn_softcap and sinks is None and not self.attn_float32:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         if self.attn_float32:
