@@ -83,14 +83,15 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(name: str, path) -> "torch.nn.Module":
-    """Write a tiny random model of `name` to `path` (.gguf); returns the source model."""
+def write_gguf(name: str, path, **config) -> "torch.nn.Module":
+    """Write a tiny random model of `name` to `path` (.gguf), `config` overriding its config's
+    fields; returns the source model."""
     import gguf
     import transformers
     from transformers import AutoModelForCausalLM
 
     arch, cls, over = ARCHS[name]
-    cfg = getattr(transformers, cls)(**{**COMMON, **over})
+    cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -147,7 +148,12 @@ def write_gguf(name: str, path) -> "torch.nn.Module":
     w.add_pad_token_id(0)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
-    for key, t in hf.state_dict().items():
+    state = hf.state_dict()
+    for key in [k for k in state if ".norms." in k]:  # StableLM's per-head q/k norms: one
+        base, head = key.split(".norms.")  # tensor a layer, [heads, D], as llama.cpp stacks them
+        state.setdefault(f"{base}.weight", []).append(state.pop(key))
+    for key, t in state.items():
+        t = torch.stack(t) if isinstance(t, list) else t
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         base, suffix = key.rsplit(".", 1)
@@ -284,4 +290,22 @@ def test_gguf_of_an_architecture_transformers_does_not_read(tmp_path, monkeypatc
     readable = msg.split("runner's families: ")[1].split(";")[0].split(", ")
     assert {"llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2_moe", "qwen3_moe"} <= set(readable)
     assert "smollm3" not in readable
+    assert [p.name for p in (cache / "models").iterdir()] == []
+
+
+def test_a_stablelm_file_with_q_k_norms_is_refused(tmp_path, monkeypatch):
+    """StableLM 2 12B's q/k LayerNorms, in a file as llama.cpp writes them (attn_q_norm and
+    attn_k_norm, one [heads, D] tensor a layer): transformers builds a StableLM without them
+    and drops the tensors without a word, so serving what it built would serve another
+    model. The loader refuses the file, and leaves no converted folder in its cache (a Hugging
+    Face folder of the model loads: tests/test_architectures.py's `stablelm-qk`)."""
+    from vericache.errors import ModelLoadError
+    from vericache.model.loader import load_model
+
+    path = tmp_path / "tiny-stablelm-qk.gguf"
+    write_gguf("stablelm", path, qk_layernorm=True)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VERICACHE_CACHE_DIR", str(cache))
+    with pytest.raises(ModelLoadError, match="attn_q_norm"):
+        load_model(str(path))
     assert [p.name for p in (cache / "models").iterdir()] == []

@@ -100,6 +100,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise ModelLoadError(f"cannot read {gguf.name}: {e} From GGUF, transformers reads these "
                              f"of the runner's families: {', '.join(ours)}; a Hugging Face "
                              "folder of any supported family loads") from e
+    _refuse_dropped_norms(gguf, model)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -123,6 +124,24 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _refuse_dropped_norms(gguf: Path, model) -> None:
+    """transformers builds a model from a GGUF file's metadata and takes the tensors that model
+    has a place for. A StableLM file's q/k norms (attn_q_norm, attn_k_norm: StableLM 2 12B's)
+    have none there, and are dropped without a word: serving the model built would serve
+    another one. A file with q/k norms whose model has none is refused."""
+    from gguf import GGUFReader
+
+    kinds = {t.name.split(".")[-2] for t in GGUFReader(str(gguf)).tensors
+             if t.name.startswith("blk.")}
+    dropped = sorted({"attn_q_norm", "attn_k_norm"} & kinds)
+    if dropped and not any(".q_norm." in n or ".q_layernorm." in n
+                           for n, _ in model.named_parameters()):
+        raise ModelLoadError(f"{gguf.name} holds q/k norms ({', '.join(dropped)}) that "
+                             f"transformers' {model.config.model_type} model from GGUF drops; "
+                             "serving it would serve another model. Load the checkpoint's Hugging "
+                             "Face folder instead")
 
 
 def hf_folder_for(path: Path) -> tuple[Path, str]:
