@@ -186,6 +186,8 @@ ARCHS = {
     # a sinusoidal table
     "biogpt": ("BioGptConfig", dict(intermediate_size=256)),
     "xglm": ("XGLMConfig", dict(ffn_dim=256)),
+    # CTRL: pre-LayerNorm blocks, a scaled embedding, a sinusoidal table, the LM head's bias
+    "ctrl": ("CTRLConfig", dict(dff=256, layer_norm_epsilon=1e-6)),
     # GPT-Neo: GPT-2's block, q/k/v without biases, scores not scaled, a local layer sliding
     "gpt_neo": ("GPTNeoConfig", dict(attention_types=[[["global", "local", "global"], 1]],
                                      window_size=WINDOW, layer_norm_epsilon=1e-5)),
@@ -432,7 +434,7 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm"}
+ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm", "ctrl"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
              "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
@@ -707,7 +709,10 @@ def test_family_config(arch):
         assert r.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
         if name == "gpt_neo":  # its local layer; scores not scaled (float32 in any dtype)
             assert windows == [None, WINDOW, None] and r.scale == 1.0 and not r.attn_float32
-        assert (r.embed_scale is None) == (name not in ("biogpt", "xglm"))
+        assert (r.embed_scale is None) == (name not in ("biogpt", "xglm", "ctrl"))
+        if name == "ctrl":  # its table from position 0; the LM head's bias
+            assert torch.equal(r.pos_embed, hf.transformer.pos_encoding[:512])
+            assert r.lm_head_b is not None and float(r.embed_scale) == pytest.approx(128 ** 0.5)
         if name in ("biogpt", "xglm"):  # the embedding scaled; the table from the offset on
             table = hf.biogpt.embed_positions.weight if name == "biogpt" else \
                 hf.model.embed_positions.weights
@@ -1106,6 +1111,19 @@ def test_falcon_with_alibi_is_refused():
     cfg = FalconConfig(**{**COMMON, "num_hidden_layers": 1}, alibi=True)
     with pytest.raises(ModelLoadError, match="Falcon with ALiBi"):
         Runner.from_hf(FalconForCausalLM(cfg))
+
+
+def test_ctrl_with_another_final_eps_is_refused():
+    """CTRL's layers' norms take eps 1e-6 whatever its config says, its final norm the config's:
+    the runner has one eps, so a config with another is refused by name."""
+    from transformers import CTRLConfig, CTRLLMHeadModel
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    cfg = CTRLConfig(**{**COMMON, "num_hidden_layers": 1}, dff=64, layer_norm_epsilon=1e-5)
+    with pytest.raises(ModelLoadError, match="CTRL with layer_norm_epsilon"):
+        Runner.from_hf(CTRLLMHeadModel(cfg))
 
 
 def test_cohere2_moe_with_its_sigmoid_router_is_refused():

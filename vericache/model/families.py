@@ -274,7 +274,7 @@ class Weights:
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
 _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
-               "persimmon", "biogpt", "xglm")
+               "persimmon", "biogpt", "xglm", "ctrl")
 
 
 def kv_heads(cfg) -> int:
@@ -1381,6 +1381,37 @@ def _opt(hf, device) -> Weights:
                    embed_scale=None if scale == 1.0 else float(scale))
 
 
+def _ctrl(hf, device) -> Weights:
+    """CTRL: pre-norm blocks with LayerNorms (weights and biases), q/k/v and the output with
+    biases, an MLP not gated (ReLU), the embedding scaled by sqrt(hidden), a sinusoidal
+    position table (`pos_embed`, no offset) and the LM head's bias. Its layers' norms have
+    eps 1e-6 whatever the config says; a final norm with another is refused (the runner has
+    one eps)."""
+    cfg, m = hf.config, hf.transformer
+    eps = {float(b.layernorm1.eps) for b in m.h} | {float(b.layernorm2.eps) for b in m.h}
+    if eps != {float(m.layernorm.eps)}:
+        raise ModelLoadError(f"CTRL with layer_norm_epsilon {m.layernorm.eps} (its layers' "
+                             "norms take 1e-6) is not supported by the runner")
+    layers = []
+    for b in m.h:
+        a, up, down = b.multi_head_attention, b.ffn[0], b.ffn[2]
+        layers.append(Layer(
+            ln_attn_in=_t(b.layernorm1.weight, device), ln_attn_in_b=_bias(b.layernorm1, device),
+            w_qkv=_t(torch.cat([a.Wq.weight, a.Wk.weight, a.Wv.weight]), device),
+            b_qkv=_t(torch.cat([a.Wq.bias, a.Wk.bias, a.Wv.bias]), device),
+            w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
+            ln_mlp_in=_t(b.layernorm2.weight, device), ln_mlp_in_b=_bias(b.layernorm2, device),
+            w_gate_up=_t(up.weight, device), b_gate_up=_bias(up, device),
+            w_down=_t(down.weight, device), b_down=_bias(down, device)))
+    embed, lm_head = _embed_and_head(hf, m.w.weight, device)
+    d, n = cfg.n_embd // cfg.n_head, max_positions(cfg)
+    return Weights(layers, embed, _t(m.layernorm.weight, device), lm_head,
+                   [_identity_rope(n, d, embed.dtype, device)], d, activation="relu",
+                   layer_norm=True, norm_b=_bias(m.layernorm, device), eps=float(m.layernorm.eps),
+                   gated=False, pos_embed=_t(m.pos_encoding[:n].to(embed.dtype), device),
+                   embed_scale=math.sqrt(cfg.n_embd), lm_head_b=_bias(hf.lm_head, device))
+
+
 def _gpt_neox(hf, device) -> Weights:
     """GPT-NeoX (Pythia): LayerNorms with biases; the fused query_key_value in per-head
     interleaved order (`_heads_interleaved`); RoPE on each head's first `rotary_ndims` dims;
@@ -1536,6 +1567,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "opt": _opt,
     "biogpt": _opt,  # OPT's block, a scaled embedding
     "xglm": _opt,  # OPT's block, a scaled embedding, sinusoidal positions
+    "ctrl": _ctrl,
     "gptj": _gptj,
     "codegen": _gptj,  # GPT-J's block, its q/v/k in parts
     "gpt_neo": _gpt_neo,
