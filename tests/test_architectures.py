@@ -914,6 +914,27 @@ def test_flints_attention_is_float32_in_a_bfloat16_model(tmp_path):
     assert not torch.equal(ours(), ref)
 
 
+def test_an_embedding_scaled_by_a_number_rounds_once(tmp_path):
+    """CTRL (and Granite, HyperCLOVAX, AFMoE, BioGPT, XGLM) multiplies its embedding by a
+    Python float: in bfloat16 the product is taken in float32 and rounded once. The runner
+    multiplies so (`Weights.embed_scale_number`); sqrt(128) as a bfloat16 tensor (Gemma's
+    way) rounds the scale first and gives other bits. With the tensor, CTRL's bfloat16 `full` left
+    `generate` at token 14 in the dry run; with the number it did not."""
+    import numpy as np
+
+    from vericache.model.loader import load_model
+
+    build("ctrl", tmp_path)
+    r = load_model(str(tmp_path), dtype="bfloat16").runner
+    hf = auto_class("ctrl").from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    ids = torch.arange(3, VOCAB)
+    with torch.no_grad():
+        ref = hf.transformer.w(ids)
+        ref *= np.sqrt(hf.config.n_embd)  # transformers' CTRL, as its forward does
+    assert isinstance(r.embed_scale, float) and torch.equal(r.embed[ids] * r.embed_scale, ref)
+    assert not torch.equal(r.embed[ids] * torch.tensor(r.embed_scale, dtype=torch.bfloat16), ref)
+
+
 @pytest.mark.parametrize("name", ["olmo2", "nanochat", "kolibri1"])
 def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     """OLMo computes RoPE in float32 whatever the model's dtype (its table is float32), then

@@ -245,6 +245,10 @@ class Weights:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     # Gemma: sqrt(hidden); Granite: embedding_multiplier; applied in the model dtype
     embed_scale: float | None = None
+    # the scale as a number: the product in float32, then rounded (transformers' Granite,
+    # HyperCLOVAX, AFMoE, BioGPT, XGLM and CTRL multiply by a Python float); else a tensor
+    # in the model's dtype (Gemma's, MiniCPM3's)
+    embed_scale_number: bool = False
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
@@ -653,7 +657,7 @@ def _granite(hf, device) -> Weights:
         _fold_residual(w, m)
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
-        w.embed_scale = float(cfg.embedding_multiplier)
+        w.embed_scale, w.embed_scale_number = float(cfg.embedding_multiplier), True
     if float(cfg.logits_scaling) != 1.0:  # (HyperCLOVAX multiplies, Granite divides)
         setattr(w, "logit_scale" if clova else "logit_divisor", float(cfg.logits_scaling))
     return w
@@ -1092,7 +1096,7 @@ def _afmoe(hf, device) -> Weights:
               for i, lyr in enumerate(m.layers)]
     w = _common(hf, device, layers, norm=f32(m.norm), norm_upcast=True)
     if cfg.mup_enabled:
-        w.embed_scale = cfg.hidden_size ** 0.5
+        w.embed_scale, w.embed_scale_number = cfg.hidden_size ** 0.5, True
     return _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
 
 
@@ -1378,7 +1382,7 @@ def _opt(hf, device) -> Weights:
                    layer_norm=True, norm_b=_bias(final, device), eps=final.eps, gated=False,
                    pos_embed=_t(table[pos.offset: pos.offset + max_positions(cfg)].to(embed.dtype),
                                 device),
-                   embed_scale=None if scale == 1.0 else float(scale))
+                   embed_scale=None if scale == 1.0 else float(scale), embed_scale_number=True)
 
 
 def _ctrl(hf, device) -> Weights:
@@ -1409,7 +1413,8 @@ def _ctrl(hf, device) -> Weights:
                    [_identity_rope(n, d, embed.dtype, device)], d, activation="relu",
                    layer_norm=True, norm_b=_bias(m.layernorm, device), eps=float(m.layernorm.eps),
                    gated=False, pos_embed=_t(m.pos_encoding[:n].to(embed.dtype), device),
-                   embed_scale=math.sqrt(cfg.n_embd), lm_head_b=_bias(hf.lm_head, device))
+                   embed_scale=math.sqrt(cfg.n_embd), embed_scale_number=True,
+                   lm_head_b=_bias(hf.lm_head, device))
 
 
 def _gpt_neox(hf, device) -> Weights:

@@ -183,7 +183,8 @@ class Runner:
         self.group = self.num_heads // self.num_kv_heads
         self.scale = w.attn_scale or self.head_dim ** -0.5
         self.act = _activation(w.activation)
-        self.embed_scale = (None if w.embed_scale is None else
+        self.embed_scale = (None if w.embed_scale is None else float(w.embed_scale)
+                            if w.embed_scale_number else
                             torch.tensor(w.embed_scale, dtype=self.dtype, device=self.device))
         self.norm_upcast = w.norm_upcast
         self.final_softcap = w.final_softcap
