@@ -243,7 +243,8 @@ class Weights:
     head_dim: int
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
-    # Gemma: sqrt(hidden); Granite: embedding_multiplier; applied in the model dtype
+    # Gemma: sqrt(hidden); Granite: embedding_multiplier; a tensor in the model dtype, or a
+    # number (`embed_scale_number`)
     embed_scale: float | None = None
     # the scale as a number: the product in float32, then rounded (transformers' Granite,
     # HyperCLOVAX, AFMoE, BioGPT, XGLM and CTRL multiply by a Python float); else a tensor
