@@ -951,10 +951,15 @@ def _interleaved(hf, device) -> Weights:
             lyr.ln_attn_in, lyr.ln_mlp_in = lyr.ln_attn_in.float(), lyr.ln_mlp_in.float()
         w.norm = w.norm.float()
     if kind == "glm4":
-        for lyr, src in zip(w.layers, hf.model.layers):
-            lyr.ln_attn_out = _t(src.post_self_attn_layernorm.weight, device)
-            lyr.ln_mlp_out = _t(src.post_mlp_layernorm.weight, device)
+        _glm4_post_norms(w, hf, device)
     return w
+
+
+def _glm4_post_norms(w: Weights, hf, device) -> None:
+    """GLM-4's norms on each branch's output (`ln_attn_out`, `ln_mlp_out`), Kolibri-1's too."""
+    for lyr, src in zip(w.layers, hf.model.layers):
+        lyr.ln_attn_out = _t(src.post_self_attn_layernorm.weight, device)
+        lyr.ln_mlp_out = _t(src.post_mlp_layernorm.weight, device)
 
 
 def _phi(hf, device) -> Weights:
@@ -1004,9 +1009,7 @@ def _kolibri(hf, device) -> Weights:
     `norm_topk_prob` (`Experts.bias_on_logits`)."""
     cfg = hf.config
     w = _llama(hf, device)
-    for lyr, src in zip(w.layers, hf.model.layers):
-        lyr.ln_attn_out = _t(src.post_self_attn_layernorm.weight, device)
-        lyr.ln_mlp_out = _t(src.post_mlp_layernorm.weight, device)
+    _glm4_post_norms(w, hf, device)
     if cfg.sliding_window:
         _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
     return w
@@ -1364,7 +1367,7 @@ def _opt(hf, device) -> Weights:
     project_in/out (OPT-350m), post-norm blocks or LayerNorms without weights are refused."""
     cfg = hf.config
     kind = cfg.model_type
-    m = {"opt": lambda: hf.model.decoder, "biogpt": lambda: hf.biogpt, "xglm": lambda: hf.model}[kind]()
+    m = hf.biogpt if kind == "biogpt" else hf.model if kind == "xglm" else hf.model.decoder
     final = m.layer_norm if kind != "opt" else m.final_layer_norm
     if kind == "opt" and (m.project_in is not None or not cfg.do_layer_norm_before or final is None
                           or not cfg.layer_norm_elementwise_affine):

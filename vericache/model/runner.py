@@ -208,8 +208,9 @@ class Runner:
         native = self.device.type == "cpu" and self.dtype == torch.float32
         # (nor GPT-OSS's attention sinks)
         sinks = any(lyr.sinks is not None for lyr in w.layers)
+        # (`attn_float32` is off where it runs: a float32 model's scores are float32 already)
         self.attend_kernel = (kernels.attend() if native and not self.attn_softcap
-                              and not sinks and not self.attn_float32 else None)
+                              and not sinks else None)
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
