@@ -19,6 +19,7 @@ N_VERICACHE = 24  # a vericache case's tokens (`full`'s first): with a random mo
 PROMPT = 80
 WINDOW = 16
 CHUNK = 16
+L4_CHUNK = 24  # Llama 4's attention chunk (`families.Chunk`)
 VOCAB = 300
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -358,6 +359,15 @@ ARCHS = {
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
                                                   "sliding_attention"])),
+    # Llama 4: chunked attention on its RoPE layers (chunks of L4_CHUNK start inside the
+    # prompt, among the decode steps and inside verify passes), RoPE over interleaved pairs,
+    # q/k norms without weights after it; layer 1 without RoPE, attending to every key, q
+    # scaled from position floor_scale - 1 = 31 on; experts on layer 1 (step 2), the sigmoid
+    # of the top logit scaling the chosen expert's input, beside a shared expert
+    "llama4_text": ("Llama4TextConfig", dict(
+        head_dim=32, num_local_experts=4, num_experts_per_tok=1, intermediate_size=64,
+        intermediate_size_mlp=256, interleave_moe_layer_step=2, no_rope_layers=[1, 0, 1],
+        attention_chunk_size=L4_CHUNK, floor_scale=32, attn_scale=0.1)),
 }
 # Gemma 3's vision-language checkpoints (4B and up): the same text model inside, a tiny vision
 # tower beside it (`build` puts COMMON into the text config)
@@ -402,6 +412,18 @@ ARCHS["aria"] = ("AriaConfig", dict(
     projector_patch_to_query_dict={4: 4}, vision_config=dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         image_size=28, patch_size=14)))
+# Llama 4's checkpoints (Scout, Maverick): its language model beside a tiny vision tower,
+# here with the top two experts (the released ones take one), experts on every layer; the
+# loader reads the language model alone (transformers' Llama4ForCausalLM takes its weights)
+ARCHS["llama4"] = ("Llama4Config", dict(
+    text_config=dict(ARCHS["llama4_text"][1], num_experts_per_tok=2, interleave_moe_layer_step=1),
+    boi_token_index=VOCAB, eoi_token_index=VOCAB, image_token_index=VOCAB, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14, vision_output_dim=16, projector_input_dim=16,
+        projector_output_dim=16)))
+# the class that builds a checkpoint where the loader's is another (Llama 4's causal LM loads
+# a checkpoint that its image-text-to-text model saved)
+BUILD_CLASS = {"llama4": "Llama4ForConditionalGeneration"}
 # Fuyu: Persimmon beside a linear embedding of image patches
 ARCHS["fuyu"] = ("FuyuConfig", dict(text_config=dict(ARCHS["persimmon"][1], model_type="persimmon"),
                                     hidden_size=128, vocab_size=VOCAB, patch_size=4))
@@ -456,6 +478,7 @@ WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exao
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
             "gpt_neo", "kolibri1"}
+CHUNKED = {"llama4_text", "llama4"}  # chunked attention (`families.Chunk`)
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -500,7 +523,10 @@ def build(name: str, folder, **config) -> None:
     else:
         cfg = getattr(transformers, cls)(**{**COMMON, **over, **config})
     torch.manual_seed(0)
-    hf = auto_class(name).from_config(cfg, dtype=torch.float32)
+    if name in BUILD_CLASS:
+        hf = getattr(transformers, BUILD_CLASS[name])(cfg)  # (float32: torch's default)
+    else:
+        hf = auto_class(name).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks", ".alpha_p",
@@ -529,6 +555,8 @@ def arch(request, tmp_path_factory):
 
 
 def test_family_config(arch):
+    from vericache.model.families import Chunk
+
     name, lm, hf, _ = arch
     assert hf.config.model_type == {"llama-rope-llama3": "llama", "mistral-sliding": "mistral",
                                     "qwen2-sliding": "qwen2", "phi3-longrope": "phi3",
@@ -542,11 +570,14 @@ def test_family_config(arch):
                                     "falcon-mq": "falcon", "falcon-seq": "falcon",
                                     "cohere2_moe-rms": "cohere2_moe",
                                     "mistral3-mistral4": "mistral3",
+                                    "llama4": "llama4_text",  # (its causal LM's config)
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
         assert WINDOW in windows and r.windowed
+    elif name in CHUNKED:
+        assert windows == [Chunk(L4_CHUNK), None, Chunk(L4_CHUNK)] and r.windowed
     else:
         assert windows == [None] * r.num_layers and not r.windowed
     if name.startswith("gemma3"):
@@ -757,6 +788,31 @@ def test_family_config(arch):
         assert (r.q_scale is not None) == (name == "mistral3-mistral4")
         if name == "minicpm3":  # embedding, branch and logit scales
             assert (float(r.embed_scale), r.logit_divisor) == (12.0, 4.0)
+    if name in CHUNKED:
+        # RoPE (over interleaved pairs: q's rows in halves) and q/k norms of ones on the
+        # chunked layers; the layer without RoPE reads the identity table, its q scaled by
+        # 1 + 0.1 log(1 + floor((p + 1) / 32)), in float32
+        assert [lyr.rope for lyr in r.layers] == [0, 1, 0]
+        q = hf.model.layers[0].self_attn.q_proj.weight[:32]
+        assert torch.equal(r.layers[0].w_qkv[:16], q[0::2]) and torch.equal(r.layers[0].w_qkv[16:32], q[1::2])
+        assert torch.equal(r.layers[1].w_qkv, torch.cat([
+            getattr(hf.model.layers[1].self_attn, f"{n}_proj").weight for n in "qkv"]))
+        assert [lyr.qk_norm is not None and lyr.qk_norm_after_rope for lyr in r.layers] == [True, False, True]
+        assert torch.equal(r.layers[0].qk_norm, torch.ones(4 + 2, 32))
+        assert [lyr.q_scaled for lyr in r.layers] == [False, True, False]
+        assert r.q_scale.dtype == torch.float32 and r.q_scale_from == 31
+        assert float(r.q_scale[30]) == 1.0 and float(r.q_scale[31]) > 1.0
+        assert abs(float(r.q_scale[94]) - (1 + 0.1 * math.log(3.0))) < 1e-6
+        moe = [lyr.moe for lyr in r.layers]
+        e = moe[1]
+        assert [m is not None for m in moe] == ([False, True, False] if name == "llama4_text"
+                                                 else [True] * 3)
+        assert (e.scores, e.scale_input, e.top_k) == ("top_k_sigmoid", True, 1 if name == "llama4_text" else 2)
+        src = hf.model.layers[1].feed_forward.experts
+        assert torch.equal(e.gate_up[2], src.gate_up_proj[2].t()) and e.gate_up[2].shape == (128, 128)
+        assert torch.equal(e.down[2], src.down_proj[2].t()) and e.shared_down is not None
+        if name == "llama4_text":  # the dense layers' MLP: intermediate_size_mlp wide
+            assert r.layers[0].w_gate_up.shape == (512, 128) and r._fused_w is None
     if name == "ministral3":  # 1 up to position 32, then 1 + 0.1 log(1 + floor(p / 32))
         assert r.q_scale_from == 32 and float(r.q_scale[31]) == 1.0
         assert abs(float(r.q_scale[64]) - (1 + 0.1 * torch.log(torch.tensor(3.0)))) < 1e-6
@@ -764,7 +820,7 @@ def test_family_config(arch):
         assert hf.config.rope_parameters["rope_type"] == "llama3"
     # q/k norms after RoPE: not the fused pass (its kernel norms before RoPE)
     assert all(lyr.qk_norm_after_rope == name.startswith(("hunyuan", "nanochat"))
-               for lyr in r.layers)
+               for lyr in r.layers) or name in CHUNKED
     if name.startswith(("hunyuan", "nanochat")):
         assert r._fused_w is None and r.layers[0].qk_norm.shape == (4 + 2, 32)
     if name == "hunyuan_v1_dense":  # "dynamic" with alpha: NTK-alpha's static base
@@ -935,10 +991,11 @@ def test_an_embedding_scaled_by_a_number_rounds_once(tmp_path):
     assert not torch.equal(r.embed[ids] * torch.tensor(r.embed_scale, dtype=torch.bfloat16), ref)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "nanochat", "kolibri1"])
+@pytest.mark.parametrize("name", ["olmo2", "nanochat", "kolibri1", "llama4_text"])
 def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     """OLMo computes RoPE in float32 whatever the model's dtype (its table is float32), then
-    casts back; nanochat's norms have no weights, and the ones that stand in were float32. In
+    casts back, and so does Llama 4 (its complex table), whose q it scales by float32 factors
+    past position 30, the product rounded once; nanochat's norms have no weights, and the ones that stand in were float32. In
     bfloat16 the runner's pass ran into a float32 product; now its logits are transformers'
     within bfloat16's rounding, and vericache (bitwise) is full. Kolibri-1's router is a
     float32 product over a bfloat16 model's rows (`_ROUTER_FLOAT32`), as transformers' is."""
@@ -950,9 +1007,11 @@ def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     build(name, tmp_path)
     lm = load_model(str(tmp_path), dtype="bfloat16")
     r = lm.runner
-    assert (r.ropes[0][0].dtype == torch.float32) == (name == "olmo2") and r.dtype == torch.bfloat16
+    assert (r.ropes[0][0].dtype == torch.float32) == (name in ("olmo2", "llama4_text"))
+    assert r.dtype == torch.bfloat16 and (name != "llama4_text" or r.q_scale.dtype == torch.float32)
     routers = [lyr.moe.router.dtype for lyr in r.layers if lyr.moe is not None]
-    assert routers == ([torch.float32] * 3 if name == "kolibri1" else [])
+    assert routers == ([torch.float32] * 3 if name == "kolibri1" else
+                       [torch.bfloat16] if name == "llama4_text" else [])
     hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(6)).tolist()
     with torch.no_grad():
@@ -966,10 +1025,10 @@ def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     assert vc.token_ids == full.token_ids and len(full.token_ids) == 16
 
 
-@pytest.mark.parametrize("name", sorted(WINDOWED))
+@pytest.mark.parametrize("name", sorted(WINDOWED | {"llama4_text"}))
 def test_window_masks_by_recorded_position(name, tmp_path):
     """A cache that records positions holds the same tokens in shuffled slots: decode logits
-    equal the dense cache's (the window masks by position, not slot). With the keys older
+    equal the dense cache's (the window, or Llama 4's chunk, masks by position, not slot). With the keys older
     than every later query's window dropped, a model whose layers all slide (Mistral, Phi-3
     here) gives the same logits too."""
     from vericache.model.loader import load_model
@@ -1043,7 +1102,7 @@ def test_model_info_caps_longrope_context(tmp_path):
     assert load_model_info(str(tmp_path)).max_context == 128
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl", "apertus1p5"])
+@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl", "apertus1p5", "llama4"])
 def test_model_info_of_a_vision_language_model(name, tmp_path):
     """The gateway's view of a vision-language checkpoint is its text model's: the context,
     vocabulary (the LM head's: Apertus 1.5's is pruned to 250), KV bytes a token and
@@ -1369,11 +1428,36 @@ def test_rowwise_gives_each_row_its_own_bits(act, n):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3_text", "llama4_text"])
+def test_the_invariant_pass_masks_windows_and_chunks(name, tmp_path):
+    """The invariant pass (items marked `bitwise`) runs each row as one SDPA call over the
+    keys it sees, from its window's or chunk's start: a prefill, one-token steps and a
+    four-token step, continuing one cache, give transformers' logits. (Its verify passes are
+    checked against its own decode steps elsewhere, which a wrong start in both would pass.)"""
+    from vericache.model.loader import load_model
+    from vericache.model.runner import SeqBatchItem
+
+    build(name, tmp_path)
+    r = load_model(str(tmp_path), dtype="float32").runner
+    hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (PROMPT + 12,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    cache, got = r.new_cache(8), []
+    for lo, hi in [(0, PROMPT), *[(p, p + 1) for p in range(PROMPT, PROMPT + 8)],
+                   (PROMPT + 8, PROMPT + 12)]:
+        item = SeqBatchItem(ids[lo:hi], torch.arange(lo, hi), cache, logits="all", bitwise=True)
+        got.append(r.forward([item])[0])
+    got = torch.cat(got)
+    assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max())), name
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
                             "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
-                            "falcon"])
+                            "falcon", "llama4_text"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

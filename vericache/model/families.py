@@ -40,6 +40,23 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return fn(wide)[..., :n].contiguous()
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Chunked attention's window (Llama 4's): positions are cut into chunks of `size` from
+    0, and a row sees only its own chunk's keys. A plain int window W slides instead: a row
+    sees the last W positions, its own included. `first_seen` gives either's first key."""
+
+    size: int
+
+
+def first_seen(pos, window):
+    """The oldest position a row at `pos` (an int or an int64 tensor) sees under `window`,
+    a sliding window (int) or a `Chunk`; a key older than it is not seen."""
+    if isinstance(window, Chunk):
+        return pos - pos % window.size
+    return pos - window + 1
+
+
 @dataclass
 class Experts:
     """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), computed as
@@ -95,6 +112,9 @@ class Experts:
     norm_eps: float = 0.0
     norm_min: float | None = None
     scale: float = 1.0
+    # Llama 4's: the row's weight multiplies the chosen expert's input (in the model's dtype),
+    # not its output
+    scale_input: bool = False
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -109,6 +129,9 @@ class Experts:
             return (top if self.scale == 1.0 else top * self.scale).to(dtype), idx
         if self.scores == "sparsemixer":
             return _sparsemixer(logits, self.jitter)
+        if self.scores == "top_k_sigmoid":  # Llama 4's: the sigmoid of the top k logits
+            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            return rowwise(torch.sigmoid, top.float()).to(dtype), idx
         sigmoid = self.scores == "sigmoid"
         if sigmoid:
             scores = rowwise(torch.sigmoid, logits.float())
@@ -201,7 +224,9 @@ class Layer:
     qk_norm_b: torch.Tensor | None = None
     # [(Hq + Hkv) D]: one RMSNorm over all of q's heads, then one over k's, before RoPE (OLMo 2)
     qk_norm_wide: torch.Tensor | None = None
-    window: int | None = None  # sliding window: a key older than pos - window + 1 is not seen
+    # sliding window (int: a key older than pos - window + 1 is not seen) or chunked
+    # attention's (`Chunk`): `first_seen`
+    window: "int | Chunk | None" = None
     rope: int = 0  # index into Weights.ropes
     moe: Experts | None = None  # the MLP, where it is a mixture of experts
     # Cohere: attention and MLP in parallel, both on ln_attn_in's output, both added to h
@@ -225,6 +250,7 @@ class Layer:
     # the MLP's activation where it is the layer's own (Apertus's xIELU has learned
     # parameters a layer); None: the model's (`Weights.activation`)
     act: Callable[[torch.Tensor], torch.Tensor] | None = None
+    q_scaled: bool = True  # `Weights.q_scale` applies (Llama 4's: its layers without RoPE only)
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
@@ -270,7 +296,8 @@ class Weights:
     # (after `embed_scale`); such a model's RoPE table is the identity (`_identity_rope`)
     pos_embed: torch.Tensor | None = None  # [P, H]
     # Ministral 3: q times a factor of its position, after RoPE [P] (exactly 1 before
-    # `q_scale_from`, where the fused pass may run)
+    # `q_scale_from`, where the fused pass may run); the product then in q's dtype (Llama 4's
+    # float32 factors: the product in float32, rounded once). On the layers `Layer.q_scaled`
     q_scale: torch.Tensor | None = None
     q_scale_from: int = 0
     # nanochat: a norm of the embedding (and of `pos_embed`'s sum) before the first layer
@@ -1034,6 +1061,58 @@ def _ministral3(hf, device) -> Weights:
     return _q_scale(_llama(hf, device), hf.config, device)
 
 
+def _llama4(hf, device) -> Weights:
+    """Llama 4's language model (`llama4_text`). Llama's block, and:
+    - its RoPE layers (`no_rope_layers` 1) attend in chunks (`Chunk`: a row sees only its own
+      `attention_chunk_size` chunk), their RoPE over interleaved pairs (transformers' complex
+      table, taken in halves, and q/k rows reordered: `_interleaved_rope`), then per-head q/k
+      norms without weights (ones, after RoPE) where `use_qk_norm`;
+    - its other layers attend to every key without RoPE, q scaled by its position where
+      `attn_temperature_tuning`: 1 + attn_scale log(1 + floor((p + 1) / floor_scale)), float32
+      as transformers computes it, exactly 1 before floor_scale - 1 (`Weights.q_scale` on the
+      layers `Layer.q_scaled`);
+    - its MoE layers (`moe_layers`): each row's top-k router logits, their sigmoid, scale the
+      chosen experts' input, not their output (`Experts.scale_input`; the experts stored
+      [E, H, 2I] and [E, I, H], transposed here), beside a shared expert; its dense layers'
+      MLP is `intermediate_size_mlp` wide."""
+    cfg, m = hf.config, hf.model
+    d, dtype = head_dim(cfg), m.embed_tokens.weight.dtype
+    ones = torch.ones(cfg.num_attention_heads + cfg.num_key_value_heads, d, dtype=dtype)
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a, ff = lyr.self_attn, lyr.feed_forward
+        w_qkv, b_qkv = _attention(a, device)
+        if hasattr(ff, "experts"):
+            sh = ff.shared_expert
+            ffn = dict(w_gate_up=None, w_down=None, moe=Experts(
+                router=_t(ff.router.weight, device),
+                gate_up=[_t(w.t(), device) for w in ff.experts.gate_up_proj],
+                down=[_t(w.t(), device) for w in ff.experts.down_proj],
+                top_k=int(ff.router.top_k), norm_topk=False, weights_in_dtype=True,
+                shared_gate_up=_gate_up(sh, device), shared_down=_t(sh.down_proj.weight, device),
+                scores="top_k_sigmoid", scale_input=True))
+        else:
+            ffn = dict(w_gate_up=_gate_up(ff, device), w_down=_t(ff.down_proj.weight, device))
+        chunked = cfg.layer_types[i] == "chunked_attention"
+        layers.append(Layer(
+            ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=b_qkv,
+            w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
+            ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device), **ffn,
+            qk_norm=_t(ones, device) if hasattr(a, "qk_norm") else None,
+            qk_norm_after_rope=hasattr(a, "qk_norm"), q_scaled=not a.use_rope,
+            window=Chunk(cfg.attention_chunk_size) if chunked else None))
+    _interleaved_rope([lyr for lyr, a in zip(layers, (x.self_attn for x in m.layers))
+                       if a.use_rope], cfg, d)
+    w = _without_rope(_common(hf, device, layers),
+                      [i for i, lyr in enumerate(m.layers) if not lyr.self_attn.use_rope])
+    if cfg.attn_temperature_tuning:
+        p = torch.arange(max_positions(cfg), dtype=torch.float32)
+        w.q_scale = _t(torch.log1p(torch.floor((p + 1.0) / cfg.floor_scale)) * cfg.attn_scale
+                       + 1.0, device)
+        w.q_scale_from = int(cfg.floor_scale) - 1
+    return w
+
+
 def _fold_residual(w: Weights, m: float) -> None:
     """A multiplier on each branch's output folded into o_proj and down_proj (each expert's
     and the shared expert's): each weight times it in float32, rounded once to the model's
@@ -1532,6 +1611,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "mistral": _llama,
     "ministral": _llama,  # Mistral's block; its windows by `layer_types`
     "ministral3": _ministral3,
+    "llama4_text": _llama4,  # chunked attention, layers without RoPE, a sigmoid router
     "internlm3": _llama,  # transformers runs these as Llama
     "iquestcoder": _llama,
     "qwen2": _llama,

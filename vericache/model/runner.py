@@ -31,9 +31,10 @@ over them, so that
   Python and torch work between them;
 - a cache may hold any subset of a sequence's tokens: RoPE is applied by absolute position
   before keys are stored, so dropped tokens leave no gap to fix;
-- a sliding-window layer masks keys older than pos - window + 1: by slot in a dense cache
-  (slot = position; only the window's slots are read), by `KVCache.pos` in one that records
-  positions (the drafter's subsets).
+- a sliding-window layer masks keys older than pos - window + 1, a chunked one (Llama 4's)
+  those before its chunk's start (`first_seen`): by slot in a dense cache (slot = position;
+  only the window's slots are read), by `KVCache.pos` in one that records positions (the
+  drafter's subsets).
 
 Shapes: T = tokens in the pass, L = a sequence's new tokens, H = hidden, Hq/Hkv = heads,
 D = head dim, G = Hq // Hkv, n = tokens in a sequence's cache after the pass.
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
 from vericache.model.families import (MLA, SUPPORTED, Experts, Layer, Weights, extract,
-                                       kv_heads, rowwise)
+                                       first_seen, kv_heads, rowwise)
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
@@ -196,7 +197,8 @@ class Runner:
         # Flint's, GPT-Neo's, GPT-J's and CodeGen's scores in float32 (the explicit path) where
         # the model's are not
         self.attn_float32 = w.attn_float32 and self.dtype != torch.float32
-        self.windows = sorted({lyr.window for lyr in w.layers if lyr.window})
+        # the layers' sliding windows and chunks (`first_seen`), each once
+        self.windows = list(dict.fromkeys(lyr.window for lyr in w.layers if lyr.window))
         self.windowed = bool(self.windows)  # caches with positions matter only then
         # slots of each arena pool (`new_cache`); 0: caches of their own. An engine serving
         # batches sets it (`BatchEngine`: its max_batch)
@@ -386,12 +388,12 @@ class Runner:
         if getattr(it.cache, "pos", None) is not None:
             return out
         for w in self.windows:
-            lo = max(0, past - w + 1)  # the first new token's oldest visible key
+            lo = max(0, first_seen(past, w))  # the first new token's oldest visible key
             if L == 1:
                 out[w] = (lo, None)
                 continue
             row_pos = torch.arange(L, device=self.device).repeat(self.group) + past
-            old = torch.arange(lo, past + L, device=self.device)[None, :] <= row_pos[:, None] - w
+            old = torch.arange(lo, past + L, device=self.device)[None, :] < first_seen(row_pos[:, None], w)
             out[w] = (lo, old | future[:, lo:])
         return out
 
@@ -400,7 +402,7 @@ class Runner:
         """[Hkv, G L, n]: True where a row must not see a key, for a cache with positions
         (kpos: [Hkv, n] the slots' positions; positions: [L] the rows')."""
         row_pos = positions.to(self.device).repeat(self.group)  # rows: (g, l)
-        old = kpos[:, None, :] <= (row_pos - window)[None, :, None]
+        old = kpos[:, None, :] < first_seen(row_pos, window)[None, :, None]
         return old if future is None else old | future
 
     def _votes(self, q: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor | None,
@@ -710,7 +712,7 @@ class Runner:
             keys = torch.arange(lo, hi, device=dev)[None, None, :]  # [1, 1, Lk]
             seen = keys <= row_slot[:, :, None]  # causal, and no slot past the sequence's end
             if window is not None:
-                seen &= keys > row_slot[:, :, None] - window
+                seen &= keys >= first_seen(row_slot[:, :, None], window)
             seen |= ~real[:, :, None]
             if bool(seen.all()):
                 return None
@@ -719,14 +721,14 @@ class Runner:
         masks, ranges = {}, None
         if kernel:  # each row's keys as a range, [window start, own slot], for every layer
             hi_rows = torch.where(real, row_slot + 1, 0)  # padding rows: no keys
-            ranges = {w: (torch.where(real, (row_slot - w + 1).clamp(min=0), 0).repeat(1, g)
+            ranges = {w: (torch.where(real, first_seen(row_slot, w).clamp(min=0), 0).repeat(1, g)
                           if w else torch.zeros_like(hi_rows).repeat(1, g), hi_rows.repeat(1, g))
                       for w in [None, *self.windows]}
         else:  # SDPA's masks
             masks[None] = (0, mask_for(0, None))
             if positions is None:
                 for w in self.windows:
-                    lo = max(0, int((past_t[slot_t] - w + 1).min()))
+                    lo = max(0, int(first_seen(past_t[slot_t], w).min()))
                     masks[w] = (lo, mask_for(lo, w))
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
@@ -790,7 +792,7 @@ class Runner:
             lo = 0
             kpos = (p.cache.pos[li][None] if p.pool is None
                     else p.pool.pos[li, p.lo: p.lo + p.B])[:, :, :p.hi]
-            old = kpos[:, :, None, None, :] <= (p.positions - lyr.window)[:, None, None, :, None]
+            old = kpos[:, :, None, None, :] < first_seen(p.positions, lyr.window)[:, None, None, :, None]
             old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
@@ -926,8 +928,8 @@ class Runner:
             if lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
-            if self.q_scale is not None:
-                q = q * self.q_scale[positions].view(-1, 1, 1)
+            if self.q_scale is not None and lyr.q_scaled:
+                q = (q * self.q_scale[positions].view(-1, 1, 1)).to(q.dtype)
             v = qkv[:, (hq + hkv) * d: (hq + 2 * hkv) * d].view(-1, hkv, d)
             for it, s0, L in captures:
                 it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
@@ -1032,10 +1034,12 @@ class Runner:
         out = torch.zeros_like(x)
         for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
             rows, slot = torch.where(idx == expert)
-            y = self._mlp(x[rows], e.gate_up[expert], e.down[expert], lin, invariant,
+            weight = top[rows, slot, None]
+            y = self._mlp((x[rows] * weight).to(x.dtype) if e.scale_input else x[rows],
+                          e.gate_up[expert], e.down[expert], lin, invariant,
                           None if e.gate_up_b is None else e.gate_up_b[expert],
                           None if e.down_b is None else e.down_b[expert], e.swiglu)
-            out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
+            out.index_add_(0, rows, y if e.scale_input else (y * weight).to(out.dtype))
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant,
                                e.shared_gate_up_b, e.shared_down_b)
@@ -1102,7 +1106,7 @@ class Runner:
         out = q.new_empty(L, hkv * g * d)
         for j in range(L):
             hi = past + j + 1
-            lo = 0 if lyr.window is None else max(0, hi - lyr.window)
+            lo = 0 if lyr.window is None else max(0, first_seen(hi - 1, lyr.window))
             qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
             qj = qj.reshape(1, hkv, g, d)
             o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi], sinks=lyr.sinks)
