@@ -189,6 +189,14 @@ ARCHS = {
     "xglm": ("XGLMConfig", dict(ffn_dim=256)),
     # CTRL: pre-LayerNorm blocks, a scaled embedding, a sinusoidal table, the LM head's bias
     "ctrl": ("CTRLConfig", dict(dff=256, layer_norm_epsilon=1e-6)),
+    # ALiBi: BLOOM (a LayerNorm on the embedding, per-head interleaved q/k/v, its tanh GELU) and
+    # MPT (LayerNorms without biases, q/k/v clamped, its own slopes); 4 heads' slopes, and 6's
+    # (not a power of two: BLOOM's extra slopes between, MPT's interleaved)
+    "bloom": ("BloomConfig", dict(layer_norm_epsilon=1e-5)),
+    "bloom-6": ("BloomConfig", dict(num_attention_heads=6, hidden_size=192, layer_norm_epsilon=1e-5)),
+    "mpt": ("MptConfig", dict(attn_config=dict(clip_qkv=0.6), layer_norm_epsilon=1e-5,
+                              max_seq_len=512)),
+    "mpt-6": ("MptConfig", dict(num_attention_heads=6, hidden_size=192, layer_norm_epsilon=1e-5, max_seq_len=512)),
     # GPT-Neo: GPT-2's block, q/k/v without biases, scores not scaled, a local layer sliding
     "gpt_neo": ("GPTNeoConfig", dict(attention_types=[[["global", "local", "global"], 1]],
                                      window_size=WINDOW, layer_norm_epsilon=1e-5)),
@@ -323,6 +331,11 @@ ARCHS = {
     "falcon-mq": ("FalconConfig", dict(multi_query=True, parallel_attn=True, ffn_hidden_size=256)),
     "falcon-seq": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True,
                                         num_kv_heads=4, ffn_hidden_size=256)),
+    # Falcon-RW's: that block with ALiBi, 16 heads (slopes 2^(-k/2), not exact in bfloat16, and
+    # transformers' Falcon rounds each bias to it)
+    "falcon-rw": ("FalconConfig", dict(multi_query=False, parallel_attn=False, bias=True,
+                                       alibi=True, num_attention_heads=16, num_kv_heads=16,
+                                       hidden_size=512, ffn_hidden_size=256)),
     # DBRX: LayerNorms without biases, q/k/v clamped, experts whose weights are divided by
     # their p-norm
     "dbrx": ("DbrxConfig", dict(d_model=128, n_heads=4, n_layers=3, max_seq_len=512,
@@ -479,6 +492,7 @@ WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exao
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
             "gpt_neo", "kolibri1"}
 CHUNKED = {"llama4_text", "llama4"}  # chunked attention (`families.Chunk`)
+ALIBI = {"bloom", "bloom-6", "mpt", "mpt-6", "falcon-rw"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
 SPEC_PARAMS = {"kivi": "kivi:residual=16", "snapkv": "snapkv:recent=16,window=8",
                "snapkv-kivi": "snapkv-kivi:residual=16,window=8", "streamingllm": "streamingllm:ratio=4"}
@@ -568,9 +582,11 @@ def test_family_config(arch):
                                     "deepseek_v3-q": "deepseek_v3",
                                     "deepseek_v2-greedy": "deepseek_v2",
                                     "falcon-mq": "falcon", "falcon-seq": "falcon",
+                                    "falcon-rw": "falcon",
                                     "cohere2_moe-rms": "cohere2_moe",
                                     "mistral3-mistral4": "mistral3",
                                     "llama4": "llama4_text",  # (its causal LM's config)
+                                    "bloom-6": "bloom", "mpt-6": "mpt",
                                     "llama-biases": "llama"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
@@ -788,6 +804,25 @@ def test_family_config(arch):
         assert (r.q_scale is not None) == (name == "mistral3-mistral4")
         if name == "minicpm3":  # embedding, branch and logit scales
             assert (float(r.embed_scale), r.logit_divisor) == (12.0, 4.0)
+    if name in ALIBI:  # ALiBi: the explicit attention path, caches that record positions
+        slopes = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8] + ([2 ** -1, 2 ** -3] if "-6" in name else [])
+        if name == "falcon-rw":  # 2^(-k/2), rounded to bfloat16
+            slopes = [float(torch.tensor(2 ** (-k / 2)).bfloat16()) for k in range(1, 17)]
+        assert r.alibi.tolist() == slopes and r.alibi.dtype == torch.float32
+        assert r.alibi_rounded == (name == "falcon-rw")
+        assert r.attend_kernel is None and r.positioned and not r.windowed
+        cos, sin = r.ropes[0]
+        assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
+        if name.startswith("mpt"):  # no biases; q, k and v clamped
+            assert all(lyr.b_qkv is None and lyr.ln_attn_in_b is None for lyr in r.layers)
+            assert [lyr.clip_qkv for lyr in r.layers] == [0.6 if name == "mpt" else None] * 3
+        elif name.startswith("bloom"):  # a LayerNorm with its bias on the embedding; per-head q/k/v
+            assert torch.equal(r.embed_norm_b, hf.transformer.word_embeddings_layernorm.bias)
+            qkv = hf.transformer.h[0].self_attention.query_key_value.weight
+            d = r.head_dim
+            assert torch.equal(r.layers[0].w_qkv[d: 2 * d], qkv[3 * d: 4 * d])  # head 1's q
+    else:
+        assert r.alibi is None and r.positioned == r.windowed
     if name in CHUNKED:
         # RoPE (over interleaved pairs: q's rows in halves) and q/k norms of ones on the
         # chunked layers; the layer without RoPE reads the identity table, its q scaled by
@@ -839,11 +874,12 @@ def test_family_config(arch):
         assert r.layer_norm and not r.gated and r.lm_head_b is not None
         assert r.ropes[0][0].shape[-1] == 8 and r.num_kv_heads == r.num_heads == (4 if name == "gptj" else 8)
     if name.startswith("falcon"):  # new: a norm each parallel branch; 7B's: one; else sequential
-        assert r.layer_norm and not r.gated and r.num_kv_heads == {"falcon": 2, "falcon-mq": 1}.get(
-            name, 4)
-        assert all(lyr.parallel == (name != "falcon-seq") and (lyr.ln_mlp_in is None) == (
+        assert r.layer_norm and not r.gated and r.num_kv_heads == {
+            "falcon": 2, "falcon-mq": 1, "falcon-rw": 16}.get(name, 4)
+        sequential = name in ("falcon-seq", "falcon-rw")
+        assert all(lyr.parallel == (not sequential) and (lyr.ln_mlp_in is None) == (
             name == "falcon-mq") for lyr in r.layers)
-        assert (r.layers[0].b_qkv is not None) == (name == "falcon-seq")
+        assert (r.layers[0].b_qkv is not None) == sequential
     if name == "mellum":  # the sliding layers' table: their own theta
         assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [1, 0, 1]
         assert not torch.equal(r.ropes[0][0], r.ropes[1][0]) and r._fused_w is None
@@ -1025,10 +1061,11 @@ def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     assert vc.token_ids == full.token_ids and len(full.token_ids) == 16
 
 
-@pytest.mark.parametrize("name", sorted(WINDOWED | {"llama4_text"}))
+@pytest.mark.parametrize("name", sorted(WINDOWED | {"llama4_text", "bloom-6", "mpt", "falcon-rw"}))
 def test_window_masks_by_recorded_position(name, tmp_path):
     """A cache that records positions holds the same tokens in shuffled slots: decode logits
-    equal the dense cache's (the window, or Llama 4's chunk, masks by position, not slot). With the keys older
+    equal the dense cache's (the window, or Llama 4's chunk, masks by position, not slot;
+    ALiBi's bias is by position too). With the keys older
     than every later query's window dropped, a model whose layers all slide (Mistral, Phi-3
     here) gives the same logits too."""
     from vericache.model.loader import load_model
@@ -1120,20 +1157,22 @@ def test_model_info_of_a_vision_language_model(name, tmp_path):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    """BLOOM (ALiBi, no position in q or k) is refused, the message listing every family."""
-    from transformers import BloomConfig, BloomForCausalLM
+    """Mamba (a state-space model: its state is not a KV cache) is refused, the message
+    listing every family."""
+    from transformers import MambaConfig, MambaForCausalLM
 
     from vericache.errors import ModelLoadError
     from vericache.model.loader import load_model
     from vericache.model.runner import SUPPORTED
 
     torch.manual_seed(0)
-    BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                 state_size=4)).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as e:
         load_model(str(tmp_path))
     msg = str(e.value)
-    assert "'bloom' is not supported" in msg
+    assert "'mamba' is not supported" in msg
     for name in SUPPORTED:
         assert name in msg
     assert set(SUPPORTED) >= {"llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
@@ -1148,7 +1187,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
                               "iquestcoder", "stablelm", "jais2", "nemotron", "vaultgemma",
                               "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3", "mistral4",
                               "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_dense",
-                              "hunyuan_v1_moe", "nanochat", "deepseek_v2", "phimoe"}
+                              "hunyuan_v1_moe", "nanochat", "deepseek_v2", "phimoe",
+                              "llama4_text", "bloom", "mpt"}
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
@@ -1180,17 +1220,6 @@ def test_dynamic_rope_is_refused(tmp_path):
                       rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
     with pytest.raises(ModelLoadError, match="dynamic"):
         Runner.from_hf(LlamaForCausalLM(cfg))
-
-
-def test_falcon_with_alibi_is_refused():
-    from transformers import FalconConfig, FalconForCausalLM
-
-    from vericache.errors import ModelLoadError
-    from vericache.model.runner import Runner
-
-    cfg = FalconConfig(**{**COMMON, "num_hidden_layers": 1}, alibi=True)
-    with pytest.raises(ModelLoadError, match="Falcon with ALiBi"):
-        Runner.from_hf(FalconForCausalLM(cfg))
 
 
 def test_ctrl_with_another_final_eps_is_refused():
@@ -1428,12 +1457,14 @@ def test_rowwise_gives_each_row_its_own_bits(act, n):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3_text", "llama4_text"])
-def test_the_invariant_pass_masks_windows_and_chunks(name, tmp_path):
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3_text", "llama4_text", "bloom-6",
+                                  "mpt", "falcon-rw"])
+def test_the_invariant_pass_reads_positions(name, tmp_path):
     """The invariant pass (items marked `bitwise`) runs each row as one SDPA call over the
-    keys it sees, from its window's or chunk's start: a prefill, one-token steps and a
-    four-token step, continuing one cache, give transformers' logits. (Its verify passes are
-    checked against its own decode steps elsewhere, which a wrong start in both would pass.)"""
+    keys it sees, from its window's or chunk's start, ALiBi's bias by the keys' and the row's
+    positions: a prefill, one-token steps and a four-token step, continuing one cache, give
+    transformers' logits. (Its verify passes are checked against its own decode steps
+    elsewhere, which a wrong start or bias in both would pass.)"""
     from vericache.model.loader import load_model
     from vericache.model.runner import SeqBatchItem
 
@@ -1453,11 +1484,37 @@ def test_the_invariant_pass_masks_windows_and_chunks(name, tmp_path):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("vote_from", [0, 5])
+@pytest.mark.parametrize("name", ["bloom-6", "mpt"])
+def test_alibi_votes_are_transformers_attention(name, vote_from, tmp_path):
+    """ALiBi's bias is in the votes too (the explicit-score path; the selection policies move
+    the drafter's set by them): a pass's votes are the attention weights transformers' eager
+    attention returns, summed over the rows from `vote_from` on, for every layer and head."""
+    from vericache.model.loader import load_model
+    from vericache.model.runner import SeqBatchItem
+
+    build(name, tmp_path)
+    r = load_model(str(tmp_path), dtype="float32").runner
+    hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.float32,
+                                          attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        att = torch.stack(hf(ids[None], output_attentions=True).attentions)[:, 0]  # [layers, H, n, n]
+    c = r.new_cache(8)
+    r.step(ids[:-9].tolist(), 0, c, logits="none")
+    it = SeqBatchItem(ids[-9:], torch.arange(PROMPT - 9, PROMPT), c, "none", votes=True,
+                      vote_from=vote_from)
+    r.forward([it])
+    want = att[:, :, PROMPT - 9 + vote_from:].sum(2)  # [layers, H, n]
+    assert it.attn_votes.shape == want.shape
+    assert float((it.attn_votes - want).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("name", sorted(MOE - {"mixtral-sliding"})
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
                             "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
-                            "falcon", "llama4_text"])
+                            "falcon", "llama4_text", "bloom", "mpt"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

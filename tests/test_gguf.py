@@ -5,8 +5,8 @@ stored as 1 + w), then loaded through the project's loader (`--model file.gguf`)
 runner's logits are transformers' over the same file, and `full` is its `generate`.
 
 Transformers (5.25) reads these supported families from GGUF: llama, qwen2, qwen3, phi3,
-gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, minimax_m2, gpt2, stablelm, nemotron and
-falcon. Mistral has no GGUF architecture of its own:
+gemma2, gemma3, starcoder2, qwen2_moe, qwen3_moe, minimax_m2, gpt2, stablelm, nemotron,
+falcon and bloom. Mistral has no GGUF architecture of its own:
 llama.cpp writes it as a llama file, which loads (and is served) as Llama, the same model
 without a sliding window; transformers' special case for a llama file named "mistral" fails
 (gguf-py knows no "mistral" tensor map).
@@ -66,6 +66,9 @@ ARCHS = {
     "falcon": ("falcon", "FalconConfig", dict(multi_query=True, parallel_attn=True,
                                               tie_word_embeddings=True, ffn_hidden_size=256,
                                               layer_norm_epsilon=1e-5)),
+    # ALiBi; llama.cpp stores the fused q/k/v as every q, every k, every v (transformers
+    # reorders them to BLOOM's per-head order); the embedding tied to the LM head
+    "bloom": ("bloom", "BloomConfig", dict(tie_word_embeddings=True, layer_norm_epsilon=1e-5)),
 }
 
 
@@ -109,10 +112,11 @@ def write_gguf(name: str, path, **config) -> "torch.nn.Module":
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(1 if arch == "falcon" else cfg.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "falcon" else cfg.num_attention_heads if arch == "bloom"
+                        else cfg.num_key_value_heads)
     if arch == "starcoder2":
         w.add_layer_norm_eps(cfg.norm_epsilon)
-    elif arch in ("gpt2", "falcon"):
+    elif arch in ("gpt2", "falcon", "bloom"):
         w.add_layer_norm_eps(cfg.layer_norm_epsilon)
     elif arch == "stablelm":
         w.add_layer_norm_eps(cfg.layer_norm_eps)
@@ -167,7 +171,7 @@ def write_gguf(name: str, path, **config) -> "torch.nn.Module":
         if suffix == "e_score_correction_bias":  # llama.cpp's exp_probs_b
             w.add_tensor(f"blk.{key.split('.')[2]}.exp_probs_b.bias", t.float().numpy().copy())
             continue
-        gname = names.get_name(base)
+        gname = names.get_name(base.removeprefix("transformer.") if arch == "bloom" else base)
         assert gname is not None, key
         a = t.float().numpy().copy()
         if arch == "llama" and base.endswith("q_proj"):
@@ -180,6 +184,9 @@ def write_gguf(name: str, path, **config) -> "torch.nn.Module":
             a = a.reshape(-1)  # llama.cpp's [H], not [1, H]
         elif arch == "gpt2" and suffix == "weight" and base.endswith(("c_attn", "c_proj", "c_fc")):
             a = a.T.copy()  # Conv1D's [in, out] as [out, in]
+        elif arch == "bloom" and base.endswith("query_key_value"):  # each head's q, k, v: q's first
+            heads, d = cfg.num_attention_heads, head_dim
+            a = a.reshape(heads, 3, d, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape).copy()
         w.add_tensor(f"{gname}.{suffix}", a)
     w.write_header_to_file()
     w.write_kv_data_to_file()

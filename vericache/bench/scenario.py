@@ -201,7 +201,7 @@ def warm_pools(lm, prompts, cfg: ScenarioConfig, budget: int | None) -> None:
     n = len(prompts) if budget is None else max(1, min(len(prompts), budget // per_cache))
     pools = {(arena(r, side, g), dtype, positions) for g in range(cfg.groups)
              for side, dtype, positions in (("verify", r.dtype, False),
-                                            ("draft", r.draft_dtype, r.windowed))}
+                                            ("draft", r.draft_dtype, r.positioned))}
     for key, dtype, positions in pools:
         caches = [r.new_cache(tokens, positions, key, dtype) for _ in range(min(n, r.arena_slots))]
         for c in caches:  # zeros are what `KVPool.ready` would write there anyway

@@ -92,20 +92,21 @@ class Drafter:
         token generated so far (none is fed yet); `prompt`: what the repetition penalty reads
         besides them (without it drafts only match the verifier less often). `pos`: the
         slots' positions ([layers, Hkv, n], `Compressor.draft_positions`); the cache records
-        them when the model has sliding-window layers (without `pos`, k, v are taken for the n
-        tokens right before `pending`). `arena`: the runner pool key its cache sits in
+        them when the model's attention reads them (`Runner.positioned`: sliding-window or
+        chunked layers, ALiBi; without `pos`, k, v are taken for the n tokens right before
+        `pending`). `arena`: the runner pool key its cache sits in
         (`Runner.new_cache`; the engine's: its group's, so that a group drafts over one pool)."""
         if rid in self.sessions:  # two callers with one id would share (and corrupt) a cache
             raise InvalidArgument(f"request id {rid!r} already has a drafter session", "request_id")
         dtype = self.runner.draft_dtype  # (bfloat16 for a float32 model on CPU)
         nbytes = (k.shape[2] + extra_capacity) * self.runner.draft_kv_bytes_per_token()
         with self.ledger.hold(rid, nbytes):
-            if self.runner.windowed and pos is None:
+            if self.runner.positioned and pos is None:
                 p0 = seq_len - len(pending) - k.shape[2]
                 pos = torch.arange(p0, p0 + k.shape[2])
             # (an offloaded full KV sits on the host: cache_from moves k, v to the runner's device)
             cache = self.runner.cache_from(k, v, extra_capacity,
-                                           pos if self.runner.windowed else None, arena, dtype)
+                                           pos if self.runner.positioned else None, arena, dtype)
         history = None
         if sampling.penalized:
             history = TokenHistory(prompt or [], self.runner.vocab_size, sampling)
@@ -141,13 +142,13 @@ class Drafter:
                         tail_start: int, namespace: str = ""
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TransferStats]:
         """The request's drafting KV from the store (compressed chunks + exact tail) and, for a
-        model with sliding windows, its slots' positions: thread-safe, so it may run while this
+        model whose attention reads positions (`Runner.positioned`), its slots' positions: thread-safe, so it may run while this
         drafter drafts for others (`attach` it afterwards)."""
         if self.store is None:
             raise InvalidArgument("this drafter has no store to attach from", "kvstore")
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace)
-        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats, self.runner.windowed,
+        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats, self.runner.positioned,
                                   self.runner.draft_dtype)
         return k, v, pos, stats
 

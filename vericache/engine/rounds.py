@@ -104,7 +104,7 @@ class LocalBackends(Backends):
                                              self.drafter.runner.draft_dtype)
                 tail = len(g.prompt) - out.tail_start
                 pos = None
-                if self.lm.runner.windowed:
+                if self.lm.runner.positioned:
                     pos = g.compressor.draft_positions(out.chunks, out.tail_start, tail,
                                                        k.shape[0], k.shape[1])
                 self.drafter.attach(g.rid, k, v, [out.first_token], len(g.prompt) + 1,

@@ -301,12 +301,21 @@ class Weights:
     q_scale: torch.Tensor | None = None
     q_scale_from: int = 0
     # nanochat: a norm of the embedding (and of `pos_embed`'s sum) before the first layer
+    # (BLOOM's a LayerNorm with its bias)
     embed_norm: torch.Tensor | None = None  # [H]
+    embed_norm_b: torch.Tensor | None = None  # [H]
+    # ALiBi (BLOOM, MPT, Falcon's ALiBi checkpoints): each query head's slope [Hq], float32; a
+    # score gets slope (key's position - row's position) (`Runner._alibi`); such a model's
+    # RoPE table is the identity
+    alibi: torch.Tensor | None = None
+    # Falcon's ALiBi: a key's bias is its slope times its absolute position, rounded to
+    # bfloat16 (transformers' Falcon takes that product in bfloat16 in any dtype), over sqrt(D)
+    alibi_rounded: bool = False
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
 _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
-               "persimmon", "biogpt", "xglm", "ctrl")
+               "persimmon", "biogpt", "xglm", "ctrl", "bloom", "mpt")
 
 
 def kv_heads(cfg) -> int:
@@ -346,8 +355,10 @@ def _rope_params(cfg) -> dict[str, dict]:
 def max_positions(cfg) -> int:
     """The context the runner serves. Static RoPE types only: dynamic NTK is refused;
     longrope is exact only up to its original context (past it transformers switches every
-    position to the long factors), so the context is capped there."""
-    n = cfg.max_position_embeddings
+    position to the long factors), so the context is capped there. ALiBi's have no table:
+    MPT's is its max_seq_len, BLOOM's the 2048 it was trained on (`seq_length`)."""
+    n = (cfg.max_seq_len if cfg.model_type == "mpt" else getattr(cfg, "seq_length", 2048)
+         if cfg.model_type == "bloom" else cfg.max_position_embeddings)
     for params in _rope_params(cfg).values():
         rope_type = params.get("rope_type", "default")
         # (HunYuan's "dynamic" with a fixed `alpha` is NTK-alpha, static: transformers runs it so)
@@ -1276,6 +1287,71 @@ def _gpt2(hf, device) -> Weights:
                    eps=cfg.layer_norm_epsilon, gated=False, pos_embed=_t(m.wpe.weight, device))
 
 
+def _bloom(hf, device) -> Weights:
+    """BLOOM: ALiBi (`Weights.alibi`: transformers' slopes) and no RoPE (`_identity_rope`), a
+    LayerNorm with its bias on the embedding (`embed_norm`), LayerNorms with biases, biases on
+    every product, each head's q, k and v in turn in one product (`_heads_interleaved`), an
+    MLP not gated with BLOOM's own tanh GELU (`Layer.act`). Its residual from a norm's output
+    (`apply_residual_connection_post_layernorm`) is refused."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes, bloom_gelu_forward
+
+    cfg, m = hf.config, hf.transformer
+    if cfg.apply_residual_connection_post_layernorm:
+        raise ModelLoadError("BLOOM with apply_residual_connection_post_layernorm is not "
+                             "supported by the runner")
+    hq = cfg.num_attention_heads
+    d = cfg.hidden_size // hq
+
+    def qkv(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else _t(_heads_interleaved(t, hq, d), device)
+
+    layers = [Layer(ln_attn_in=_t(b.input_layernorm.weight, device),
+                    ln_attn_in_b=_bias(b.input_layernorm, device),
+                    w_qkv=qkv(b.self_attention.query_key_value.weight),
+                    b_qkv=qkv(b.self_attention.query_key_value.bias),
+                    w_o=_t(b.self_attention.dense.weight, device),
+                    b_o=_bias(b.self_attention.dense, device),
+                    ln_mlp_in=_t(b.post_attention_layernorm.weight, device),
+                    ln_mlp_in_b=_bias(b.post_attention_layernorm, device),
+                    w_gate_up=_t(b.mlp.dense_h_to_4h.weight, device),
+                    b_gate_up=_bias(b.mlp.dense_h_to_4h, device),
+                    w_down=_t(b.mlp.dense_4h_to_h.weight, device),
+                    b_down=_bias(b.mlp.dense_4h_to_h, device), act=bloom_gelu_forward)
+              for b in m.h]
+    embed, lm_head = _embed_and_head(hf, m.word_embeddings.weight, device)
+    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
+                   [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
+                   layer_norm=True, norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon,
+                   gated=False, embed_norm=_t(m.word_embeddings_layernorm.weight, device),
+                   embed_norm_b=_bias(m.word_embeddings_layernorm, device),
+                   alibi=_t(_get_alibi_slopes(hq, torch.device("cpu")), device))
+
+
+def _mpt(hf, device) -> Weights:
+    """MPT: ALiBi (`Weights.alibi`: the slopes transformers' MPT builds, with its default
+    alibi_bias_max of 8 whatever the config says, as its forward does) and no RoPE,
+    LayerNorms without biases, no biases on the products, q, k and v clamped to `clip_qkv`
+    (`Layer.clip_qkv`), the attention scaled by `softmax_scale` where it is set, an MLP not
+    gated (exact GELU)."""
+    cfg, m = hf.config, hf.transformer
+    hq = cfg.num_attention_heads
+    d = cfg.hidden_size // hq
+    ac = cfg.attn_config
+    layers = [Layer(ln_attn_in=_t(b.norm_1.weight, device), w_qkv=_t(b.attn.Wqkv.weight, device),
+                    b_qkv=None, w_o=_t(b.attn.out_proj.weight, device),
+                    ln_mlp_in=_t(b.norm_2.weight, device),
+                    w_gate_up=_t(b.ffn.up_proj.weight, device),
+                    w_down=_t(b.ffn.down_proj.weight, device), clip_qkv=ac.clip_qkv or None)
+              for b in m.blocks]
+    embed, lm_head = _embed_and_head(hf, m.wte.weight, device)
+    # its slope per head: the bias of the key one before the last
+    slopes = -m.build_mpt_alibi_tensor(hq, 2, device=torch.device("cpu"))[:, 0, 0].float()
+    return Weights(layers, embed, _t(m.norm_f.weight, device), lm_head,
+                   [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
+                   activation="gelu", attn_scale=ac.softmax_scale, layer_norm=True,
+                   eps=cfg.layer_norm_epsilon, gated=False, alibi=_t(slopes, device))
+
+
 def _gpt_neo(hf, device) -> Weights:
     """GPT-Neo: GPT-2's block (learned absolute positions, LayerNorms with biases, an MLP not
     gated) with q/k/v without biases, attention not scaled and taken in float32
@@ -1340,15 +1416,12 @@ def _gptj(hf, device) -> Weights:
 
 def _falcon(hf, device) -> Weights:
     """Falcon: LayerNorms with biases, biases on every product where `bias`, an MLP not gated,
-    and RoPE (ALiBi is refused). Its fused q/k/v holds each K/V group's queries then its key
+    and RoPE, or ALiBi (`alibi`, Falcon-RW's: `Weights.alibi_rounded`). Its fused q/k/v holds each K/V group's queries then its key
     and value (`new_decoder_architecture`), or q's heads then one key and value
     (`multi_query`), or each head's q, k and v in turn (`_heads_interleaved`): here q's heads,
     then k's, then v's. The block is sequential, or parallel on one norm (`parallel_attn`), or
     parallel with a norm for each branch (the new architecture's two, as GPT-NeoX's)."""
     cfg, m = hf.config, hf.transformer
-    if cfg.alibi:
-        raise ModelLoadError("Falcon with ALiBi is not supported by the runner (no position in q "
-                             "or k)")
     hq, hkv, d = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
 
     def qkv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -1379,8 +1452,17 @@ def _falcon(hf, device) -> Weights:
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
             parallel=parallel))
     embed, lm_head = _embed_and_head(hf, m.word_embeddings.weight, device)
+    n = max_positions(cfg)
+    if cfg.alibi:  # (BLOOM's slopes, rounded to bfloat16 as transformers' Falcon takes them)
+        from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+        slopes = _get_alibi_slopes(hq, torch.device("cpu")).bfloat16().float()
+        return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
+                       [_identity_rope(n, d, embed.dtype, device)], d, activation=cfg.activation,
+                       layer_norm=True, norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon,
+                       gated=False, alibi=_t(slopes, device), alibi_rounded=True)
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
-                   [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)], d,
+                   [_rope_table(m.rotary_emb, n, embed.dtype, device)], d,
                    activation=cfg.activation, layer_norm=True, norm_b=_bias(m.ln_f, device),
                    eps=cfg.layer_norm_epsilon, gated=False)
 
@@ -1652,6 +1734,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
+    "bloom": _bloom,  # ALiBi (`alibi`)
+    "mpt": _mpt,
     "gpt_bigcode": _gpt2,
     "opt": _opt,
     "biogpt": _opt,  # OPT's block, a scaled embedding

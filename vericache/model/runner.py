@@ -43,6 +43,7 @@ D = head dim, G = Hq // Hkv, n = tokens in a sequence's cache after the pass.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -142,6 +143,7 @@ class _Plan:
     # one item that asks for votes, served by the kernel's votes (`Attend.votes`): its
     # layers' votes are written into the item's `attn_votes`
     votes: "SeqBatchItem | None" = None
+    row_slot: torch.Tensor | None = None  # [B, Lq] each row's own slot (its position in a dense cache)
 
 
 def _activation(name: str):
@@ -175,7 +177,7 @@ class Runner:
         self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.pos_embed = w.pos_embed
-        self.embed_norm = w.embed_norm
+        self.embed_norm, self.embed_norm_b = w.embed_norm, w.embed_norm_b
         self.q_scale, self.q_scale_from = w.q_scale, w.q_scale_from
         self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
@@ -199,7 +201,13 @@ class Runner:
         self.attn_float32 = w.attn_float32 and self.dtype != torch.float32
         # the layers' sliding windows and chunks (`first_seen`), each once
         self.windows = list(dict.fromkeys(lyr.window for lyr in w.layers if lyr.window))
-        self.windowed = bool(self.windows)  # caches with positions matter only then
+        self.windowed = bool(self.windows)
+        # ALiBi's slopes [Hq] (BLOOM's, MPT's, Falcon's): a score gets slope (key's position -
+        # row's position), in float32 (`_alibi`); the explicit attention path
+        self.alibi, self.alibi_rounded = w.alibi, w.alibi_rounded
+        # a cache that holds a subset of a sequence's tokens records their positions only
+        # where attention reads them
+        self.positioned = self.windowed or self.alibi is not None
         # slots of each arena pool (`new_cache`); 0: caches of their own. An engine serving
         # batches sets it (`BatchEngine`: its max_batch)
         self.arena_slots = 0
@@ -212,7 +220,7 @@ class Runner:
         sinks = any(lyr.sinks is not None for lyr in w.layers)
         # (`attn_float32` is off where it runs: a float32 model's scores are float32 already)
         self.attend_kernel = (kernels.attend() if native and not self.attn_softcap
-                              and not sinks else None)
+                              and not sinks and self.alibi is None else None)
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
@@ -406,9 +414,10 @@ class Runner:
         return old if future is None else old | future
 
     def _votes(self, q: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor | None,
-               votes: torch.Tensor, vote_from: int = 0) -> None:
+               votes: torch.Tensor, vote_from: int = 0, bias: torch.Tensor | None = None) -> None:
         """The explicit-score path's votes: q [L, Hq, D]; k_all [Hkv, n, D]; mask [G L, n] or
-        per KV head [Hkv, G L, n], True where not seen. Each key's attention mass summed over
+        per KV head [Hkv, G L, n], True where not seen; ALiBi's bias [Hkv, G L, n] (`_alibi`).
+        Each key's attention mass summed over
         the rows from `vote_from` on (only they are scored) and the KV group's query heads is
         written into `votes` ([Hkv, n] fp32)."""
         L = q.shape[0]
@@ -417,12 +426,16 @@ class Runner:
         if mask is not None and vote_from:
             lead, n = mask.shape[:-2], mask.shape[-1]
             mask = mask.view(*lead, g, L, n)[..., vote_from:, :].reshape(*lead, -1, n)
+        if bias is not None and vote_from:
+            bias = bias.view(hkv, g, L, -1)[:, :, vote_from:].reshape(hkv, -1, bias.shape[-1])
         qg = qg.reshape(hkv, -1, d) * self.scale  # rows: (g, l)
         # one GEMM per KV head: a batched GEMM over Hkv=3 heads splits badly across 2 threads
         for h in range(hkv):
             scores = torch.mm(qg[h], k_all[h].t())  # [G rows, n]
             if self.attn_softcap:
                 scores = _softcap(scores, self.attn_softcap)
+            if bias is not None:
+                scores = scores + bias[h]
             if mask is not None:
                 scores.masked_fill_(mask if mask.dim() == 2 else mask[h], float("-inf"))
             torch.sum(torch.softmax(scores, dim=-1, dtype=torch.float32), dim=0, out=votes[h])
@@ -736,7 +749,8 @@ class Runner:
                      in_order, hi, masks, ranges, positions,
                      slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
                      torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev)
-                     if pool is not None else slice(pasts[group[0]], pasts[group[0]] + lens[group[0]]))
+                     if pool is not None else slice(pasts[group[0]], pasts[group[0]] + lens[group[0]]),
+                     row_slot=row_slot)
 
     def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, written: bool = False) -> torch.Tensor | None:
@@ -786,36 +800,66 @@ class Runner:
                      cv: torch.Tensor) -> torch.Tensor:
         """SDPA over the plan's slots up to `p.hi`, with its masks: [B, Hkv, G Lq, D]."""
         hkv, g = self.num_kv_heads, self.group
+        kpos = None  # caches with positions: the slots' [B, Hkv, hi]
+        if p.positions is not None:
+            kpos = (p.cache.pos[li][None] if p.pool is None
+                    else p.pool.pos[li, p.lo: p.lo + p.B])[:, :, :p.hi]
         if lyr.window in p.masks:
             lo, mask = p.masks[lyr.window]
         else:  # a windowed layer over caches with positions: per layer and KV head
             lo = 0
-            kpos = (p.cache.pos[li][None] if p.pool is None
-                    else p.pool.pos[li, p.lo: p.lo + p.B])[:, :, :p.hi]
             old = kpos[:, :, None, None, :] < first_seen(p.positions, lyr.window)[:, None, None, :, None]
             old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
+        bias = None
+        if self.alibi is not None:  # (a dense cache: slot = position)
+            bias = (self._alibi(torch.arange(lo, p.hi, device=self.device)[None, None], p.row_slot)
+                    if kpos is None else self._alibi(kpos[:, :, lo:], p.positions))
         # (a drafter's narrower cache: widened to the queries' dtype for SDPA)
         return self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype), cv[:, :, lo: p.hi].to(qp.dtype),
-                          mask, lyr.sinks)
+                          mask, lyr.sinks, bias)
+
+    def _alibi(self, kpos: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """ALiBi's bias on the scores, slope (key's position - row's position), float32:
+        [..., Hkv, G Lq, Lk] (rows (g, l), as the queries) for the keys' positions kpos
+        [..., Hkv or 1, Lk] and the rows' qpos [..., Lq]. The difference is an exact integer,
+        so a score's bias is rounded once, whatever the context's length; transformers' BLOOM
+        adds slope * key's position instead (MPT's the key's less the last key's), which
+        differs by one number a row, and softmax takes none of it. Falcon's
+        (`alibi_rounded`): the slope times the key's position, rounded to bfloat16, over
+        sqrt(D), as transformers computes it."""
+        hkv, g = self.num_kv_heads, self.group
+        if self.alibi_rounded:
+            key = self.alibi.bfloat16().view(hkv, g, 1, 1) * kpos[..., :, None, None, :]
+            b = (key.float() / math.sqrt(self.head_dim)).expand(
+                *key.shape[:-2], qpos.shape[-1], key.shape[-1])
+            return b.reshape(*b.shape[:-4], hkv, g * qpos.shape[-1], kpos.shape[-1])
+        rel = (kpos[..., :, None, None, :] - qpos[..., None, None, :, None]).float()
+        b = self.alibi.view(hkv, g, 1, 1) * rel  # [..., Hkv, G, Lq, Lk]
+        return b.reshape(*b.shape[:-4], hkv, g * qpos.shape[-1], kpos.shape[-1])
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
         """SDPA (q [B, Hkv, G L, D], rows by query head then row; mask: True where a key is
         seen), or the explicit path transformers' eager attention computes: with soft-capped
         scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
         dropped; with `attn_float32` (Flint's, GPT-Neo's, GPT-J's, CodeGen's), those scores
-        and that softmax in float32, the weights cast back. A row that sees no key (a padding row) gives zeros, not NaN."""
-        if not self.attn_softcap and sinks is None and not self.attn_float32:
+        and that softmax in float32, the weights cast back; with ALiBi's `bias` (float32,
+        `_alibi`), the scaled scores plus it, in float32 (MPT's order), softmax in float32, the
+        weights cast back. A row that sees no key (a padding row) gives zeros, not NaN."""
+        if not self.attn_softcap and sinks is None and not self.attn_float32 and bias is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         if self.attn_float32:
             q, k = q.float(), k.float()
         s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.attn_softcap:
             s = _softcap(s, self.attn_softcap)
+        if bias is not None:
+            s = s + bias
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         if sinks is None:
@@ -894,7 +938,7 @@ class Runner:
         if self.pos_embed is not None:
             h = h + self.pos_embed[positions]
         if self.embed_norm is not None:
-            h = self._norm(h, self.embed_norm)
+            h = self._norm(h, self.embed_norm, self.embed_norm_b)
         fused = (len(plans) == 1 and not explicit and not invariant and not captures
                  and plans[0].votes is None and self._native_block()
                  and plans[0].ranges is not None and h.shape[0] <= LINEAR_ROWS
@@ -1109,7 +1153,12 @@ class Runner:
             lo = 0 if lyr.window is None else max(0, first_seen(hi - 1, lyr.window))
             qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
             qj = qj.reshape(1, hkv, g, d)
-            o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi], sinks=lyr.sinks)
+            bias = None
+            if self.alibi is not None:
+                kpos = (torch.arange(lo, hi, device=self.device)[None]
+                        if getattr(it.cache, "pos", None) is None else it.cache.pos[li, :, lo:hi])
+                bias = self._alibi(kpos[None], it.positions[j: j + 1].to(self.device)[None])
+            o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi], sinks=lyr.sinks, bias=bias)
             out[j] = o.reshape(-1)
         return out
 
@@ -1135,7 +1184,12 @@ class Runner:
                                             lyr.window, item_masks[None][1])
         votes = it.attn_votes[li]
         votes[:, :lo] = 0  # keys outside the window get no attention
-        self._votes(q[s0: s0 + L], ck[:, lo: past + L], mask, votes[:, lo:], it.vote_from)
+        bias = None
+        if self.alibi is not None:
+            kpos = (torch.arange(lo, past + L, device=self.device)[None]
+                    if getattr(it.cache, "pos", None) is None else it.cache.pos[li, :, lo: past + L])
+            bias = self._alibi(kpos, it.positions.to(self.device))
+        self._votes(q[s0: s0 + L], ck[:, lo: past + L], mask, votes[:, lo:], it.vote_from, bias)
 
     def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin):
         """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
