@@ -458,6 +458,64 @@ ARCHS["qwen3_vl"] = ("Qwen3VLConfig", dict(
         mrope_interleaved=True)),
     vision_config=dict(_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16)))
 
+# Vision-language checkpoints whose language model is a family above, checked by their logits
+# alone (`test_a_vision_language_checkpoints_logits`): the runner takes the language model by
+# its own family's function, which the tests above run in full. Tiny vision towers, text
+# configs as above; config classes by model_type (transformers' CONFIG_MAPPING)
+_CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, projection_dim=16,
+             num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+_SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+_COHERE2 = dict(model_type="cohere2", sliding_window=WINDOW,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+_QWEN3 = dict(model_type="qwen3", head_dim=32)
+VL_LOGITS = {
+    "llava_next": dict(text_config=dict(model_type="llama"), vision_config=_CLIP,
+                       image_grid_pinpoints=[[28, 28]]),
+    "llava_next_video": dict(text_config=dict(model_type="llama"), vision_config=_CLIP,
+                             image_grid_pinpoints=[[28, 28]]),
+    "llava_onevision": dict(text_config=dict(model_type="qwen2"), vision_config=_SIGLIP,
+                            image_grid_pinpoints=[[28, 28]]),
+    "vipllava": dict(text_config=dict(model_type="llama"), vision_config=_CLIP,
+                     vision_feature_layers=[-1]),
+    "video_llava": dict(text_config=dict(model_type="llama"), vision_config=_CLIP),
+    "internvl": dict(text_config=dict(model_type="qwen2"), vision_config=dict(
+        _SMALL, image_size=[28, 28], patch_size=[14, 14])),
+    # Aya Vision scales its logits as Cohere 2 does; Cohere 2 Vision does not
+    "aya_vision": dict(text_config=_COHERE2, vision_config=_SIGLIP),
+    "cohere2_vision": dict(text_config=_COHERE2, vision_config=_SIGLIP),
+    # Idefics 2 and 3 and SmolVLM: the language model is the model's `text_model`
+    "idefics2": dict(text_config=dict(model_type="mistral", sliding_window=None),
+                     vision_config=dict(_SMALL, image_size=28, patch_size=14),
+                     perceiver_config=dict(hidden_size=128, resampler_depth=1, resampler_n_heads=2,
+                                           resampler_head_dim=8, num_key_value_heads=1)),
+    "idefics3": dict(text_config=dict(model_type="llama"),
+                     vision_config=dict(_SMALL, image_size=28, patch_size=14)),
+    "smolvlm": dict(text_config=dict(model_type="llama"),
+                    vision_config=dict(_SMALL, image_size=28, patch_size=14)),
+    "deepseek_vl": dict(text_config=dict(model_type="llama"), vision_config=_SIGLIP),
+    "got_ocr2": dict(text_config=dict(model_type="qwen2"), vision_config=dict(
+        _SMALL, mlp_dim=32, output_channels=16, image_size=32, patch_size=16, window_size=2,
+        global_attn_indexes=[0])),
+    "video_llama_3": dict(text_config=dict(model_type="qwen2"), vision_config=dict(_SMALL, patch_size=14)),
+    "ovis2": dict(text_config=dict(model_type="qwen2"), vision_config=dict(_SMALL, vocab_size=64)),
+    "lighton_ocr": dict(text_config=_QWEN3, vision_config=dict(
+        model_type="pixtral", hidden_size=16, intermediate_size=32, head_dim=8,
+        num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
+    "qianfan_ocr": dict(text_config=_QWEN3, vision_config=dict(_SMALL, image_size=28, patch_size=14)),
+    "exaone4_5": dict(text_config=dict(ARCHS["exaone4"][1], model_type="exaone4"),
+                      vision_config=dict(_VISION, num_key_value_heads=2)),
+    "hyperclovax_vision_v2": dict(text_config=dict(model_type="hyperclovax"), vision_config=dict(
+        _VISION, model_type="qwen2_5_vl_vision", fullatt_block_indexes=[0])),
+    "qwen3_vl_moe": dict(
+        text_config=dict(model_type="qwen3_vl_moe_text", head_dim=32, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, rope_parameters=dict(
+                             rope_type="default", rope_theta=5_000_000.0, mrope_section=[6, 5, 5],
+                             mrope_interleaved=True)),
+        vision_config=dict(_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16)),
+}
+
 
 def auto_class(name: str):
     """transformers' class that loads a model of `name` (the loader's choice)."""
@@ -1137,6 +1195,45 @@ def test_model_info_caps_longrope_context(tmp_path):
 
     build("phi3-longrope", tmp_path)
     assert load_model_info(str(tmp_path)).max_context == 128
+
+
+@pytest.mark.parametrize("name", sorted(VL_LOGITS))
+def test_a_vision_language_checkpoints_logits(name, tmp_path):
+    """A vision-language checkpoint (`VL_LOGITS`) loads, and on a text prompt the runner's
+    logits (prefill, one-token steps, a four-token step) are transformers' image-text-to-text
+    model's; the gateway's view of it is the runner's."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from vericache.model.loader import load_model, load_model_info, transformers_class
+
+    over = VL_LOGITS[name]
+    ids = {k: COMMON[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    cfg = CONFIG_MAPPING[name](**{**over, **ids, "text_config": {**COMMON, **over["text_config"]}})
+    torch.manual_seed(0)
+    src = transformers_class(name).from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in src.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.copy_(p + 0.3 * torch.randn_like(p))
+    src.save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32")
+    hf = transformers_class(name).from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    info = load_model_info(str(tmp_path))
+    assert (info.max_context, info.vocab_size, info.kv_bytes_per_token) == \
+        (lm.max_context, lm.vocab_size, lm.kv_bytes_per_token)
+    x = torch.randint(3, VOCAB, (PROMPT + 6,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=x[None]).logits[0].float()
+    r, cache = lm.runner, lm.runner.new_cache(8)
+    got = [r.step(x[:PROMPT].tolist(), 0, cache, logits="all")[0]]
+    for i in range(PROMPT, PROMPT + 2):
+        got.append(r.step([int(x[i])], i, cache, logits="all")[0])
+    got.append(r.step(x[PROMPT + 2:].tolist(), PROMPT + 2, cache, logits="all")[0])
+    got = torch.cat(got)
+    assert got.shape == ref.shape
+    assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max())), name
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl", "apertus1p5", "llama4"])

@@ -706,14 +706,23 @@ def _granite(hf, device) -> Weights:
 # transformers loads those not in its causal-LM table as image-text-to-text models
 # (`vericache.model.loader`)
 VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                   "apertus1p5", "fuyu", "aria")
+                   "apertus1p5", "fuyu", "aria", "llava_next", "llava_next_video",
+                   "llava_onevision", "vipllava", "video_llava", "internvl", "aya_vision",
+                   "cohere2_vision", "idefics2", "idefics3", "smolvlm", "deepseek_vl", "got_ocr2",
+                   "video_llama_3", "ovis2", "lighton_ocr", "qianfan_ocr", "exaone4_5",
+                   "hyperclovax_vision_v2", "qwen3_vl_moe")
+
+
+# vision-language checkpoints whose logits are lm_head(h) though their language model scales
+# its own (Cohere 2 Vision's, with Cohere 2 inside; Aya Vision's scale them as Cohere 2 does)
+_NO_LOGIT_SCALE = ("cohere2_vision",)
 
 
 def _language_model(hf, device) -> Weights:
-    """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA,
-    Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Apertus 1.5, Fuyu, Aria): its language model (`text_config`,
-    `model.language_model`, `lm_head`), taken by its own family's function, served on text
-    prompts; the vision tower is not taken. Their transformers classes compute the logits as
+    """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA and
+    its variants, the Qwen VL models, Apertus 1.5, Fuyu, Aria, InternVL, Idefics, ...): its
+    language model (`text_config`, `model.language_model` or `model.text_model`, `lm_head`),
+    taken by its own family's function, served on text prompts; the vision tower is not taken. Their transformers classes compute the logits as
     lm_head(h) alone: Gemma3ForConditionalGeneration applies no final-logit soft-cap
     (Gemma3ForCausalLM does; the released checkpoints set none), so neither does the runner
     here. The Qwen VL models' multimodal RoPE gives a text token the same position in each of
@@ -724,8 +733,12 @@ def _language_model(hf, device) -> Weights:
     if fn is None or text.model_type in VISION_LANGUAGE:
         raise ModelLoadError(f"{hf.config.model_type}'s language model {text.model_type!r} is not "
                              f"supported by the runner; supported: {', '.join(SUPPORTED)}")
-    w = fn(SimpleNamespace(config=text, model=hf.model.language_model, lm_head=hf.lm_head), device)
+    # (Idefics3's and SmolVLM's language model is their `text_model`)
+    lm = getattr(hf.model, "language_model", None) or hf.model.text_model
+    w = fn(SimpleNamespace(config=text, model=lm, lm_head=hf.lm_head), device)
     w.final_softcap = None
+    if hf.config.model_type in _NO_LOGIT_SCALE:
+        w.logit_scale = None
     return w
 
 
@@ -1718,6 +1731,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,
     "qwen3_vl_text": _llama,
+    "qwen3_vl_moe_text": _llama,  # Qwen3-VL-MoE's: Qwen3-MoE's block
     "smollm3": _smollm3,
     "granite": _granite,
     "granitemoe": _granite,
