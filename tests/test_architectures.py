@@ -508,6 +508,10 @@ VL_LOGITS = {
                       vision_config=dict(_VISION, num_key_value_heads=2)),
     "hyperclovax_vision_v2": dict(text_config=dict(model_type="hyperclovax"), vision_config=dict(
         _VISION, model_type="qwen2_5_vl_vision", fullatt_block_indexes=[0])),
+    # Kimi K2.5: DeepSeek-V3 inside
+    "kimi_k25": dict(text_config=dict(ARCHS["deepseek_v3"][1], model_type="deepseek_v3"),
+                     vision_config=dict(_SMALL, pos_emb_height=4, pos_emb_width=4),
+                     projection_hidden_size=16, tie_word_embeddings=False),
     "qwen3_vl_moe": dict(
         text_config=dict(model_type="qwen3_vl_moe_text", head_dim=32, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=64, rope_parameters=dict(
