@@ -193,10 +193,12 @@ ARCHS = {
     # MPT (LayerNorms without biases, q/k/v clamped, its own slopes); 4 heads' slopes, and 6's
     # (not a power of two: BLOOM's extra slopes between, MPT's interleaved)
     "bloom": ("BloomConfig", dict(layer_norm_epsilon=1e-5)),
-    "bloom-6": ("BloomConfig", dict(num_attention_heads=6, hidden_size=192, layer_norm_epsilon=1e-5)),
+    "bloom-6": ("BloomConfig", dict(num_attention_heads=6, hidden_size=192,
+                                    layer_norm_epsilon=1e-5)),
     "mpt": ("MptConfig", dict(attn_config=dict(clip_qkv=0.6), layer_norm_epsilon=1e-5,
                               max_seq_len=512)),
-    "mpt-6": ("MptConfig", dict(num_attention_heads=6, hidden_size=192, layer_norm_epsilon=1e-5, max_seq_len=512)),
+    "mpt-6": ("MptConfig", dict(num_attention_heads=6, hidden_size=192, layer_norm_epsilon=1e-5,
+                                max_seq_len=512)),
     # GPT-Neo: GPT-2's block, q/k/v without biases, scores not scaled, a local layer sliding
     "gpt_neo": ("GPTNeoConfig", dict(attention_types=[[["global", "local", "global"], 1]],
                                      window_size=WINDOW, layer_norm_epsilon=1e-5)),
@@ -462,8 +464,9 @@ ARCHS["qwen3_vl"] = ("Qwen3VLConfig", dict(
 # alone (`test_a_vision_language_checkpoints_logits`): the runner takes the language model by
 # its own family's function, which the tests above run in full. Tiny vision towers, text
 # configs as above; config classes by model_type (transformers' CONFIG_MAPPING)
-_CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, projection_dim=16,
-             num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+_CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+             projection_dim=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+             patch_size=14)
 _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
                num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
 _SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
@@ -498,12 +501,14 @@ VL_LOGITS = {
     "got_ocr2": dict(text_config=dict(model_type="qwen2"), vision_config=dict(
         _SMALL, mlp_dim=32, output_channels=16, image_size=32, patch_size=16, window_size=2,
         global_attn_indexes=[0])),
-    "video_llama_3": dict(text_config=dict(model_type="qwen2"), vision_config=dict(_SMALL, patch_size=14)),
+    "video_llama_3": dict(text_config=dict(model_type="qwen2"),
+                          vision_config=dict(_SMALL, patch_size=14)),
     "ovis2": dict(text_config=dict(model_type="qwen2"), vision_config=dict(_SMALL, vocab_size=64)),
     "lighton_ocr": dict(text_config=_QWEN3, vision_config=dict(
         model_type="pixtral", hidden_size=16, intermediate_size=32, head_dim=8,
         num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
-    "qianfan_ocr": dict(text_config=_QWEN3, vision_config=dict(_SMALL, image_size=28, patch_size=14)),
+    "qianfan_ocr": dict(text_config=_QWEN3,
+                        vision_config=dict(_SMALL, image_size=28, patch_size=14)),
     "exaone4_5": dict(text_config=dict(ARCHS["exaone4"][1], model_type="exaone4"),
                       vision_config=dict(_VISION, num_key_value_heads=2)),
     "hyperclovax_vision_v2": dict(text_config=dict(model_type="hyperclovax"), vision_config=dict(
@@ -891,10 +896,12 @@ def test_family_config(arch):
         # 1 + 0.1 log(1 + floor((p + 1) / 32)), in float32
         assert [lyr.rope for lyr in r.layers] == [0, 1, 0]
         q = hf.model.layers[0].self_attn.q_proj.weight[:32]
-        assert torch.equal(r.layers[0].w_qkv[:16], q[0::2]) and torch.equal(r.layers[0].w_qkv[16:32], q[1::2])
+        head0 = r.layers[0].w_qkv[:32]
+        assert torch.equal(head0[:16], q[0::2]) and torch.equal(head0[16:], q[1::2])
         assert torch.equal(r.layers[1].w_qkv, torch.cat([
             getattr(hf.model.layers[1].self_attn, f"{n}_proj").weight for n in "qkv"]))
-        assert [lyr.qk_norm is not None and lyr.qk_norm_after_rope for lyr in r.layers] == [True, False, True]
+        assert [lyr.qk_norm is not None and lyr.qk_norm_after_rope
+                for lyr in r.layers] == [True, False, True]
         assert torch.equal(r.layers[0].qk_norm, torch.ones(4 + 2, 32))
         assert [lyr.q_scaled for lyr in r.layers] == [False, True, False]
         assert r.q_scale.dtype == torch.float32 and r.q_scale_from == 31
@@ -904,9 +911,11 @@ def test_family_config(arch):
         e = moe[1]
         assert [m is not None for m in moe] == ([False, True, False] if name == "llama4_text"
                                                  else [True] * 3)
-        assert (e.scores, e.scale_input, e.top_k) == ("top_k_sigmoid", True, 1 if name == "llama4_text" else 2)
+        assert (e.scores, e.scale_input, e.top_k) == (
+            "top_k_sigmoid", True, 1 if name == "llama4_text" else 2)
         src = hf.model.layers[1].feed_forward.experts
-        assert torch.equal(e.gate_up[2], src.gate_up_proj[2].t()) and e.gate_up[2].shape == (128, 128)
+        assert torch.equal(e.gate_up[2], src.gate_up_proj[2].t())
+        assert e.gate_up[2].shape == (128, 128)
         assert torch.equal(e.down[2], src.down_proj[2].t()) and e.shared_down is not None
         if name == "llama4_text":  # the dense layers' MLP: intermediate_size_mlp wide
             assert r.layers[0].w_gate_up.shape == (512, 128) and r._fused_w is None
@@ -1093,10 +1102,11 @@ def test_an_embedding_scaled_by_a_number_rounds_once(tmp_path):
 def test_a_bfloat16_model_with_float32_parts(name, tmp_path):
     """OLMo computes RoPE in float32 whatever the model's dtype (its table is float32), then
     casts back, and so does Llama 4 (its complex table), whose q it scales by float32 factors
-    past position 30, the product rounded once; nanochat's norms have no weights, and the ones that stand in were float32. In
-    bfloat16 the runner's pass ran into a float32 product; now its logits are transformers'
-    within bfloat16's rounding, and vericache (bitwise) is full. Kolibri-1's router is a
-    float32 product over a bfloat16 model's rows (`_ROUTER_FLOAT32`), as transformers' is."""
+    past position 30, the product rounded once; nanochat's norms have no weights, and the ones
+    that stand in were float32. In bfloat16 the runner's pass ran into a float32 product; now
+    its logits are transformers' within bfloat16's rounding, and vericache (bitwise) is full.
+    Kolibri-1's router is a float32 product over a bfloat16 model's rows (`_ROUTER_FLOAT32`), as
+    transformers' is."""
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
     from vericache.engine.rounds import LocalBackends
@@ -1155,17 +1165,18 @@ def test_window_masks_by_recorded_position(name, tmp_path):
 
 @pytest.mark.parametrize("via_store", [False, True], ids=["local", "store"])
 @pytest.mark.parametrize("spec", ["snapkv:recent=16,window=8", "streamingllm:ratio=4"])
-def test_drafter_records_kept_positions(tmp_path, spec, via_store):
-    """A windowed model's drafter cache records each slot's position: the key a token-dropping
-    compressor kept in a slot is the full KV's key at the recorded position (after the
-    selection policy moved the kept set, and after some rounds of drafting; bits=32, so the
-    moved keys are the full KV's own values)."""
+@pytest.mark.parametrize("name", ["mistral-sliding", "bloom"])
+def test_drafter_records_kept_positions(name, tmp_path, spec, via_store):
+    """A windowed (or ALiBi) model's drafter cache records each slot's position: the key a
+    token-dropping compressor kept in a slot is the full KV's key at the recorded position
+    (after the selection policy moved the kept set, and after some rounds of drafting; bits=32,
+    so the moved keys are the full KV's own values)."""
     from vericache.engine.generation import Generation, GenParams
     from vericache.engine.rounds import LocalBackends, run_round, start
     from vericache.model.loader import load_model
     from vericache.store.memory import MemoryStore
 
-    build("mistral-sliding", tmp_path)
+    build(name, tmp_path)
     lm = load_model(str(tmp_path), dtype="float32")
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(4)).tolist()
     store = MemoryStore() if via_store else None
@@ -1600,7 +1611,7 @@ def test_alibi_votes_are_transformers_attention(name, vote_from, tmp_path):
                                           attn_implementation="eager").eval()
     ids = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        att = torch.stack(hf(ids[None], output_attentions=True).attentions)[:, 0]  # [layers, H, n, n]
+        att = torch.stack(hf(ids[None], output_attentions=True).attentions)[:, 0]  # [L, H, n, n]
     c = r.new_cache(8)
     r.step(ids[:-9].tolist(), 0, c, logits="none")
     it = SeqBatchItem(ids[-9:], torch.arange(PROMPT - 9, PROMPT), c, "none", votes=True,

@@ -142,14 +142,15 @@ class Drafter:
                         tail_start: int, namespace: str = ""
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, TransferStats]:
         """The request's drafting KV from the store (compressed chunks + exact tail) and, for a
-        model whose attention reads positions (`Runner.positioned`), its slots' positions: thread-safe, so it may run while this
-        drafter drafts for others (`attach` it afterwards)."""
+        model whose attention reads positions (`Runner.positioned`), its slots' positions:
+        thread-safe, so it may run while this drafter drafts for others (`attach` it
+        afterwards)."""
         if self.store is None:
             raise InvalidArgument("this drafter has no store to attach from", "kvstore")
         stats = TransferStats()
         pc = PrefixCache(self.store, self.model_id, chunk_size, namespace)
-        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats, self.runner.positioned,
-                                  self.runner.draft_dtype)
+        k, v, pos = pc.load_draft(prompt, compressor, tail_start, rid, stats,
+                                  self.runner.positioned, self.runner.draft_dtype)
         return k, v, pos, stats
 
     def attach_from_store(self, rid: str, prompt: list[int], compressor: Compressor, chunk_size: int,

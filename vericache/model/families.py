@@ -722,12 +722,13 @@ def _language_model(hf, device) -> Weights:
     """A vision-language checkpoint (VISION_LANGUAGE: Gemma 3 4B and up, Mistral 3, LLaVA and
     its variants, the Qwen VL models, Apertus 1.5, Fuyu, Aria, InternVL, Idefics, ...): its
     language model (`text_config`, `model.language_model` or `model.text_model`, `lm_head`),
-    taken by its own family's function, served on text prompts; the vision tower is not taken. Their transformers classes compute the logits as
-    lm_head(h) alone: Gemma3ForConditionalGeneration applies no final-logit soft-cap
-    (Gemma3ForCausalLM does; the released checkpoints set none), so neither does the runner
-    here. The Qwen VL models' multimodal RoPE gives a text token the same position in each of
-    its three sections, so their rotary module's table at positions 0..n-1 is the one RoPE
-    table the runner needs (Qwen3-VL's deepstack features join only with images)."""
+    taken by its own family's function, served on text prompts; the vision tower is not taken.
+    Their transformers classes compute the logits as lm_head(h) alone:
+    Gemma3ForConditionalGeneration applies no final-logit soft-cap (Gemma3ForCausalLM does; the
+    released checkpoints set none), so neither does the runner here. The Qwen VL models'
+    multimodal RoPE gives a text token the same position in each of its three sections, so their
+    rotary module's table at positions 0..n-1 is the one RoPE table the runner needs (Qwen3-VL's
+    deepstack features join only with images)."""
     text = hf.config.get_text_config()
     fn = FAMILIES.get(text.model_type)
     if fn is None or text.model_type in VISION_LANGUAGE:
@@ -1429,11 +1430,12 @@ def _gptj(hf, device) -> Weights:
 
 def _falcon(hf, device) -> Weights:
     """Falcon: LayerNorms with biases, biases on every product where `bias`, an MLP not gated,
-    and RoPE, or ALiBi (`alibi`, Falcon-RW's: `Weights.alibi_rounded`). Its fused q/k/v holds each K/V group's queries then its key
-    and value (`new_decoder_architecture`), or q's heads then one key and value
-    (`multi_query`), or each head's q, k and v in turn (`_heads_interleaved`): here q's heads,
-    then k's, then v's. The block is sequential, or parallel on one norm (`parallel_attn`), or
-    parallel with a norm for each branch (the new architecture's two, as GPT-NeoX's)."""
+    and RoPE, or ALiBi (`alibi`, Falcon-RW's: `Weights.alibi_rounded`). Its fused q/k/v holds
+    each K/V group's queries then its key and value (`new_decoder_architecture`), or q's heads
+    then one key and value (`multi_query`), or each head's q, k and v in turn
+    (`_heads_interleaved`): here q's heads, then k's, then v's. The block is sequential, or
+    parallel on one norm (`parallel_attn`), or parallel with a norm for each branch (the new
+    architecture's two, as GPT-NeoX's)."""
     cfg, m = hf.config, hf.transformer
     hq, hkv, d = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
 

@@ -143,7 +143,7 @@ class _Plan:
     # one item that asks for votes, served by the kernel's votes (`Attend.votes`): its
     # layers' votes are written into the item's `attn_votes`
     votes: "SeqBatchItem | None" = None
-    row_slot: torch.Tensor | None = None  # [B, Lq] each row's own slot (its position in a dense cache)
+    row_slot: torch.Tensor | None = None  # [B, Lq] each row's own slot (a dense cache's: position)
 
 
 def _activation(name: str):
@@ -401,7 +401,8 @@ class Runner:
                 out[w] = (lo, None)
                 continue
             row_pos = torch.arange(L, device=self.device).repeat(self.group) + past
-            old = torch.arange(lo, past + L, device=self.device)[None, :] < first_seen(row_pos[:, None], w)
+            keys = torch.arange(lo, past + L, device=self.device)[None, :]
+            old = keys < first_seen(row_pos[:, None], w)
             out[w] = (lo, old | future[:, lo:])
         return out
 
@@ -808,7 +809,8 @@ class Runner:
             lo, mask = p.masks[lyr.window]
         else:  # a windowed layer over caches with positions: per layer and KV head
             lo = 0
-            old = kpos[:, :, None, None, :] < first_seen(p.positions, lyr.window)[:, None, None, :, None]
+            start = first_seen(p.positions, lyr.window)  # each row's first key [B, Lq]
+            old = kpos[:, :, None, None, :] < start[:, None, None, :, None]
             old = old.expand(-1, -1, g, -1, -1).reshape(p.B, hkv, g * p.lq, p.hi)
             base = p.masks[None][1]
             mask = ~old if base is None else base & ~old
@@ -1187,7 +1189,8 @@ class Runner:
         bias = None
         if self.alibi is not None:
             kpos = (torch.arange(lo, past + L, device=self.device)[None]
-                    if getattr(it.cache, "pos", None) is None else it.cache.pos[li, :, lo: past + L])
+                    if getattr(it.cache, "pos", None) is None
+                    else it.cache.pos[li, :, lo: past + L])
             bias = self._alibi(kpos, it.positions.to(self.device))
         self._votes(q[s0: s0 + L], ck[:, lo: past + L], mask, votes[:, lo:], it.vote_from, bias)
 
