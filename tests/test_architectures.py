@@ -1212,6 +1212,31 @@ def test_model_info_caps_longrope_context(tmp_path):
     assert load_model_info(str(tmp_path)).max_context == 128
 
 
+def test_the_served_context_is_capped(tmp_path, monkeypatch):
+    """The runner serves at most VERICACHE_MAX_CONTEXT positions (its RoPE tables hold every
+    one from load on; Llama 4 Scout declares 10M): the runner, the loaded model and the
+    gateway's view agree, and a position past it is an error, not a read past the table. A
+    value that is not a positive number is refused."""
+    from vericache.errors import ModelLoadError
+    from vericache.model.families import MAX_CONTEXT
+    from vericache.model.loader import load_model, load_model_info
+
+    build("llama4_text", tmp_path)  # (its q-scale table is as long as its RoPE table)
+    assert MAX_CONTEXT == 131072 and load_model_info(str(tmp_path)).max_context == 512
+    monkeypatch.setenv("VERICACHE_MAX_CONTEXT", "100")
+    lm = load_model(str(tmp_path), dtype="float32")
+    r = lm.runner
+    assert lm.max_context == r.max_positions == load_model_info(str(tmp_path)).max_context == 100
+    assert r.ropes[0][0].shape[0] == r.q_scale.shape[0] == 100
+    cache = r.new_cache(8)
+    r.step(list(range(3, 99)), 0, cache, logits="none")
+    with pytest.raises(ValueError, match="past the model's"):
+        r.step([5, 6, 7], 99, cache)
+    monkeypatch.setenv("VERICACHE_MAX_CONTEXT", "lots")
+    with pytest.raises(ModelLoadError, match="VERICACHE_MAX_CONTEXT"):
+        load_model(str(tmp_path), dtype="float32")
+
+
 @pytest.mark.parametrize("name", sorted(VL_LOGITS))
 def test_a_vision_language_checkpoints_logits(name, tmp_path):
     """A vision-language checkpoint (`VL_LOGITS`) loads, and on a text prompt the runner's

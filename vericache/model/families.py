@@ -10,6 +10,7 @@ forward reads only this data.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
@@ -352,11 +353,30 @@ def _rope_params(cfg) -> dict[str, dict]:
     return {"": rp}
 
 
+# The most positions the runner serves (VERICACHE_MAX_CONTEXT): its RoPE tables hold every
+# position from load on (2 x positions x head dim floats: Llama 4 Scout's declared 10M would be
+# 10 GB), so a model whose config declares more is served up to this many
+MAX_CONTEXT = 131072
+
+
+def context_cap() -> int:
+    """VERICACHE_MAX_CONTEXT, else MAX_CONTEXT."""
+    value = os.environ.get("VERICACHE_MAX_CONTEXT", str(MAX_CONTEXT))
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ModelLoadError(f"VERICACHE_MAX_CONTEXT={value!r}: give a positive number of tokens")
+    return n
+
+
 def max_positions(cfg) -> int:
-    """The context the runner serves. Static RoPE types only: dynamic NTK is refused;
-    longrope is exact only up to its original context (past it transformers switches every
-    position to the long factors), so the context is capped there. ALiBi's have no table:
-    MPT's is its max_seq_len, BLOOM's the 2048 it was trained on (`seq_length`)."""
+    """The context the runner serves: the model's, at most `context_cap()`. Static RoPE types
+    only: dynamic NTK is refused; longrope is exact only up to its original context (past it
+    transformers switches every position to the long factors), so the context is capped there.
+    ALiBi's have no table: MPT's is its max_seq_len, BLOOM's the 2048 it was trained on
+    (`seq_length`)."""
     n = (cfg.max_seq_len if cfg.model_type == "mpt" else getattr(cfg, "seq_length", 2048)
          if cfg.model_type == "bloom" else cfg.max_position_embeddings)
     for params in _rope_params(cfg).values():
@@ -370,7 +390,7 @@ def max_positions(cfg) -> int:
             orig = params.get("original_max_position_embeddings") or \
                 getattr(cfg, "original_max_position_embeddings", None) or n
             n = min(n, orig)
-    return n
+    return min(n, context_cap())
 
 
 def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | None = None):
