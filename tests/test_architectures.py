@@ -876,7 +876,8 @@ def test_family_config(arch):
         if name == "falcon-rw":  # 2^(-k/2), rounded to bfloat16
             slopes = [float(torch.tensor(2 ** (-k / 2)).bfloat16()) for k in range(1, 17)]
         assert r.alibi.tolist() == slopes and r.alibi.dtype == torch.float32
-        assert r.alibi_rounded == (name == "falcon-rw")
+        assert r.alibi_kind == ("falcon" if name == "falcon-rw" else
+                                "bloom" if name.startswith("bloom") else "relative")
         assert r.attend_kernel is None and r.positioned and not r.windowed
         cos, sin = r.ropes[0]
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))

@@ -309,9 +309,11 @@ class Weights:
     # score gets slope (key's position - row's position) (`Runner._alibi`); such a model's
     # RoPE table is the identity
     alibi: torch.Tensor | None = None
-    # Falcon's ALiBi: a key's bias is its slope times its absolute position, rounded to
-    # bfloat16 (transformers' Falcon takes that product in bfloat16 in any dtype), over sqrt(D)
-    alibi_rounded: bool = False
+    # how transformers computes the bias (`Runner._alibi`): "relative" (MPT's arithmetic);
+    # "bloom", slope x the key's position in float32, rounded to the model's dtype, joining the
+    # scores' product (baddbmm); "falcon", slope (bfloat16) x the key's position, rounded to
+    # bfloat16 in any dtype, over sqrt(D)
+    alibi_kind: str = "relative"
 
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
@@ -1358,7 +1360,7 @@ def _bloom(hf, device) -> Weights:
                    layer_norm=True, norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon,
                    gated=False, embed_norm=_t(m.word_embeddings_layernorm.weight, device),
                    embed_norm_b=_bias(m.word_embeddings_layernorm, device),
-                   alibi=_t(_get_alibi_slopes(hq, torch.device("cpu")), device))
+                   alibi=_t(_get_alibi_slopes(hq, torch.device("cpu")), device), alibi_kind="bloom")
 
 
 def _mpt(hf, device) -> Weights:
@@ -1450,7 +1452,7 @@ def _gptj(hf, device) -> Weights:
 
 def _falcon(hf, device) -> Weights:
     """Falcon: LayerNorms with biases, biases on every product where `bias`, an MLP not gated,
-    and RoPE, or ALiBi (`alibi`, Falcon-RW's: `Weights.alibi_rounded`). Its fused q/k/v holds
+    and RoPE, or ALiBi (`alibi`, Falcon-RW's: `Weights.alibi_kind`). Its fused q/k/v holds
     each K/V group's queries then its key and value (`new_decoder_architecture`), or q's heads
     then one key and value (`multi_query`), or each head's q, k and v in turn
     (`_heads_interleaved`): here q's heads, then k's, then v's. The block is sequential, or
@@ -1495,7 +1497,7 @@ def _falcon(hf, device) -> Weights:
         return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
                        [_identity_rope(n, d, embed.dtype, device)], d, activation=cfg.activation,
                        layer_norm=True, norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon,
-                       gated=False, alibi=_t(slopes, device), alibi_rounded=True)
+                       gated=False, alibi=_t(slopes, device), alibi_kind="falcon")
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
                    [_rope_table(m.rotary_emb, n, embed.dtype, device)], d,
                    activation=cfg.activation, layer_norm=True, norm_b=_bias(m.ln_f, device),

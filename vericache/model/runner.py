@@ -204,7 +204,7 @@ class Runner:
         self.windowed = bool(self.windows)
         # ALiBi's slopes [Hq] (BLOOM's, MPT's, Falcon's): a score gets slope (key's position -
         # row's position), in float32 (`_alibi`); the explicit attention path
-        self.alibi, self.alibi_rounded = w.alibi, w.alibi_rounded
+        self.alibi, self.alibi_kind = w.alibi, w.alibi_kind
         # a cache that holds a subset of a sequence's tokens records their positions only
         # where attention reads them
         self.positioned = self.windowed or self.alibi is not None
@@ -823,19 +823,22 @@ class Runner:
                           mask, lyr.sinks, bias)
 
     def _alibi(self, kpos: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
-        """ALiBi's bias on the scores, slope (key's position - row's position), float32:
-        [..., Hkv, G Lq, Lk] (rows (g, l), as the queries) for the keys' positions kpos
-        [..., Hkv or 1, Lk] and the rows' qpos [..., Lq]. The difference is an exact integer,
-        so a score's bias is rounded once, whatever the context's length; transformers' BLOOM
-        adds slope * key's position instead (MPT's the key's less the last key's), which
-        differs by one number a row, and softmax takes none of it. Falcon's
-        (`alibi_rounded`): the slope times the key's position, rounded to bfloat16, over
-        sqrt(D), as transformers computes it."""
+        """ALiBi's bias on the scores, [..., Hkv, G Lq, Lk] (rows (g, l), as the queries), for
+        the keys' positions kpos [..., Hkv or 1, Lk] and the rows' qpos [..., Lq], as
+        transformers computes each family's (`alibi_kind`). MPT's ("relative"): slope (key's
+        position - row's position) in float32, an exact integer times the slope, so rounded
+        once at any context length (transformers' MPT takes the key's less the last key's: one
+        number a row apart, which softmax ignores). BLOOM's: slope x the key's position in
+        float32, rounded to the model's dtype. Falcon's: the slope rounded to bfloat16 times
+        the key's position, rounded to bfloat16, then over sqrt(D) in float32."""
         hkv, g = self.num_kv_heads, self.group
-        if self.alibi_rounded:
-            key = self.alibi.bfloat16().view(hkv, g, 1, 1) * kpos[..., :, None, None, :]
-            b = (key.float() / math.sqrt(self.head_dim)).expand(
-                *key.shape[:-2], qpos.shape[-1], key.shape[-1])
+        if self.alibi_kind != "relative":
+            if self.alibi_kind == "falcon":
+                key = self.alibi.bfloat16().view(hkv, g, 1, 1) * kpos[..., :, None, None, :]
+                key = key.float() / math.sqrt(self.head_dim)
+            else:  # BLOOM's
+                key = (self.alibi.view(hkv, g, 1, 1) * kpos[..., :, None, None, :]).to(self.dtype)
+            b = key.expand(*key.shape[:-2], qpos.shape[-1], key.shape[-1])
             return b.reshape(*b.shape[:-4], hkv, g * qpos.shape[-1], kpos.shape[-1])
         rel = (kpos[..., :, None, None, :] - qpos[..., None, None, :, None]).float()
         b = self.alibi.view(hkv, g, 1, 1) * rel  # [..., Hkv, G, Lq, Lk]
@@ -850,14 +853,23 @@ class Runner:
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
         dropped; with `attn_float32` (Flint's, GPT-Neo's, GPT-J's, CodeGen's), those scores
-        and that softmax in float32, the weights cast back; with ALiBi's `bias` (float32,
-        `_alibi`), the scaled scores plus it, in float32 (MPT's order), softmax in float32, the
-        weights cast back. A row that sees no key (a padding row) gives zeros, not NaN."""
+        and that softmax in float32, the weights cast back; with ALiBi's `bias` (`_alibi`), the
+        scaled scores plus it (float32, MPT's and Falcon's order; BLOOM's: bias + scale q k^T
+        in one baddbmm, in the model's dtype), softmax in float32, the weights cast back. A row
+        that sees no key (a padding row) gives zeros, not NaN."""
         if not self.attn_softcap and sinks is None and not self.attn_float32 and bias is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         if self.attn_float32:
             q, k = q.float(), k.float()
-        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if bias is not None and self.alibi_kind == "bloom":
+            *lead, rows, d = q.shape
+            kt = k.transpose(-1, -2).expand(*lead, d, k.shape[-2])
+            s = torch.baddbmm(bias.expand(*lead, rows, k.shape[-2]).reshape(-1, rows, k.shape[-2]),
+                              q.reshape(-1, rows, d), kt.reshape(-1, d, k.shape[-2]),
+                              alpha=self.scale).view(*lead, rows, k.shape[-2])
+            bias = None
+        else:
+            s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.attn_softcap:
             s = _softcap(s, self.attn_softcap)
         if bias is not None:
