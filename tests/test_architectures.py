@@ -513,6 +513,14 @@ VL_LOGITS = {
                       vision_config=dict(_VISION, num_key_value_heads=2)),
     "hyperclovax_vision_v2": dict(text_config=dict(model_type="hyperclovax"), vision_config=dict(
         _VISION, model_type="qwen2_5_vl_vision", fullatt_block_indexes=[0])),
+    "ovis2_5": dict(text_config=_QWEN3, vision_config=dict(
+        _SMALL, vocab_size=64, image_size=28, patch_size=14, max_position_embeddings=16)),
+    "janus": dict(text_config=dict(model_type="llama"),
+                  vision_config=dict(_SMALL, image_size=32, patch_size=16, projection_dim=16,
+                                     num_image_tokens=4),
+                  vq_config=dict(embed_dim=8, num_embeddings=32, latent_channels=32,
+                                 base_channels=32, channel_multiplier=[1, 1], num_res_blocks=1,
+                                 num_patches=2, projection_dim=16, image_token_embed_dim=16)),
     # Kimi K2.5: DeepSeek-V3 inside
     "kimi_k25": dict(text_config=dict(ARCHS["deepseek_v3"][1], model_type="deepseek_v3"),
                      vision_config=dict(_SMALL, pos_emb_height=4, pos_emb_width=4),

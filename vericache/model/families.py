@@ -732,7 +732,7 @@ VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwe
                    "llava_onevision", "vipllava", "video_llava", "internvl", "aya_vision",
                    "cohere2_vision", "idefics2", "idefics3", "smolvlm", "deepseek_vl", "got_ocr2",
                    "video_llama_3", "ovis2", "lighton_ocr", "qianfan_ocr", "exaone4_5",
-                   "hyperclovax_vision_v2", "qwen3_vl_moe", "kimi_k25")
+                   "hyperclovax_vision_v2", "qwen3_vl_moe", "kimi_k25", "ovis2_5", "janus")
 
 
 # vision-language checkpoints whose logits are lm_head(h) though their language model scales
