@@ -77,7 +77,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 def weight_bytes(runner) -> int:
     """The runner's weight bytes (each tensor once: tied embeddings count once)."""
     seen, total = set(), 0
-    tensors = [runner.embed, runner.lm_head, runner.norm]
+    tensors = [t for t in (runner.embed, runner.lm_head, runner.norm) if t is not None]
     for lyr in runner.layers:
         tensors += [v for v in vars(lyr).values() if isinstance(v, torch.Tensor)]
     for t in tensors:

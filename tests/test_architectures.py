@@ -180,6 +180,8 @@ ARCHS = {
     # (Conv1D products), GPT-BigCode (one K/V head; or each head's q, k, v in turn) and OPT
     # (its position table offset by 2)
     "gpt2": ("GPT2Config", {}),
+    # GPT-1: GPT-2's products, a post-norm block (each sum normed), no final norm
+    "openai-gpt": ("OpenAIGPTConfig", dict(layer_norm_epsilon=1e-5)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(multi_query=True)),
     "gpt_bigcode-mha": ("GPTBigCodeConfig", dict(multi_query=False)),
     "opt": ("OPTConfig", dict(ffn_dim=256, word_embed_proj_dim=128)),
@@ -544,7 +546,8 @@ def auto_class(name: str):
 
 
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm", "ctrl"}
+ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm", "ctrl",
+            "openai-gpt"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
              "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
@@ -832,6 +835,8 @@ def test_family_config(arch):
         if name == "gpt_neo":  # its local layer; scores not scaled (float32 in any dtype)
             assert windows == [None, WINDOW, None] and r.scale == 1.0 and not r.attn_float32
         assert (r.embed_scale is None) == (name not in ("biogpt", "xglm", "ctrl"))
+        assert all(lyr.post_norms for lyr in r.layers) == (name == "openai-gpt")
+        assert (r.norm is None) == (name == "openai-gpt")
         if name == "ctrl":  # its table from position 0; the LM head's bias
             assert torch.equal(r.pos_embed, hf.transformer.pos_encoding[:512])
             assert r.lm_head_b is not None and float(r.embed_scale) == pytest.approx(128 ** 0.5)
@@ -1660,7 +1665,7 @@ def test_alibi_votes_are_transformers_attention(name, vote_from, tmp_path):
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
                             "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
-                            "falcon", "llama4_text", "bloom", "mpt"])
+                            "falcon", "llama4_text", "bloom", "mpt", "openai-gpt"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

@@ -47,7 +47,7 @@ def config(args, grid: Grid) -> ScenarioConfig:
 def weight_bytes(runner) -> int:
     """Bytes of the runner's weights (a tied LM head counted once)."""
     seen, n = set(), 0
-    tensors = [runner.embed, runner.norm, runner.lm_head]
+    tensors = [t for t in (runner.embed, runner.norm, runner.lm_head) if t is not None]
     for lyr in runner.layers:
         tensors += [t for t in vars(lyr).values() if isinstance(t, torch.Tensor)]
     for t in tensors:

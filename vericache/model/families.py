@@ -252,6 +252,9 @@ class Layer:
     # parameters a layer); None: the model's (`Weights.activation`)
     act: Callable[[torch.Tensor], torch.Tensor] | None = None
     q_scaled: bool = True  # `Weights.q_scale` applies (Llama 4's: its layers without RoPE only)
+    # GPT-1's post-norm block: ln_attn_in norms h + attention (the MLP's input and the next
+    # residual), ln_mlp_in norms h + MLP; no norm before either branch
+    post_norms: bool = False
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
@@ -264,7 +267,7 @@ class Layer:
 class Weights:
     layers: list[Layer]
     embed: torch.Tensor  # [V, H]
-    norm: torch.Tensor  # [H]
+    norm: torch.Tensor | None  # [H] the final norm (None: GPT-1's, whose layers end in norms)
     lm_head: torch.Tensor  # [V, H]
     ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [P, R] each, R <= D (partial)
     head_dim: int
@@ -318,7 +321,7 @@ class Weights:
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
 _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
-               "persimmon", "biogpt", "xglm", "ctrl", "bloom", "mpt")
+               "persimmon", "biogpt", "xglm", "ctrl", "bloom", "mpt", "openai-gpt")
 
 
 def kv_heads(cfg) -> int:
@@ -1388,6 +1391,35 @@ def _mpt(hf, device) -> Weights:
                    eps=cfg.layer_norm_epsilon, gated=False, alibi=_t(slopes, device))
 
 
+def _openai_gpt(hf, device) -> Weights:
+    """GPT-1 (`openai-gpt`): GPT-2's products (Conv1D, transposed here; q, k and v in turn;
+    biases everywhere), learned positions (`pos_embed`) and no RoPE, and a post-norm block
+    (`Layer.post_norms`): each sum, h + attention and then h + MLP, goes through its LayerNorm,
+    and there is no final norm. Its "gelu" is transformers' gelu_new (its ACT_FNS)."""
+    from transformers.models.openai.modeling_openai import ACT_FNS
+
+    cfg, m = hf.config, hf.transformer
+    d = cfg.n_embd // cfg.n_head
+    act = ACT_FNS[cfg.afn]
+
+    def w(mod) -> torch.Tensor:
+        return _t(mod.weight.t(), device)
+
+    layers = [Layer(ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
+                    w_qkv=w(b.attn.c_attn), b_qkv=_bias(b.attn.c_attn, device),
+                    w_o=w(b.attn.c_proj), b_o=_bias(b.attn.c_proj, device),
+                    ln_mlp_in=_t(b.ln_2.weight, device), ln_mlp_in_b=_bias(b.ln_2, device),
+                    w_gate_up=w(b.mlp.c_fc), b_gate_up=_bias(b.mlp.c_fc, device),
+                    w_down=w(b.mlp.c_proj), b_down=_bias(b.mlp.c_proj, device), act=act,
+                    post_norms=True)
+              for b in m.h]
+    embed, lm_head = _embed_and_head(hf, m.tokens_embed.weight, device)
+    return Weights(layers, embed, None, lm_head,
+                   [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
+                   layer_norm=True, eps=cfg.layer_norm_epsilon, gated=False,
+                   pos_embed=_t(m.positions_embed.weight, device))
+
+
 def _gpt_neo(hf, device) -> Weights:
     """GPT-Neo: GPT-2's block (learned absolute positions, LayerNorms with biases, an MLP not
     gated) with q/k/v without biases, attention not scaled and taken in float32
@@ -1772,6 +1804,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
+    "openai-gpt": _openai_gpt,  # GPT-1: post-norm blocks
     "bloom": _bloom,  # ALiBi (`alibi`)
     "mpt": _mpt,
     "gpt_bigcode": _gpt2,

@@ -241,7 +241,7 @@ class Runner:
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
-                    and lyr.clip_qkv is None and lyr.act is None
+                    and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
                     and not lyr.out_gate
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -964,7 +964,8 @@ class Runner:
         if fused:
             self._fused(plans[0], h, ropes, drafts)
         for li, lyr in enumerate([] if fused else self.layers):
-            x = h if lyr.ln_attn_in is None else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
+            x = (h if lyr.ln_attn_in is None or lyr.post_norms
+                 else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b))
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             if lyr.clip_qkv is not None:
                 qkv = qkv.clamp(-lyr.clip_qkv, lyr.clip_qkv)
@@ -1019,7 +1020,9 @@ class Runner:
             if lyr.parallel and lyr.ln_mlp_in is not None:  # GPT-NeoX: the input, its own norm
                 x = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
             h = h + attn
-            if not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
+            if lyr.post_norms:  # GPT-1: the sums normed, the MLP on the attention's
+                h = x = self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
+            elif not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
                 x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
             if lyr.moe is None:
                 y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant, lyr.b_gate_up,
@@ -1029,6 +1032,8 @@ class Runner:
             if lyr.ln_mlp_out is not None:
                 y = self._norm(y, lyr.ln_mlp_out)
             h = h + y
+            if lyr.post_norms:
+                h = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
         for it, L in zip(items, lens):
             it.cache.length += L
         return self._logits(items, lens, h, lin)
@@ -1221,7 +1226,9 @@ class Runner:
             start += L
         if not rows:
             return [None] * len(items)
-        hs = self._norm(h[torch.cat(rows).to(self.device)], self.norm, self.norm_b)
+        hs = h[torch.cat(rows).to(self.device)]
+        if self.norm is not None:  # (GPT-1's layers end in their own norm)
+            hs = self._norm(hs, self.norm, self.norm_b)
         logits = lin(hs, self.lm_head, self.lm_head_b)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
