@@ -202,8 +202,8 @@ class Runner:
         # the layers' sliding windows and chunks (`first_seen`), each once
         self.windows = list(dict.fromkeys(lyr.window for lyr in w.layers if lyr.window))
         self.windowed = bool(self.windows)
-        # ALiBi's slopes [Hq] (BLOOM's, MPT's, Falcon's): a score gets slope (key's position -
-        # row's position), in float32 (`_alibi`); the explicit attention path
+        # ALiBi's slopes [Hq] (BLOOM's, MPT's, Falcon's): a score gets a bias from its key's
+        # position (`_alibi`, each family's as transformers computes it); the explicit path
         self.alibi, self.alibi_kind = w.alibi, w.alibi_kind
         # a cache that holds a subset of a sequence's tokens records their positions only
         # where attention reads them
@@ -418,9 +418,8 @@ class Runner:
                votes: torch.Tensor, vote_from: int = 0, bias: torch.Tensor | None = None) -> None:
         """The explicit-score path's votes: q [L, Hq, D]; k_all [Hkv, n, D]; mask [G L, n] or
         per KV head [Hkv, G L, n], True where not seen; ALiBi's bias [Hkv, G L, n] (`_alibi`).
-        Each key's attention mass summed over
-        the rows from `vote_from` on (only they are scored) and the KV group's query heads is
-        written into `votes` ([Hkv, n] fp32)."""
+        Each key's attention mass summed over the rows from `vote_from` on (only they are
+        scored) and the KV group's query heads is written into `votes` ([Hkv, n] fp32)."""
         L = q.shape[0]
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         qg = q.view(L, hkv, g, d).permute(1, 2, 0, 3)[:, :, vote_from:]  # [Hkv, G, rows, D]
@@ -863,10 +862,10 @@ class Runner:
             q, k = q.float(), k.float()
         if bias is not None and self.alibi_kind == "bloom":
             *lead, rows, d = q.shape
-            kt = k.transpose(-1, -2).expand(*lead, d, k.shape[-2])
-            s = torch.baddbmm(bias.expand(*lead, rows, k.shape[-2]).reshape(-1, rows, k.shape[-2]),
-                              q.reshape(-1, rows, d), kt.reshape(-1, d, k.shape[-2]),
-                              alpha=self.scale).view(*lead, rows, k.shape[-2])
+            n = k.shape[-2]
+            kt = k.transpose(-1, -2).expand(*lead, d, n).reshape(-1, d, n)
+            s = torch.baddbmm(bias.expand(*lead, rows, n).reshape(-1, rows, n),
+                              q.reshape(-1, rows, d), kt, alpha=self.scale).view(*lead, rows, n)
             bias = None
         else:
             s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
