@@ -891,7 +891,7 @@ def test_family_config(arch):
         assert r.alibi.tolist() == slopes and r.alibi.dtype == torch.float32
         assert r.alibi_kind == ("falcon" if name == "falcon-rw" else
                                 "bloom" if name.startswith("bloom") else "relative")
-        assert r.attend_kernel is None and r.positioned and not r.windowed
+        assert r.attend_kernel is not None and r.positioned and not r.windowed
         cos, sin = r.ropes[0]
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         if name.startswith("mpt"):  # no biases; q, k and v clamped
@@ -1633,6 +1633,41 @@ def test_the_invariant_pass_reads_positions(name, tmp_path):
     got = torch.cat(got)
     assert float((got - ref).abs().max()) <= 1e-4 * max(1.0, float(ref.abs().max())), name
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ["bloom-6", "mpt", "falcon-rw"])
+def test_alibi_in_the_native_kernel(name, tmp_path):
+    """The native attention kernel adds ALiBi's bias itself (each family's arithmetic), so an
+    ALiBi model's decode and verify passes read the KV at the kernel's speed: a verify pass of
+    five rows and a decode step over the prompt's cache give the explicit path's logits (the
+    kernel set aside) to float32 rounding, and the votes too."""
+    from vericache.model.loader import load_model
+    from vericache.model.runner import SeqBatchItem
+
+    build(name, tmp_path)
+    r = load_model(str(tmp_path), dtype="float32").runner
+    ids = torch.randint(3, VOCAB, (PROMPT + 6,), generator=torch.Generator().manual_seed(8))
+
+    def run():
+        c = r.new_cache(8)
+        r.step(ids[:PROMPT].tolist(), 0, c, logits="none")
+        verify = SeqBatchItem(ids[PROMPT: PROMPT + 5], torch.arange(PROMPT, PROMPT + 5), c, "all",
+                              votes=True)
+        got = r.forward([verify])[0]
+        step = r.step([int(ids[PROMPT + 5])], PROMPT + 5, c, logits="all")[0]
+        return torch.cat([got, step]), verify.attn_votes
+
+    kernel = r.attend_kernel
+    assert kernel is not None
+    with_kernel = run()
+    r.attend_kernel = None
+    try:
+        explicit = run()
+    finally:
+        r.attend_kernel = kernel
+    scale = float(explicit[0].abs().max())
+    assert float((with_kernel[0] - explicit[0]).abs().max()) <= 1e-5 * max(1.0, scale), name
+    assert float((with_kernel[1] - explicit[1]).abs().max()) < 1e-5, name
 
 
 @pytest.mark.parametrize("vote_from", [0, 5])

@@ -144,6 +144,8 @@ class _Plan:
     # layers' votes are written into the item's `attn_votes`
     votes: "SeqBatchItem | None" = None
     row_slot: torch.Tensor | None = None  # [B, Lq] each row's own slot (a dense cache's: position)
+    # ALiBi for the native kernel: (slopes [Hkv, G Lq], each KV head's rows', the arithmetic)
+    alibi: "tuple[torch.Tensor, int] | None" = None
 
 
 def _activation(name: str):
@@ -220,7 +222,7 @@ class Runner:
         sinks = any(lyr.sinks is not None for lyr in w.layers)
         # (`attn_float32` is off where it runs: a float32 model's scores are float32 already)
         self.attend_kernel = (kernels.attend() if native and not self.attn_softcap
-                              and not sinks and self.alibi is None else None)
+                              and not sinks else None)
         # a drafter's caches' K/V (bfloat16 where this kernel reads them)
         self.draft_dtype = draft_kv_dtype(self.device, self.dtype, self.attend_kernel is not None)
         self.linear_kernel = kernels.linear() if native else None
@@ -693,7 +695,7 @@ class Runner:
         with_pos = getattr(caches[0], "pos", None) is not None
         # the kernel reads only each row's own keys; SDPA reads every slot up to `hi`, masked
         kernel = (self.attend_kernel is not None and lq <= KERNEL_ROWS
-                  and not (with_pos and self.windowed))
+                  and not (with_pos and self.positioned))
         if len(group) == 1:
             pool, first, slots, B = None, 0, [0], 1
         else:
@@ -750,7 +752,7 @@ class Runner:
                      slot_t.repeat_interleave(L_t[slot_t]) if pool is not None else None,
                      torch.cat([torch.arange(pasts[i], pasts[i] + lens[i]) for i in group]).to(dev)
                      if pool is not None else slice(pasts[group[0]], pasts[group[0]] + lens[group[0]]),
-                     row_slot=row_slot)
+                     row_slot=row_slot, alibi=self._alibi_rows(lq) if kernel else None)
 
     def _attend_batch(self, p: "_Plan", li: int, lyr: Layer, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, written: bool = False) -> torch.Tensor | None:
@@ -783,12 +785,13 @@ class Runner:
         if p.ranges is not None and lyr.window in p.ranges:
             lo_r, hi_r = p.ranges[lyr.window]
             if p.votes is None:
-                out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale, self._threads())
+                out = self.attend_kernel(qp, ck, cv, lo_r, hi_r, self.scale, self._threads(),
+                                         p.alibi)
             else:  # one item: its rows over keys [lo, hi), hi <= its length
                 out = self.attend_kernel.votes(qp, ck, None if written else cv, lo_r, hi_r,
                                                self.scale, self._threads(),
                                                p.votes.attn_votes[li][None],
-                                               (p.lq, p.votes.vote_from))
+                                               (p.lq, p.votes.vote_from), p.alibi)
                 if written:
                     return None
         else:
@@ -820,6 +823,15 @@ class Runner:
         # (a drafter's narrower cache: widened to the queries' dtype for SDPA)
         return self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype), cv[:, :, lo: p.hi].to(qp.dtype),
                           mask, lyr.sinks, bias)
+
+    def _alibi_rows(self, lq: int) -> "tuple[torch.Tensor, int] | None":
+        """The native kernel's ALiBi (`Attend.__call__`'s `alibi`) for rows of lq tokens a
+        sequence: each KV head's rows' slopes [Hkv, G lq] (rows (g, l)), and the arithmetic."""
+        if self.alibi is None:
+            return None
+        hkv, g = self.num_kv_heads, self.group
+        slopes = self.alibi.float().view(hkv, g, 1).expand(hkv, g, lq).reshape(hkv, g * lq)
+        return slopes.contiguous(), ("relative", "bloom", "falcon").index(self.alibi_kind)
 
     def _alibi(self, kpos: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """ALiBi's bias on the scores, [..., Hkv, G Lq, Lk] (rows (g, l), as the queries), for

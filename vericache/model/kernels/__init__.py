@@ -124,6 +124,11 @@ class Attend:
         for fn in self._votes.values():
             fn.argtypes = [p, p, p, i, i, i, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
             fn.restype = ctypes.c_int
+        # ALiBi's (float32 K/V; votes optional): each score plus its bias, `alibi` below
+        self._alibi = lib.vc_attend_alibi_f32
+        self._alibi.argtypes = [p, p, p, i, i, i, p, p, p, p, i, i, i, i, i, i, i,
+                                ctypes.c_float, i, p, i]
+        self._alibi.restype = ctypes.c_int
         # per K/V dtype, for `Linear.layers`
         self.address = {dtype: ctypes.cast(fn, ctypes.c_void_p).value
                         for dtype, fn in self._fns.items()}
@@ -132,19 +137,41 @@ class Attend:
         self.bf16_dot = bool(lib.vc_attend_bf16_dot())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
-                 hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
+                 hi: torch.Tensor, scale: float, threads: int = 1,
+                 alibi: "tuple[torch.Tensor, int] | None" = None) -> torch.Tensor:
+        """`alibi` (slope, kind): ALiBi's bias on each score, for float32 K/V in dense caches
+        (a key's slot is its position, a row's hi - 1): slope [H, R] float32, each task head's
+        rows' slopes; kind 0, 1, 2 MPT's, BLOOM's and Falcon's arithmetic (`Runner._alibi`)."""
         q, lo, hi = self._check(q, k, v, lo, hi)
         B, H, R, D = q.shape
         out = torch.empty_like(q)
-        if self._fns[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
-                              k.stride(1), k.stride(2), lo.data_ptr(), hi.data_ptr(),
-                              out.data_ptr(), B, H, R, D, float(scale), threads):
+        if alibi is not None:
+            failed = self._alibi_call(q, k, v, lo, hi, out, None, 0, (1, 0), scale, threads,
+                                      alibi)
+        else:
+            failed = self._fns[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                                        k.stride(1), k.stride(2), lo.data_ptr(), hi.data_ptr(),
+                                        out.data_ptr(), B, H, R, D, float(scale), threads)
+        if failed:
             raise MemoryError("attend: out of memory for its buffers")
         return out
 
+    def _alibi_call(self, q, k, v, lo, hi, out, votes, vs, rows, scale, threads, alibi) -> int:
+        slope, kind = alibi
+        B, H, R, D = q.shape
+        if (k.dtype != torch.float32 or slope.dtype != torch.float32
+                or tuple(slope.shape) != (H, R) or not slope.is_contiguous()):
+            raise ValueError("attend: ALiBi needs float32 K/V and slopes [H, R], contiguous")
+        return self._alibi(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                           k.stride(2), lo.data_ptr(), hi.data_ptr(),
+                           None if out is None else out.data_ptr(),
+                           None if votes is None else votes.data_ptr(), vs, rows[0], rows[1],
+                           B, H, R, D, float(scale), threads, slope.data_ptr(), int(kind))
+
     def votes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, lo: torch.Tensor,
               hi: torch.Tensor, scale: float, threads: int, votes: torch.Tensor,
-              rows: tuple[int, int] = (1, 0)) -> torch.Tensor | None:
+              rows: tuple[int, int] = (1, 0),
+              alibi: "tuple[torch.Tensor, int] | None" = None) -> torch.Tensor | None:
         """The call's outputs (None where `v` is None: no value products), and each key's
         attention mass summed over each task's rows written into `votes` ([B, H, n] float32,
         unit stride along n, n at least every row's hi; keys no row sees get 0). The outputs
@@ -161,6 +188,11 @@ class Attend:
         if rows[0] < 1 or rows[1] < 0:
             raise ValueError("attend: votes' rows (l, first) need l >= 1 and first >= 0")
         out = None if v is None else torch.empty_like(q)
+        if alibi is not None:
+            if self._alibi_call(q, k, vv, lo, hi, out, votes, votes.stride(1), rows, scale,
+                                threads, alibi):
+                raise MemoryError("attend: out of memory for its buffers")
+            return out
         if self._votes[k.dtype](q.data_ptr(), k.data_ptr(), vv.data_ptr(),
                                 k.stride(0), k.stride(1), k.stride(2), lo.data_ptr(),
                                 hi.data_ptr(), None if out is None else out.data_ptr(),

@@ -28,6 +28,10 @@
  * rows a head: v0 = 0 counts them all; a prefill chunk's question window counts its last
  * rows only). The rows' outputs are the bits the call without votes gives (the same units,
  * the same sums); `out` NULL: the votes only (no value products).
+ *
+ * ALiBi (`vc_attend_alibi_f32`, float32 K/V, votes optional): each score plus its row's slope
+ * (slope [H, R]) times the key's position, as `alibi_bias` computes each family's; the caches
+ * are dense, so a key's slot is its position and a row's is hi - 1.
  */
 #include <float.h>
 #include <math.h>
@@ -210,6 +214,18 @@ qk_tile(float *sc, const float *qb, const void *kp, int64_t kr, int64_t kn, int6
 }
 
 /* a voting row r's place among the rows that vote (r % vl >= v0), and how many of R vote */
+/* ALiBi's bias on a row's score for key position j, row position qp, as the runner's
+ * `Runner._alibi` computes it for a float32 model: ak 0 (MPT's), sl (j - qp); 1 (BLOOM's),
+ * sl j; 2 (Falcon's), sl (already bfloat16) j rounded to bfloat16, over sqrt(D) */
+static inline float alibi_bias(float sl, int64_t j, int64_t qp, int ak, int64_t D) {
+    if (ak == 0) return sl * (float)(j - qp);
+    if (ak == 1) return sl * (float)j;
+    const uint32_t bits = (uint32_t)bf16_round(sl * (float)j) << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x / (float)sqrt((double)D);
+}
+
 static inline int64_t voter(int64_t r, int64_t vl, int64_t v0) {
     return r / vl * (vl - v0) + r % vl - v0;
 }
@@ -240,7 +256,8 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
      const int64_t *lo, const int64_t *hi, int64_t H, int64_t R, int64_t D, const int NV,
      const int BF, float scale, int64_t t, int64_t j_lo, int64_t j_hi, float *acc, float *m,
      float *l, float *sc, float *cr, int64_t *ra, int64_t *rn, float *wb, uint16_t *qh,
-     float *ss, int64_t vl, int64_t v0, int64_t RV, int64_t *first_out, const int VT, int pv) {
+     float *ss, int64_t vl, int64_t v0, int64_t RV, int64_t *first_out, const int VT, int pv,
+     const float *slope, int ak) {
     const int64_t b = t / H, h = t % H;
     const int64_t kb = b * sb + h * sh; /* the task's keys and values: element offsets */
     const float *qb = q + t * R * D;
@@ -349,6 +366,11 @@ part(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64
                     dot_i += (dot ? kv_get(qh + r * D, d, 1) : qr[d]) * kv_get(kp, kj + d, dot);
                 s[i] = dot_i * scale;
             }
+            if (slope) { /* ALiBi: the row's slope times its keys' positions (`alibi_bias`) */
+                const float sl = slope[h * R + r];
+                const int64_t qp = hib[r] - 1; /* the row's own slot: its position */
+                for (i = 0; i < n; i++) s[i] += alibi_bias(sl, a + i, qp, ak, D);
+            }
             float mx = m[r];
             for (i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
             const float corr = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - mx);
@@ -401,7 +423,7 @@ static inline __attribute__((always_inline)) int
 attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int64_t sn,
        const int64_t *lo, const int64_t *hi, float *out, float *votes, int64_t vs, int64_t vl,
        int64_t v0, int64_t B, int64_t H, int64_t R, int64_t D, float scale, int64_t threads,
-       const int BF) {
+       const int BF, const float *slope, int ak) {
     const int64_t tasks = B * H;
     int64_t last = 0;
     for (int64_t i = 0; i < B * R; i++)
@@ -453,7 +475,7 @@ attend(const float *q, const void *k, const void *v, int64_t sb, int64_t sh, int
                    a call without them runs the code it ran before they were added */
 #define PART(DD, NVV, VT)                                                                   \
     part(q, k, v, sb, sh, sn, lo, hi, H, R, DD, NVV, BF, scale, t, j_lo, j_hi, acc, m, l, sc, \
-         cr, ra, rn, wb, qh, ss, vl, v0, RV, uf ? uf + u : NULL, VT, pv)
+         cr, ra, rn, wb, qh, ss, vl, v0, RV, uf ? uf + u : NULL, VT, pv, slope, ak)
                 if (D == 64)
                     votes ? PART(64, 64 / W, 1) : PART(64, 64 / W, 0);
                 else if (D == 128)
@@ -539,7 +561,7 @@ int vc_attend_f32(const float *q, const void *k, const void *v, int64_t sb, int6
                   int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                   int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
     return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, 1, 0, B, H, R, D, scale, threads,
-                  0);
+                  0, NULL, 0);
 }
 
 /* 1: bfloat16 keys of a head size that is a multiple of 32 are scored by vdpbf16ps against
@@ -550,7 +572,7 @@ int vc_attend_bf16(const float *q, const void *k, const void *v, int64_t sb, int
                    int64_t sn, const int64_t *lo, const int64_t *hi, float *out, int64_t B,
                    int64_t H, int64_t R, int64_t D, float scale, int64_t threads) {
     return attend(q, k, v, sb, sh, sn, lo, hi, out, NULL, 0, 1, 0, B, H, R, D, scale, threads,
-                  1);
+                  1, NULL, 0);
 }
 
 /* as vc_attend_*, with votes [B H, vs] (vs: at least every row's hi) written, summed over the
@@ -560,7 +582,7 @@ int vc_attend_votes_f32(const float *q, const void *k, const void *v, int64_t sb
                         float *votes, int64_t vs, int64_t vl, int64_t v0, int64_t B, int64_t H,
                         int64_t R, int64_t D, float scale, int64_t threads) {
     return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, vl, v0, B, H, R, D, scale,
-                  threads, 0);
+                  threads, 0, NULL, 0);
 }
 
 int vc_attend_votes_bf16(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
@@ -568,5 +590,17 @@ int vc_attend_votes_bf16(const float *q, const void *k, const void *v, int64_t s
                          float *votes, int64_t vs, int64_t vl, int64_t v0, int64_t B, int64_t H,
                          int64_t R, int64_t D, float scale, int64_t threads) {
     return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, vl, v0, B, H, R, D, scale,
-                  threads, 1);
+                  threads, 1, NULL, 0);
+}
+
+/* as vc_attend_votes_f32 (votes NULL: none), over float32 K/V in a dense cache (a key's slot
+ * is its position, a row's is hi - 1), each score plus ALiBi's bias: slope [H, R] (each task
+ * head's rows' slopes), ak the family's arithmetic (`alibi_bias`) */
+int vc_attend_alibi_f32(const float *q, const void *k, const void *v, int64_t sb, int64_t sh,
+                        int64_t sn, const int64_t *lo, const int64_t *hi, float *out,
+                        float *votes, int64_t vs, int64_t vl, int64_t v0, int64_t B, int64_t H,
+                        int64_t R, int64_t D, float scale, int64_t threads, const float *slope,
+                        int64_t ak) {
+    return attend(q, k, v, sb, sh, sn, lo, hi, out, votes, vs, vl, v0, B, H, R, D, scale,
+                  threads, 0, slope, (int)ak);
 }
