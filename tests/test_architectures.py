@@ -1658,8 +1658,15 @@ def test_alibi_in_the_native_kernel(name, tmp_path):
         return torch.cat([got, step]), verify.attn_votes
 
     kernel = r.attend_kernel
-    assert kernel is not None
-    with_kernel = run()
+    kinds, alibi = [], kernel._alibi  # (each ALiBi call's arithmetic, as the kernel is asked)
+    kernel._alibi = lambda *args: kinds.append(args[-1]) or alibi(*args)
+    try:
+        with_kernel = run()
+    finally:
+        kernel._alibi = alibi
+    # every layer of the verify pass (with votes) and of the step: MPT's, BLOOM's or Falcon's
+    want = {"mpt": 0, "bloom-6": 1, "falcon-rw": 2}[name]
+    assert kinds == [want] * (2 * r.num_layers)
     r.attend_kernel = None
     try:
         explicit = run()

@@ -1127,7 +1127,9 @@ def _llama4(hf, device) -> Weights:
       MLP is `intermediate_size_mlp` wide."""
     cfg, m = hf.config, hf.model
     d, dtype = head_dim(cfg), m.embed_tokens.weight.dtype
-    ones = torch.ones(cfg.num_attention_heads + cfg.num_key_value_heads, d, dtype=dtype)
+    # the q/k norms have no weights: ones, one tensor for every layer
+    ones = _t(torch.ones(cfg.num_attention_heads + cfg.num_key_value_heads, d, dtype=dtype),
+              device)
     layers = []
     for i, lyr in enumerate(m.layers):
         a, ff = lyr.self_attn, lyr.feed_forward
@@ -1148,7 +1150,7 @@ def _llama4(hf, device) -> Weights:
             ln_attn_in=_t(lyr.input_layernorm.weight, device), w_qkv=w_qkv, b_qkv=b_qkv,
             w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
             ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device), **ffn,
-            qk_norm=_t(ones, device) if hasattr(a, "qk_norm") else None,
+            qk_norm=ones if hasattr(a, "qk_norm") else None,
             qk_norm_after_rope=hasattr(a, "qk_norm"), q_scaled=not a.use_rope,
             window=Chunk(cfg.attention_chunk_size) if chunked else None))
     _interleaved_rope([lyr for lyr, a in zip(layers, (x.self_attn for x in m.layers))
@@ -1363,7 +1365,8 @@ def _bloom(hf, device) -> Weights:
                    layer_norm=True, norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon,
                    gated=False, embed_norm=_t(m.word_embeddings_layernorm.weight, device),
                    embed_norm_b=_bias(m.word_embeddings_layernorm, device),
-                   alibi=_t(_get_alibi_slopes(hq, torch.device("cpu")), device), alibi_kind="bloom")
+                   alibi=_t(_get_alibi_slopes(hq, torch.device("cpu")), device),
+                   alibi_kind="bloom")
 
 
 def _mpt(hf, device) -> Weights:
@@ -1521,19 +1524,17 @@ def _falcon(hf, device) -> Weights:
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
             parallel=parallel))
     embed, lm_head = _embed_and_head(hf, m.word_embeddings.weight, device)
-    n = max_positions(cfg)
+    n, alibi = max_positions(cfg), {}
     if cfg.alibi:  # (BLOOM's slopes, rounded to bfloat16 as transformers' Falcon takes them)
         from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
         slopes = _get_alibi_slopes(hq, torch.device("cpu")).bfloat16().float()
-        return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
-                       [_identity_rope(n, d, embed.dtype, device)], d, activation=cfg.activation,
-                       layer_norm=True, norm_b=_bias(m.ln_f, device), eps=cfg.layer_norm_epsilon,
-                       gated=False, alibi=_t(slopes, device), alibi_kind="falcon")
-    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head,
-                   [_rope_table(m.rotary_emb, n, embed.dtype, device)], d,
+        alibi = dict(alibi=_t(slopes, device), alibi_kind="falcon")
+    rope = (_identity_rope(n, d, embed.dtype, device) if cfg.alibi
+            else _rope_table(m.rotary_emb, n, embed.dtype, device))
+    return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, [rope], d,
                    activation=cfg.activation, layer_norm=True, norm_b=_bias(m.ln_f, device),
-                   eps=cfg.layer_norm_epsilon, gated=False)
+                   eps=cfg.layer_norm_epsilon, gated=False, **alibi)
 
 
 def _dbrx(hf, device) -> Weights:
