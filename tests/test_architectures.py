@@ -619,6 +619,12 @@ def build(name: str, folder, **config) -> None:
         hf = getattr(transformers, BUILD_CLASS[name])(cfg)  # (float32: torch's default)
     else:
         hf = auto_class(name).from_config(cfg, dtype=torch.float32)
+    _save_randomised(hf, folder)
+
+
+def _save_randomised(hf, folder) -> None:
+    """Save `hf` (its random weights, every norm weight and bias, xIELU's parameters and
+    DeepSeek-V3's router bias randomised further) with a word-level tokenizer."""
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks", ".alpha_p",
@@ -1264,13 +1270,7 @@ def test_a_vision_language_checkpoints_logits(name, tmp_path):
     ids = {k: COMMON[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     cfg = CONFIG_MAPPING[name](**{**over, **ids, "text_config": {**COMMON, **over["text_config"]}})
     torch.manual_seed(0)
-    src = transformers_class(name).from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in src.named_parameters():
-            if "norm" in pname or pname.endswith(".bias"):
-                p.copy_(p + 0.3 * torch.randn_like(p))
-    src.save_pretrained(tmp_path)
-    _tokenizer().save_pretrained(tmp_path)
+    _save_randomised(transformers_class(name).from_config(cfg, dtype=torch.float32), tmp_path)
     lm = load_model(str(tmp_path), dtype="float32")
     hf = transformers_class(name).from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     info = load_model_info(str(tmp_path))

@@ -1293,6 +1293,11 @@ def _heads_interleaved(t: torch.Tensor | None, heads: int, d: int) -> torch.Tens
     return t.reshape(heads, 3, d, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
 
 
+def _conv1d(mod, device) -> torch.Tensor:
+    """A Conv1D's weight (x W + b, W [in, out]: GPT-2's, GPT-1's) as the runner's [out, in]."""
+    return _t(mod.weight.t(), device)
+
+
 def _gpt2(hf, device) -> Weights:
     """GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder): learned absolute positions
     (`pos_embed`) and no RoPE (`_identity_rope`), LayerNorms with biases, biases on every
@@ -1308,7 +1313,7 @@ def _gpt2(hf, device) -> Weights:
     mq = getattr(cfg, "multi_query", False)
 
     def w(mod) -> torch.Tensor:
-        return _t(mod.weight.t() if conv else mod.weight, device)
+        return _conv1d(mod, device) if conv else _t(mod.weight, device)
 
     def qkv(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if conv or mq else _heads_interleaved(t, cfg.num_attention_heads, d)
@@ -1405,16 +1410,13 @@ def _openai_gpt(hf, device) -> Weights:
     d = cfg.n_embd // cfg.n_head
     act = ACT_FNS[cfg.afn]
 
-    def w(mod) -> torch.Tensor:
-        return _t(mod.weight.t(), device)
-
     layers = [Layer(ln_attn_in=_t(b.ln_1.weight, device), ln_attn_in_b=_bias(b.ln_1, device),
-                    w_qkv=w(b.attn.c_attn), b_qkv=_bias(b.attn.c_attn, device),
-                    w_o=w(b.attn.c_proj), b_o=_bias(b.attn.c_proj, device),
+                    w_qkv=_conv1d(b.attn.c_attn, device), b_qkv=_bias(b.attn.c_attn, device),
+                    w_o=_conv1d(b.attn.c_proj, device), b_o=_bias(b.attn.c_proj, device),
                     ln_mlp_in=_t(b.ln_2.weight, device), ln_mlp_in_b=_bias(b.ln_2, device),
-                    w_gate_up=w(b.mlp.c_fc), b_gate_up=_bias(b.mlp.c_fc, device),
-                    w_down=w(b.mlp.c_proj), b_down=_bias(b.mlp.c_proj, device), act=act,
-                    post_norms=True)
+                    w_gate_up=_conv1d(b.mlp.c_fc, device), b_gate_up=_bias(b.mlp.c_fc, device),
+                    w_down=_conv1d(b.mlp.c_proj, device), b_down=_bias(b.mlp.c_proj, device),
+                    act=act, post_norms=True)
               for b in m.h]
     embed, lm_head = _embed_and_head(hf, m.tokens_embed.weight, device)
     return Weights(layers, embed, None, lm_head,

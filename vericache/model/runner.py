@@ -824,6 +824,15 @@ class Runner:
         return self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype), cv[:, :, lo: p.hi].to(qp.dtype),
                           mask, lyr.sinks, bias)
 
+    def _item_alibi(self, it: SeqBatchItem, li: int, lo: int, hi: int,
+                    qpos: torch.Tensor) -> torch.Tensor:
+        """ALiBi's bias for one item's rows at positions qpos [L] over its cache's keys
+        [lo, hi) in layer li (a dense cache's slots are positions; else `KVCache.pos`):
+        [Hkv, G L, hi - lo]."""
+        pos = getattr(it.cache, "pos", None)
+        kpos = torch.arange(lo, hi, device=self.device)[None] if pos is None else pos[li, :, lo:hi]
+        return self._alibi(kpos, qpos.to(self.device))
+
     def _alibi_rows(self, lq: int) -> "tuple[torch.Tensor, int] | None":
         """The native kernel's ALiBi (`Attend.__call__`'s `alibi`) for rows of lq tokens a
         sequence: each KV head's rows' slopes [Hkv, G lq] (rows (g, l)), and the arithmetic."""
@@ -1183,11 +1192,8 @@ class Runner:
             lo = 0 if lyr.window is None else max(0, first_seen(hi - 1, lyr.window))
             qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
             qj = qj.reshape(1, hkv, g, d)
-            bias = None
-            if self.alibi is not None:
-                kpos = (torch.arange(lo, hi, device=self.device)[None]
-                        if getattr(it.cache, "pos", None) is None else it.cache.pos[li, :, lo:hi])
-                bias = self._alibi(kpos[None], it.positions[j: j + 1].to(self.device)[None])
+            bias = (None if self.alibi is None
+                    else self._item_alibi(it, li, lo, hi, it.positions[j: j + 1])[None])
             o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi], sinks=lyr.sinks, bias=bias)
             out[j] = o.reshape(-1)
         return out
@@ -1214,12 +1220,7 @@ class Runner:
                                             lyr.window, item_masks[None][1])
         votes = it.attn_votes[li]
         votes[:, :lo] = 0  # keys outside the window get no attention
-        bias = None
-        if self.alibi is not None:
-            kpos = (torch.arange(lo, past + L, device=self.device)[None]
-                    if getattr(it.cache, "pos", None) is None
-                    else it.cache.pos[li, :, lo: past + L])
-            bias = self._alibi(kpos, it.positions.to(self.device))
+        bias = None if self.alibi is None else self._item_alibi(it, li, lo, past + L, it.positions)
         self._votes(q[s0: s0 + L], ck[:, lo: past + L], mask, votes[:, lo:], it.vote_from, bias)
 
     def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin):
