@@ -1257,6 +1257,32 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
         load_model(str(tmp_path), dtype="float32")
 
 
+# one family for each way the runner follows transformers' own bfloat16 arithmetic: RMSNorm
+# (Llama), torch's LayerNorm (GPT-2), q scaled before the scores (OPT), the parallel branches
+# summed before the residual (Phi), products then biases and ALiBi as SDPA's mask (Falcon-RW),
+# eager attention (XGLM), one q and one k LayerNorm over every head (Persimmon), SDPA where
+# transformers takes it (CodeGen), grouped experts (Mixtral, Qwen2-MoE)
+BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
+                "mixtral", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("name", BF16_BITWISE)
+def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
+    """In bfloat16 a 200-token prefill's logits equal transformers' forward bit for bit
+    (benchmarks/bf16_logits.py measures every family): the same operations in the same
+    order, rounded where transformers rounds."""
+    from vericache.model.loader import load_model
+    build(name, tmp_path)
+    lm = load_model(str(tmp_path), dtype="bfloat16")
+    ids = torch.randint(3, VOCAB, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.inference_mode():
+        got = lm.runner.step(ids, 0, lm.runner.new_cache(200), logits="all")[0]
+        hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+        want = hf(torch.tensor([ids])).logits[0]
+    assert want.dtype == torch.bfloat16  # (the runner hands its logits on in float32)
+    assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
+
+
 @pytest.mark.parametrize("name", sorted(VL_LOGITS))
 def test_a_vision_language_checkpoints_logits(name, tmp_path):
     """A vision-language checkpoint (`VL_LOGITS`) loads, and on a text prompt the runner's

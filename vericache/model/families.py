@@ -116,6 +116,12 @@ class Experts:
     # Llama 4's: the row's weight multiplies the chosen expert's input (in the model's dtype),
     # not its output
     scale_input: bool = False
+    # transformers' grouped (or batched) experts, its default where the checkpoint's experts
+    # class takes one (`extract` asks its `_experts_implementation`): each chosen expert's
+    # output times its weight, kept in the product's dtype (float32 for Mixtral's weights),
+    # summed over the row's top-k slots in slot order, then cast once; else (its eager
+    # loop) each weighted output cast, then added in the experts' order
+    sum_slots: bool = False
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -223,6 +229,9 @@ class Layer:
     # Persimmon's one for every head), plus its bias [Hq + Hkv, D] where it has one
     qk_layer_norm: bool = False
     qk_norm_b: torch.Tensor | None = None
+    # ... one for all of q's heads and one for all of k's (Persimmon's): with torch's
+    # LayerNorms (`Weights.torch_layer_norm`), two F.layer_norm calls
+    qk_norm_shared: bool = False
     # [(Hq + Hkv) D]: one RMSNorm over all of q's heads, then one over k's, before RoPE (OLMo 2)
     qk_norm_wide: torch.Tensor | None = None
     # sliding window (int: a key older than pos - window + 1 is not seen) or chunked
@@ -233,6 +242,10 @@ class Layer:
     # Cohere: attention and MLP in parallel, both on ln_attn_in's output, both added to h
     # (GPT-NeoX: the MLP on ln_mlp_in's output of the layer's input)
     parallel: bool = False
+    # ... and the two branches summed first, then added to h: (attn + mlp) + h, Phi's,
+    # GPT-J's, CodeGen's, GPT-NeoX's and Falcon's order (Cohere's and StableLM's: (h + attn)
+    # + mlp); in bfloat16 the roundings differ
+    branches_first: bool = False
     # output-projection and MLP biases (StarCoder 2; Llama's attention_bias, mlp_bias)
     b_o: torch.Tensor | None = None  # [H]
     b_gate_up: torch.Tensor | None = None  # [2 I] (or [I] where the MLP is not gated)
@@ -287,11 +300,24 @@ class Weights:
     # softmax in float32, the weights then cast to the model's dtype (their eager attention's
     # arithmetic; the explicit path, `Runner._sdpa`)
     attn_float32: bool = False
+    # GPT-1, XGLM: transformers' only attention is its eager arithmetic (`Runner._sdpa`'s
+    # explicit path: scores in the model's dtype, softmax in float32, cast back), not SDPA
+    attn_eager: bool = False
+    # OPT, XGLM: q scaled by the attention's scale in the model's dtype (after its bias), the
+    # attention then unscaled (their order; in bfloat16 the rounding differs)
+    q_prescaled: bool = False
+    # Falcon's products: x W^T, then + b, rounded apart (its FalconLinear); else one F.linear
+    bias_after: bool = False
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
     logit_scale: float | None = None  # Cohere: logits * logit_scale, in the model dtype
     # LayerNorm (x - mean) / std * w (+ b), in fp32 then cast (Cohere's, StarCoder 2's), for
     # every norm but the q/k norms; else RMSNorm
     layer_norm: bool = False
+    # those LayerNorms are torch's own (transformers' nn.LayerNorm, `extract` asks the
+    # checkpoint's modules): the runner calls F.layer_norm, whose arithmetic (moments in
+    # float32, w and b applied before the one rounding) a cast copy of it does not repeat bit
+    # for bit in bfloat16
+    torch_layer_norm: bool = False
     norm_b: torch.Tensor | None = None  # the final LayerNorm's bias
     lm_head_b: torch.Tensor | None = None  # [V] (Phi's)
     eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
@@ -1053,7 +1079,7 @@ def _phi(hf, device) -> Weights:
         w_qkv, b_qkv = _attention(a, device)
         layers.append(Layer(
             ln_attn_in=_t(lyr.input_layernorm.weight, device),
-            ln_attn_in_b=_bias(lyr.input_layernorm, device), parallel=True,
+            ln_attn_in_b=_bias(lyr.input_layernorm, device), parallel=True, branches_first=True,
             w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
             ln_mlp_in=None, w_gate_up=_t(mlp.fc1.weight, device), b_gate_up=_bias(mlp.fc1, device),
             w_down=_t(mlp.fc2.weight, device), b_down=_bias(mlp.fc2, device)))
@@ -1422,7 +1448,7 @@ def _openai_gpt(hf, device) -> Weights:
     return Weights(layers, embed, None, lm_head,
                    [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
                    layer_norm=True, eps=cfg.layer_norm_epsilon, gated=False,
-                   pos_embed=_t(m.positions_embed.weight, device))
+                   pos_embed=_t(m.positions_embed.weight, device), attn_eager=True)
 
 
 def _gpt_neo(hf, device) -> Weights:
@@ -1465,8 +1491,9 @@ def _gptj(hf, device) -> Weights:
     """GPT-J and CodeGen: attention and MLP in parallel on one LayerNorm (Phi's block: biases
     on the MLP and the LM head, none on q/k/v/o), RoPE over interleaved pairs of each head's
     first `rotary_dim` dims (`_interleaved_rope`), its table transformers' sin and cos halves,
-    and attention scores in float32 in any dtype (`attn_float32`). CodeGen's q, k and v are
-    one product in its own order (`_codegen_qkv`)."""
+    and, where the checkpoint is loaded with eager attention, the scores in float32 in any
+    dtype (`attn_float32`; transformers takes SDPA by default). CodeGen's q, k and v are one
+    product in its own order (`_codegen_qkv`)."""
     cfg, m = hf.config, hf.transformer
     d = head_dim(cfg)
     qkv = _codegen_qkv if cfg.model_type == "codegen" else _attention
@@ -1474,7 +1501,7 @@ def _gptj(hf, device) -> Weights:
                     w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(b.attn.out_proj.weight, device),
                     ln_mlp_in=None, w_gate_up=_t(b.mlp.fc_in.weight, device),
                     b_gate_up=_bias(b.mlp.fc_in, device), w_down=_t(b.mlp.fc_out.weight, device),
-                    b_down=_bias(b.mlp.fc_out, device), parallel=True)
+                    b_down=_bias(b.mlp.fc_out, device), parallel=True, branches_first=True)
               for b in m.h for w_qkv, b_qkv in [qkv(b.attn, device)]]
     rot = cfg.rotary_dim or d
     _interleaved_rope(layers, cfg, rot)
@@ -1484,12 +1511,14 @@ def _gptj(hf, device) -> Weights:
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, ropes, d,
                    activation=cfg.activation_function, layer_norm=True,
                    norm_b=_bias(m.ln_f, device), lm_head_b=_bias(hf.lm_head, device),
-                   eps=cfg.layer_norm_epsilon, gated=False, attn_float32=True)
+                   eps=cfg.layer_norm_epsilon, gated=False,
+                   attn_float32=cfg._attn_implementation == "eager")
 
 
 def _falcon(hf, device) -> Weights:
-    """Falcon: LayerNorms with biases, biases on every product where `bias`, an MLP not gated,
-    and RoPE, or ALiBi (`alibi`, Falcon-RW's: `Weights.alibi_kind`). Its fused q/k/v holds
+    """Falcon: LayerNorms with biases, biases on every product where `bias` (added to the
+    product, `bias_after`), an MLP not gated, and RoPE, or ALiBi (`alibi`, Falcon-RW's:
+    `Weights.alibi_kind`). Its fused q/k/v holds
     each K/V group's queries then its key and value (`new_decoder_architecture`), or q's heads
     then one key and value (`multi_query`), or each head's q, k and v in turn
     (`_heads_interleaved`): here q's heads, then k's, then v's. The block is sequential, or
@@ -1524,7 +1553,7 @@ def _falcon(hf, device) -> Weights:
             ln_mlp_in_b=None if ln_mlp is None else _bias(ln_mlp, device),
             w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
-            parallel=parallel))
+            parallel=parallel, branches_first=True))
     embed, lm_head = _embed_and_head(hf, m.word_embeddings.weight, device)
     n, alibi = max_positions(cfg), {}
     if cfg.alibi:  # (BLOOM's slopes, rounded to bfloat16 as transformers' Falcon takes them)
@@ -1536,7 +1565,7 @@ def _falcon(hf, device) -> Weights:
             else _rope_table(m.rotary_emb, n, embed.dtype, device))
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, [rope], d,
                    activation=cfg.activation, layer_norm=True, norm_b=_bias(m.ln_f, device),
-                   eps=cfg.layer_norm_epsilon, gated=False, **alibi)
+                   eps=cfg.layer_norm_epsilon, gated=False, bias_after=True, **alibi)
 
 
 def _dbrx(hf, device) -> Weights:
@@ -1593,10 +1622,10 @@ def _fairseq_layers(layers, device) -> list[Layer]:
 def _opt(hf, device) -> Weights:
     """OPT: GPT-2's block (learned absolute positions, the table's first two rows skipped as
     OPT's offset skips them; LayerNorms with biases; an MLP not gated, ReLU) with separate
-    q/k/v projections (`_fairseq_layers`). OPT scales q by head_dim^-0.5 before the scores; the
-    runner scales the scores (the same product, rounded once elsewhere). BioGPT: the same
-    block and positions, its embedding scaled by sqrt(hidden) where `scale_embedding`; XGLM:
-    the same with a sinusoidal position table (offset by two as well). OPT checkpoints with
+    q/k/v projections (`_fairseq_layers`). OPT and XGLM scale q by head_dim^-0.5 before the
+    scores (`q_prescaled`), BioGPT the scores. BioGPT: the same block and positions, its
+    embedding scaled by sqrt(hidden) where `scale_embedding`; XGLM: the same with a sinusoidal
+    position table (offset by two as well). OPT checkpoints with
     project_in/out (OPT-350m), post-norm blocks or LayerNorms without weights are refused."""
     cfg = hf.config
     kind = cfg.model_type
@@ -1619,7 +1648,8 @@ def _opt(hf, device) -> Weights:
                    layer_norm=True, norm_b=_bias(final, device), eps=final.eps, gated=False,
                    pos_embed=_t(table[pos.offset: pos.offset + max_positions(cfg)].to(embed.dtype),
                                 device),
-                   embed_scale=None if scale == 1.0 else float(scale), embed_scale_number=True)
+                   embed_scale=None if scale == 1.0 else float(scale), embed_scale_number=True,
+                   q_prescaled=kind != "biogpt", attn_eager=kind == "xglm")
 
 
 def _ctrl(hf, device) -> Weights:
@@ -1671,7 +1701,7 @@ def _gpt_neox(hf, device) -> Weights:
         a, mlp = lyr.attention if neox else lyr.self_attn, lyr.mlp
         qk = {}
         if getattr(cfg, "qk_layernorm", False):  # (Persimmon's: one for every head)
-            qk = dict(qk_layer_norm=True, **{name: _t(torch.stack(
+            qk = dict(qk_layer_norm=True, qk_norm_shared=True, **{name: _t(torch.stack(
                 [getattr(a.q_layernorm, p)] * heads + [getattr(a.k_layernorm, p)] * heads), device)
                 for name, p in (("qk_norm", "weight"), ("qk_norm_b", "bias"))})
         layers.append(Layer(
@@ -1682,7 +1712,7 @@ def _gpt_neox(hf, device) -> Weights:
             w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
             ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
             ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
-            parallel=bool(getattr(cfg, "use_parallel_residual", False)),
+            parallel=bool(getattr(cfg, "use_parallel_residual", False)), branches_first=True,
             w_gate_up=_t(mlp.dense_h_to_4h.weight, device), b_gate_up=_bias(mlp.dense_h_to_4h, device),
             w_down=_t(mlp.dense_4h_to_h.weight, device), b_down=_bias(mlp.dense_4h_to_h, device),
             **qk))
@@ -1869,4 +1899,28 @@ def extract(hf, device: torch.device) -> Weights:
     if fn is None:
         raise ModelLoadError(f"model_type {cfg.model_type!r} is not supported by the runner; "
                              f"supported: {', '.join(SUPPORTED)}")
-    return fn(hf, device)
+    w = fn(hf, device)
+    w.torch_layer_norm = w.layer_norm and _torch_layer_norms(hf)
+    _experts_implementation(hf, w)
+    return w
+
+
+def _experts_implementation(hf, w: Weights) -> None:
+    """Each mixture's `Experts.sum_slots`: where the checkpoint's experts modules take
+    transformers' experts implementations (they have its `is_concatenated`), one for each of
+    the runner's mixtures, and the checkpoint's implementation is grouped_mm (transformers'
+    default) or batched_mm."""
+    ours = [lyr.moe for lyr in w.layers if lyr.moe is not None]
+    theirs = [mod for mod in hf.modules() if hasattr(mod, "is_concatenated")]
+    if ours and len(ours) == len(theirs):
+        for e, mod in zip(ours, theirs):
+            e.sum_slots = (not e.scale_input and mod.config._experts_implementation
+                           in ("grouped_mm", "batched_mm"))
+
+
+def _torch_layer_norms(hf) -> bool:
+    """Whether every norm of the checkpoint's language model is torch's nn.LayerNorm (its
+    class exactly: Cohere's, OLMo's and per-head norms compute their own way)."""
+    lm = hf.get_decoder() if hasattr(hf, "get_decoder") else hf
+    norms = [mod for mod in lm.modules() if "norm" in type(mod).__name__.lower()]
+    return bool(norms) and all(type(mod) is torch.nn.LayerNorm for mod in norms)

@@ -175,6 +175,7 @@ class Runner:
         self.vocab_size = w.lm_head.shape[0]
         self.eps = cfg.rms_norm_eps if w.eps is None else w.eps
         self.layer_norm = w.layer_norm  # LayerNorms for the layers' and final norms
+        self.torch_layer_norm = w.torch_layer_norm  # ... and they are torch's own
         self.norm_b = w.norm_b
         self.gated = w.gated
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
@@ -187,6 +188,12 @@ class Runner:
         self.dtype, self.device = w.embed.dtype, w.embed.device
         self.group = self.num_heads // self.num_kv_heads
         self.scale = w.attn_scale or self.head_dim ** -0.5
+        # (`Weights.q_prescaled`: q takes the scale, every attention call 1)
+        self.q_prescale = self.scale if w.q_prescaled else None
+        self.bias_after = w.bias_after
+        self.attn_eager = w.attn_eager
+        if w.q_prescaled:
+            self.scale = 1.0
         self.act = _activation(w.activation)
         self.embed_scale = (None if w.embed_scale is None else float(w.embed_scale)
                             if w.embed_scale_number else
@@ -344,9 +351,13 @@ class Runner:
 
     def _layer_norm(self, x: torch.Tensor, w: torch.Tensor,
                     b: torch.Tensor | None = None) -> torch.Tensor:
-        """A LayerNorm over the last dim in Cohere's order: centred, scaled by the variance's
-        rsqrt and by w (plus b, StarCoder 2's), in float32, then cast; w and b [x.shape[-1]],
-        or broadcastable (per-head q/k LayerNorms, `Layer.qk_layer_norm`)."""
+        """A LayerNorm over the last dim: torch's (F.layer_norm) where the checkpoint's norms are
+        (`Weights.torch_layer_norm`) and w is one vector; else in Cohere's order: centred,
+        scaled by the variance's rsqrt and by w (plus b, StarCoder 2's), in float32, then
+        cast; w and b [x.shape[-1]], or broadcastable (per-head q/k LayerNorms,
+        `Layer.qk_layer_norm`)."""
+        if self.torch_layer_norm and w.dim() == 1:
+            return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
         xf = x.float()
         xc = xf - xf.mean(-1, keepdim=True)
         var = xc.pow(2).mean(-1, keepdim=True)
@@ -653,6 +664,14 @@ class Runner:
         return F.linear(x, w, b)
 
     @staticmethod
+    def _then_bias(lin):
+        """`lin` without its bias, the bias added to the product (`Weights.bias_after`)."""
+        def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+            y = lin(x, w)
+            return y if b is None else y + b
+        return run
+
+    @staticmethod
     def _block_linear(x: torch.Tensor, w: torch.Tensor,
                       b: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, w, b) in calls of exactly ROW_BLOCK rows (the last padded with zeros)."""
@@ -875,10 +894,16 @@ class Runner:
         dropped; with `attn_float32` (Flint's, GPT-Neo's, GPT-J's, CodeGen's), those scores
         and that softmax in float32, the weights cast back; with ALiBi's `bias` (`_alibi`), the
         scaled scores plus it (float32, MPT's and Falcon's order; BLOOM's: bias + scale q k^T
-        in one baddbmm, in the model's dtype), softmax in float32, the weights cast back. A row
-        that sees no key (a padding row) gives zeros, not NaN."""
-        if not self.attn_softcap and sinks is None and not self.attn_float32 and bias is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        in one baddbmm, in the model's dtype), softmax in float32, the weights cast back;
+        Falcon's bias is SDPA's mask, as transformers passes it. A row that sees no key (a
+        padding row) gives zeros, not NaN (Falcon's: finite values, discarded)."""
+        if not self.attn_softcap and sinks is None and not self.attn_float32 and not self.attn_eager:
+            if bias is None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            if self.alibi_kind == "falcon":  # transformers' SDPA with the bias as its mask
+                low = torch.finfo(q.dtype).min
+                m = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, low)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=self.scale)
         if self.attn_float32:
             q, k = q.float(), k.float()
         if bias is not None and self.alibi_kind == "bloom":
@@ -966,6 +991,8 @@ class Runner:
         one = len(plans) == 1 and not explicit and plans[0].in_order  # the common case
         drafts = not invariant and self._drafts(items)
         lin = self._block_linear if invariant else self._draft_linear if drafts else self._linear
+        if self.bias_after:
+            lin = self._then_bias(lin)
         h = self.embed[tokens]  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -999,7 +1026,11 @@ class Runner:
                 qk = torch.cat([self._rms(qkv[:, : hq * d].contiguous(), wq),
                                 self._rms(qkv[:, hq * d: (hq + hkv) * d].contiguous(), wk)], 1)
                 qk = qk.view(-1, hq + hkv, d)
-            if lyr.qk_layer_norm:
+            if lyr.qk_layer_norm and lyr.qk_norm_shared and self.torch_layer_norm:
+                w_, b_ = lyr.qk_norm, lyr.qk_norm_b
+                qk = torch.cat([self._layer_norm(qk[:, :hq], w_[0], b_[0]),
+                                self._layer_norm(qk[:, hq:], w_[hq], b_[hq])], 1)
+            elif lyr.qk_layer_norm:
                 qk = self._layer_norm(qk, lyr.qk_norm, lyr.qk_norm_b)
             elif lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
@@ -1012,6 +1043,8 @@ class Runner:
             v = qkv[:, (hq + hkv) * d: (hq + 2 * hkv) * d].view(-1, hkv, d)
             for it, s0, L in captures:
                 it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
+            if self.q_prescale is not None:
+                q = q * self.q_prescale
             if invariant:
                 attn = q.new_empty(q.shape[0], hq * d)
                 for i, it in enumerate(items):
@@ -1039,7 +1072,9 @@ class Runner:
                 attn = self._norm(attn, lyr.ln_attn_out)
             if lyr.parallel and lyr.ln_mlp_in is not None:  # GPT-NeoX: the input, its own norm
                 x = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
-            h = h + attn
+            both = lyr.parallel and lyr.branches_first  # h + (attn + mlp), below
+            if not both:
+                h = h + attn
             if lyr.post_norms:  # GPT-1: the sums normed, the MLP on the attention's
                 h = x = self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
             elif not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
@@ -1051,7 +1086,7 @@ class Runner:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
                 y = self._norm(y, lyr.ln_mlp_out)
-            h = h + y
+            h = h + (attn + y if both else y)
             if lyr.post_norms:
                 h = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
         for it, L in zip(items, lens):
@@ -1115,6 +1150,9 @@ class Runner:
         wherever `lin` is row-invariant (the native kernel, `_block_linear`)."""
         top, idx = e.route(lin(x.to(e.router.dtype), e.router, e.router_b), x.dtype)
         out = torch.zeros_like(x)
+        # (`Experts.sum_slots`: each row's weighted outputs by slot, summed, then cast)
+        slots = (x.new_zeros(*idx.shape, x.shape[1], dtype=torch.promote_types(x.dtype, top.dtype))
+                 if e.sum_slots else None)
         for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
             rows, slot = torch.where(idx == expert)
             weight = top[rows, slot, None]
@@ -1122,7 +1160,12 @@ class Runner:
                           e.gate_up[expert], e.down[expert], lin, invariant,
                           None if e.gate_up_b is None else e.gate_up_b[expert],
                           None if e.down_b is None else e.down_b[expert], e.swiglu)
-            out.index_add_(0, rows, y if e.scale_input else (y * weight).to(out.dtype))
+            if slots is not None:
+                slots[rows, slot] = y * weight
+            else:
+                out.index_add_(0, rows, y if e.scale_input else (y * weight).to(out.dtype))
+        if slots is not None:
+            out = slots.sum(dim=1).to(x.dtype)
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant,
                                e.shared_gate_up_b, e.shared_down_b)
