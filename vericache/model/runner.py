@@ -839,9 +839,12 @@ class Runner:
         if self.alibi is not None:  # (a dense cache: slot = position)
             bias = (self._alibi(torch.arange(lo, p.hi, device=self.device)[None, None], p.row_slot)
                     if kpos is None else self._alibi(kpos[:, :, lo:], p.positions))
-        # (a drafter's narrower cache: widened to the queries' dtype for SDPA)
-        return self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype), cv[:, :, lo: p.hi].to(qp.dtype),
-                          mask, lyr.sinks, bias)
+        # (a drafter's narrower cache: widened to the queries' dtype for SDPA; latent
+        # attention's values without their padding, as transformers' SDPA call takes them)
+        mv = qp.shape[-1] if lyr.mla is None else lyr.mla.v
+        out = self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype),
+                         cv[:, :, lo: p.hi, :mv].to(qp.dtype), mask, lyr.sinks, bias)
+        return out if mv == qp.shape[-1] else F.pad(out, (0, qp.shape[-1] - mv))
 
     def _item_alibi(self, it: SeqBatchItem, li: int, lo: int, hi: int,
                     qpos: torch.Tensor) -> torch.Tensor:
@@ -1153,11 +1156,12 @@ class Runner:
         # (`Experts.sum_slots`: each row's weighted outputs by slot, summed, then cast)
         slots = (x.new_zeros(*idx.shape, x.shape[1], dtype=torch.promote_types(x.dtype, top.dtype))
                  if e.sum_slots else None)
+        elin = lin if slots is None else self._then_bias(lin)  # (grouped: biases added after)
         for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
             rows, slot = torch.where(idx == expert)
             weight = top[rows, slot, None]
             y = self._mlp((x[rows] * weight).to(x.dtype) if e.scale_input else x[rows],
-                          e.gate_up[expert], e.down[expert], lin, invariant,
+                          e.gate_up[expert], e.down[expert], elin, invariant,
                           None if e.gate_up_b is None else e.gate_up_b[expert],
                           None if e.down_b is None else e.down_b[expert], e.swiglu)
             if slots is not None:
