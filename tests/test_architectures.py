@@ -1261,9 +1261,10 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # (Llama), torch's LayerNorm (GPT-2), q scaled before the scores (OPT), the parallel branches
 # summed before the residual (Phi), products then biases and ALiBi as SDPA's mask (Falcon-RW),
 # eager attention (XGLM), one q and one k LayerNorm over every head (Persimmon), SDPA where
-# transformers takes it (CodeGen), grouped experts (Mixtral, Qwen2-MoE)
+# transformers takes it (CodeGen), grouped experts (Mixtral, Qwen2-MoE), each branch's output
+# times the residual multiplier (Granite)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
-                "mixtral", "qwen2_moe"]
+                "mixtral", "qwen2_moe", "granite"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)

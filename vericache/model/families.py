@@ -307,6 +307,9 @@ class Weights:
     # OPT, XGLM: q scaled by the attention's scale in the model's dtype (after its bias), the
     # attention then unscaled (their order; in bfloat16 the rounding differs)
     q_prescaled: bool = False
+    # Granite's and MiniCPM3's multiplier on each branch's output, before the residual sum,
+    # in the model's dtype (in float32 it is folded into the weights, `_fold_residual`)
+    residual_scale: float | None = None
     # Falcon's products: x W^T, then + b, rounded apart (its FalconLinear); else one F.linear
     bias_after: bool = False
     logit_divisor: float | None = None  # Granite: logits / logits_scaling, in the model dtype
@@ -1193,14 +1196,18 @@ def _llama4(hf, device) -> Weights:
 
 
 def _fold_residual(w: Weights, m: float) -> None:
-    """A multiplier on each branch's output folded into o_proj and down_proj (each expert's
-    and the shared expert's): each weight times it in float32, rounded once to the model's
-    dtype, so the runner's block stays Llama's. A branch's output is then (m W) x instead of
-    m (W x), a rounding apart."""
+    """A multiplier on each branch's output. In float32, folded into o_proj and down_proj
+    (each expert's and the shared expert's): each weight times it, so the runner's block
+    stays Llama's and the fused native pass serves it; a branch's output is then (m W) x
+    instead of m (W x), a rounding apart. In other dtypes, where that rounding is coarse,
+    each branch's output times it, as transformers computes it (`Weights.residual_scale`)."""
     def scaled(t: torch.Tensor) -> torch.Tensor:
         return (t.float() * m).to(t.dtype).contiguous()
 
     if m == 1.0:
+        return
+    if w.embed.dtype != torch.float32:
+        w.residual_scale = m
         return
     for lyr in w.layers:
         lyr.w_o = scaled(lyr.w_o)

@@ -191,6 +191,7 @@ class Runner:
         # (`Weights.q_prescaled`: q takes the scale, every attention call 1)
         self.q_prescale = self.scale if w.q_prescaled else None
         self.bias_after = w.bias_after
+        self.residual_scale = w.residual_scale
         self.attn_eager = w.attn_eager
         if w.q_prescaled:
             self.scale = 1.0
@@ -254,6 +255,7 @@ class Runner:
                     and not lyr.out_gate
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
+        plain = plain and w.residual_scale is None and not w.q_prescaled and not w.bias_after
         plain = plain and len({c.shape[1] for c, _ in w.ropes}) == 1
         plain = plain and all(t is None or t.is_contiguous() for lyr in w.layers
                               for t in (lyr.ln_attn_in, lyr.w_qkv, lyr.b_qkv, lyr.qk_norm,
@@ -1075,6 +1077,8 @@ class Runner:
                 attn = self._norm(attn, lyr.ln_attn_out)
             if lyr.parallel and lyr.ln_mlp_in is not None:  # GPT-NeoX: the input, its own norm
                 x = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
+            if self.residual_scale is not None:
+                attn = attn * self.residual_scale
             both = lyr.parallel and lyr.branches_first  # h + (attn + mlp), below
             if not both:
                 h = h + attn
@@ -1089,6 +1093,8 @@ class Runner:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
                 y = self._norm(y, lyr.ln_mlp_out)
+            if self.residual_scale is not None:
+                y = y * self.residual_scale
             h = h + (attn + y if both else y)
             if lyr.post_norms:
                 h = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
