@@ -242,6 +242,16 @@ ARCHS = {
     "minicpm5_moe": ("MiniCPM5MoeConfig", dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                                                n_group=2, topk_group=1, moe_intermediate_size=64,
                                                routed_scaling_factor=2.0)),
+    # Beam: sandwich norms, a gated attention with a bias a head, RoPE on the sliding layers
+    # only (q scaled by position on the others), depth-scaled residual sums, a grouped sigmoid
+    # router after a dense layer, soft-capped logits
+    "beam": ("BeamConfig", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, sliding_window=WINDOW, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": None})),
     "afmoe": ("AfmoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
                                   num_shared_experts=1, moe_intermediate_size=64, route_scale=1.5,
                                   sliding_window=WINDOW, mup_enabled=True, layer_types=[
@@ -556,19 +566,19 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
-       "axk1"}
+       "axk1", "beam"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
-           "kolibri1": (None, 1.0), "axk1": (None, 2.5)}
+           "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 1), 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
-            "gpt_neo", "kolibri1"}
+            "gpt_neo", "kolibri1", "beam"}
 CHUNKED = {"llama4_text", "llama4"}  # chunked attention (`families.Chunk`)
 ALIBI = {"bloom", "bloom-6", "mpt", "mpt-6", "falcon-rw"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -721,7 +731,7 @@ def test_family_config(arch):
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
                                                                "mellum", "flint", "cohere2_moe",
-                                                               "axk1"))
+                                                               "axk1", "beam"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
@@ -744,7 +754,7 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe",
-                                                            "dbrx", "mellum"))
+                                                            "dbrx", "mellum", "beam"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.scores == ("sigmoid" if name in SIGMOID or name == "flint" else "softmax"
                             if name.startswith(("mistral3-mistral4", "ernie4_5_moe", "deepseek_v2"))
@@ -768,7 +778,17 @@ def test_family_config(arch):
             assert (e.groups, e.scale, e.norm_eps) == (groups, scale, 0.0 if name in (
                 "minimax_m2", "kolibri1") else 1e-20)
             assert e.score_bias.shape == (len(e.gate_up),) and float(e.score_bias.abs().min()) > 0
-        assert all(lyr.out_gate == (name in ("minicpm5_moe", "afmoe")) for lyr in r.layers)
+        assert all(lyr.out_gate == (name in ("minicpm5_moe", "afmoe", "beam")) for lyr in r.layers)
+        if name == "beam":  # RoPE on the sliding layers, q scaled on the other; depth-scaled sums
+            assert windows == [WINDOW, None, WINDOW] and [lyr.q_scaled for lyr in r.layers] == [
+                False, True, False] and r.q_scale.dtype == torch.float32
+            assert r.layers[1].residual_mix == (0.5, 0.75 ** 0.5, 5 ** -0.5, 0.8 ** 0.5)
+            gate = hf.model.layers[0].self_attn.gate_bias  # each head's, on its rows of g
+            assert torch.equal(r.layers[0].b_qkv[-4 * 32:].view(4, 32), gate[:, None].expand(4, 32))
+            assert r.norm_upcast and r.final_softcap == 30.0
+            from transformers.models.beam.modeling_beam import compute_attention_scaling
+            p = torch.arange(r.q_scale.shape[0])[None]  # q's factor, as transformers computes it
+            assert torch.equal(r.q_scale, compute_attention_scaling(p).flatten())
         if name == "afmoe":  # norms around both branches; RoPE on the sliding layers only
             assert windows == [WINDOW, WINDOW, None] and [lyr.rope for lyr in r.layers] == [0, 0, 1]
             assert r.layers[0].ln_mlp_out is not None and abs(float(r.embed_scale) - 128 ** 0.5) < 1e-5

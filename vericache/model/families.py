@@ -269,6 +269,9 @@ class Layer:
     # GPT-1's post-norm block: ln_attn_in norms h + attention (the MLP's input and the next
     # residual), ln_mlp_in norms h + MLP; no norm before either branch
     post_norms: bool = False
+    # Beam's depth-scaled sums: h = attention a + h b, then h = MLP c + h d, (a, b, c, d), each
+    # product in the model's dtype; None: h + branch
+    residual_mix: tuple[float, float, float, float] | None = None
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
@@ -477,19 +480,27 @@ def _output_biases(a, mlp, device) -> dict:
                 b_down=None if down is None else _bias(down, device))
 
 
-def _gated_attention(cfg, a, device) -> tuple[torch.Tensor, None]:
-    """q, k, v and the output gate's rows in one product (`Layer.out_gate`): AFMoE's gate_proj
+def _gated_attention(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k, v and the output gate's rows in one product (`Layer.out_gate`) and its bias
+    (zeros where a projection has none; None where none has one): AFMoE's and Beam's gate_proj
     is its own; MiniCPM5-MoE's q_gate_proj holds each head's q, then its gate."""
-    if any(getattr(p, "bias", None) is not None for p in (a.k_proj, a.v_proj)):
-        raise ModelLoadError(f"{cfg.model_type}: a gated attention with biases is not supported "
-                             "by the runner")
     if hasattr(a, "q_gate_proj"):
+        if any(getattr(p, "bias", None) is not None for p in (a.q_gate_proj, a.k_proj, a.v_proj)):
+            raise ModelLoadError(f"{cfg.model_type}: a gated attention with biases is not "
+                                 "supported by the runner")
         hq, d = cfg.num_attention_heads, head_dim(cfg)
         qg = a.q_gate_proj.weight.reshape(hq, 2, d, -1)
-        q, g = qg[:, 0].reshape(hq * d, -1), qg[:, 1].reshape(hq * d, -1)
+        projs = [qg[:, 0].reshape(hq * d, -1), a.k_proj.weight, a.v_proj.weight,
+                 qg[:, 1].reshape(hq * d, -1)]
+        biases = [None] * 4
     else:
-        q, g = a.q_proj.weight, a.gate_proj.weight
-    return _t(torch.cat([q, a.k_proj.weight, a.v_proj.weight, g]), device), None
+        mods = (a.q_proj, a.k_proj, a.v_proj, a.gate_proj)
+        projs, biases = [p.weight for p in mods], [p.bias for p in mods]
+    if all(b is None for b in biases):
+        return _t(torch.cat(projs), device), None
+    return _t(torch.cat(projs), device), _t(torch.cat([
+        b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+        for w, b in zip(projs, biases)]), device)
 
 
 def _attention(a, device):
@@ -545,7 +556,7 @@ _BIAS_ON_LOGITS = ("kolibri1",)
 # families whose router's logits are F.linear(x.float(), W.float()) in any dtype while
 # transformers loads W in the model's dtype: W is kept in float32 here, so the runner's product
 # is that one (DeepSeek-V3's router and its kin, HunYuan's and Flint's, are float32 as loaded)
-_ROUTER_FLOAT32 = ("kolibri1",)
+_ROUTER_FLOAT32 = ("kolibri1", "beam")
 # families whose grouped choice (DeepSeek-V3's) is over softmax scores (`Experts.scores`)
 _SOFTMAX_CHOICE = ("mistral4", "ernie4_5_moe", "deepseek_v2")
 
@@ -1269,6 +1280,49 @@ def _afmoe(hf, device) -> Weights:
     return _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
 
 
+def _beam(hf, device) -> Weights:
+    """Beam: Gemma 2's four norms a layer, which scale in float32 (`norm_upcast`), per-head q/k
+    norms, an output gate with a bias a head (sigmoid(gate x + b): the bias is the gate rows'
+    part of the first product's, `Layer.out_gate`), RoPE on the layer types that have it
+    (its float32 table), and on those without it q times (1 + (p + 1) / 2048)^0.1 in float32
+    (`q_scale`); each branch and the residual scaled by the depth of their sum
+    (`Layer.residual_mix`); DeepSeek-V3's grouped sigmoid router (float32 weights) on the
+    `mlp_layer_types` marked sparse, its output times `routed_scaling_factor` (the weights
+    here, `Experts.scale`); the logits soft-capped."""
+    cfg, m = hf.config, hf.model
+    hq, d = cfg.num_attention_heads, head_dim(cfg)
+    rp = cfg.rope_parameters
+    nope = [i for i, t in enumerate(cfg.layer_types) if rp.get(t) is None]
+    kinds = sorted(t for t in set(cfg.layer_types) if rp.get(t) is not None)
+    n = max_positions(cfg)
+    ropes = [_rope_table(m.rotary_emb, n, m.embed_tokens.weight.dtype, device, t) for t in kinds]
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a = lyr.self_attn
+        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                       ln_attn_out=_t(lyr.post_attention_layernorm.weight, device),
+                       ln_mlp_in=_t(lyr.pre_feedforward_layernorm.weight, device),
+                       ln_mlp_out=_t(lyr.post_feedforward_layernorm.weight, device),
+                       qk_norm=_qk_norm(cfg, a, device), window=_window(cfg, i),
+                       rope=kinds.index(cfg.layer_types[i]) if i not in nope else 0,
+                       q_scaled=i in nope)
+        b = (layer.b_qkv if layer.b_qkv is not None
+             else torch.zeros(layer.w_qkv.shape[0], dtype=layer.w_qkv.dtype)).clone()
+        b[-hq * d:] += a.gate_bias.detach().to(b.device, b.dtype).repeat_interleave(d)
+        layer.b_qkv = b
+        ia, im = 2 * (i + 1), 2 * (i + 1) + 1
+        layer.residual_mix = (1 / math.sqrt(ia), math.sqrt((ia - 1) / ia),
+                              1 / math.sqrt(im), math.sqrt((im - 1) / im))
+        if layer.moe is not None:
+            layer.moe.scale = float(lyr.mlp.routed_scaling_factor)
+        layers.append(layer)
+    w = _common(hf, device, layers, ropes=ropes, norm_upcast=True,
+                final_softcap=cfg.final_logit_softcapping)
+    p = torch.arange(n, dtype=torch.float32)
+    w.q_scale = _t(torch.exp(0.1 * torch.log1p((p + 1) / 2048)), device)
+    return _without_rope(w, nope)
+
+
 def _exaone_moe(hf, device) -> Weights:
     """EXAONE-MoE: Llama's pre-norm block with per-head q/k norms and DeepSeek-V3's router
     (`Experts.sigmoid`) over the sparse layers; where it slides, its global layers have no
@@ -1824,6 +1878,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "exaone_moe": _exaone_moe,
     "minicpm5_moe": _llama,  # an output gate (`Layer.out_gate`) in q_gate_proj
     "afmoe": _afmoe,
+    "beam": _beam,
     "gpt_oss": _gpt_oss,
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,

@@ -252,7 +252,7 @@ class Runner:
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
                     and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
-                    and not lyr.out_gate
+                    and not lyr.out_gate and lyr.residual_mix is None
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
         plain = plain and w.residual_scale is None and not w.q_prescaled and not w.bias_after
@@ -1080,7 +1080,10 @@ class Runner:
             if self.residual_scale is not None:
                 attn = attn * self.residual_scale
             both = lyr.parallel and lyr.branches_first  # h + (attn + mlp), below
-            if not both:
+            mix = lyr.residual_mix
+            if mix is not None:  # Beam's depth-scaled sums
+                h = attn * mix[0] + h * mix[1]
+            elif not both:
                 h = h + attn
             if lyr.post_norms:  # GPT-1: the sums normed, the MLP on the attention's
                 h = x = self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
@@ -1095,7 +1098,7 @@ class Runner:
                 y = self._norm(y, lyr.ln_mlp_out)
             if self.residual_scale is not None:
                 y = y * self.residual_scale
-            h = h + (attn + y if both else y)
+            h = y * mix[2] + h * mix[3] if mix is not None else h + (attn + y if both else y)
             if lyr.post_norms:
                 h = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
         for it, L in zip(items, lens):
