@@ -1282,9 +1282,10 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # summed before the residual (Phi), products then biases and ALiBi as SDPA's mask (Falcon-RW),
 # eager attention (XGLM), one q and one k LayerNorm over every head (Persimmon), SDPA where
 # transformers takes it (CodeGen), grouped experts (Mixtral, Qwen2-MoE), each branch's output
-# times the residual multiplier (Granite)
+# times the residual multiplier (Granite), norms that scale in float32 and grouped experts'
+# biases added after their products (GPT-OSS)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
-                "mixtral", "qwen2_moe", "granite"]
+                "mixtral", "qwen2_moe", "granite", "gpt_oss"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)

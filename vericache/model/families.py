@@ -982,12 +982,12 @@ def _flint(hf, device) -> Weights:
     sliding layers only (`_without_rope`), and experts whose router takes the sigmoid of its
     float32 logits, with no bias, normalised over the top k (`_SIGMOID_PLAIN`), beside a shared
     expert that is not gated. Its attention's scores and softmax are float32 in any dtype
-    (`Weights.attn_float32`)."""
+    (`Weights.attn_float32`), and its norms scale in float32 (`norm_upcast`)."""
     cfg = hf.config
     w = _llama(hf, device)
     for lyr, src in zip(w.layers, hf.model.layers):
         lyr.sinks = _t(src.self_attn.sinks, device)
-    w.attn_float32 = True
+    w.attn_float32 = w.norm_upcast = True
     return _without_rope(w, [i for i, t in enumerate(cfg.layer_types)
                              if t != "sliding_attention" or not cfg.sliding_window])
 
@@ -1340,7 +1340,8 @@ def _gpt_oss(hf, device) -> Weights:
     takes the softmax of its top-k logits, and whose experts carry biases and the clamped
     SwiGLU. transformers keeps an expert's gate/up as [H, 2I] with gate and up interleaved
     (columns 0, 2, ... and 1, 3, ...): here it is [2I, H], the gate's rows first. RoPE tables
-    of D/2 columns, doubled to the runner's (the same products on each half)."""
+    of D/2 columns, doubled to the runner's (the same products on each half). Its norms
+    scale in float32 (`norm_upcast`)."""
     cfg, m = hf.config, hf.model
     layers = []
     for i, lyr in enumerate(m.layers):
@@ -1363,7 +1364,7 @@ def _gpt_oss(hf, device) -> Weights:
             w_down=None, moe=experts, window=_window(cfg, i), sinks=_t(a.sinks, device)))
     cos, sin = _rope_table(m.rotary_emb, max_positions(cfg), m.embed_tokens.weight.dtype, device)
     ropes = [(_t(torch.cat([cos, cos], -1), device), _t(torch.cat([sin, sin], -1), device))]
-    return _common(hf, device, layers, ropes=ropes)
+    return _common(hf, device, layers, ropes=ropes, norm_upcast=True)
 
 
 def _identity_rope(n: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
