@@ -1283,9 +1283,10 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # eager attention (XGLM), one q and one k LayerNorm over every head (Persimmon), SDPA where
 # transformers takes it (CodeGen), grouped experts (Mixtral, Qwen2-MoE), each branch's output
 # times the residual multiplier (Granite), norms that scale in float32 and grouped experts'
-# biases added after their products (GPT-OSS)
+# biases added after their products (GPT-OSS), a LayerNorm a head (StableLM 2 12B's q/k
+# norms), torch's LayerNorm over a float32 copy (OLMo)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
-                "mixtral", "qwen2_moe", "granite", "gpt_oss"]
+                "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)

@@ -231,7 +231,7 @@ class Layer:
     qk_layer_norm: bool = False
     qk_norm_b: torch.Tensor | None = None
     # ... one for all of q's heads and one for all of k's (Persimmon's): with torch's
-    # LayerNorms (`Weights.torch_layer_norm`), two F.layer_norm calls
+    # LayerNorms (`Weights.torch_layer_norm`), two F.layer_norm calls (else one a head)
     qk_norm_shared: bool = False
     # [(Hq + Hkv) D]: one RMSNorm over all of q's heads, then one over k's, before RoPE (OLMo 2)
     qk_norm_wide: torch.Tensor | None = None
@@ -320,11 +320,12 @@ class Weights:
     # LayerNorm (x - mean) / std * w (+ b), in fp32 then cast (Cohere's, StarCoder 2's), for
     # every norm but the q/k norms; else RMSNorm
     layer_norm: bool = False
-    # those LayerNorms are torch's own (transformers' nn.LayerNorm, `extract` asks the
-    # checkpoint's modules): the runner calls F.layer_norm, whose arithmetic (moments in
-    # float32, w and b applied before the one rounding) a cast copy of it does not repeat bit
-    # for bit in bfloat16
-    torch_layer_norm: bool = False
+    # those LayerNorms are torch's own: "dtype" where they are transformers' nn.LayerNorm
+    # (`extract` asks the checkpoint's modules), F.layer_norm in the model's dtype, whose
+    # arithmetic (moments in float32, w and b applied before the one rounding) a cast copy
+    # of Cohere's order does not repeat bit for bit in bfloat16; "float32": F.layer_norm
+    # over a float32 copy, then cast (OLMo's); "": Cohere's order
+    torch_layer_norm: str = ""
     norm_b: torch.Tensor | None = None  # the final LayerNorm's bias
     lm_head_b: torch.Tensor | None = None  # [V] (Phi's)
     eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
@@ -973,7 +974,9 @@ def _layer_norms(hf, device, one_plus: bool = False) -> Weights:
     mlp = m.layers[0].mlp
     return _common(hf, device, layers, norm=w(m.norm), norm_b=_bias(m.norm, device),
                    layer_norm=True, eps=m.norm.eps,
-                   gated=hasattr(mlp, "gate_proj") or hasattr(mlp, "experts"))
+                   gated=hasattr(mlp, "gate_proj") or hasattr(mlp, "experts"),
+                   # (Nemotron's LayerNorm1P: F.layer_norm over 1 + w, in the model's dtype)
+                   torch_layer_norm="dtype" if one_plus else "")
 
 
 def _flint(hf, device) -> Weights:
@@ -1023,13 +1026,14 @@ def _nanochat(hf, device) -> Weights:
 
 def _olmo(hf, device) -> Weights:
     """OLMo (the first): Llama's block with LayerNorms without weights or biases (ones, eps
-    1e-5, in float32 as transformers' F.layer_norm over a float32 copy) and q, k and v
-    clamped to `clip_qkv` (`Layer.clip_qkv`)."""
+    1e-5, transformers' F.layer_norm over a float32 copy, `torch_layer_norm` "float32") and
+    q, k and v clamped to `clip_qkv` (`Layer.clip_qkv`)."""
     cfg, m = hf.config, hf.model
     ones = _t(torch.ones(cfg.hidden_size, dtype=m.embed_tokens.weight.dtype), device)
     layers = [_block(lyr, device, cfg, ln_attn_in=ones, ln_mlp_in=ones, clip_qkv=cfg.clip_qkv)
               for lyr in m.layers]
-    return _common(hf, device, layers, norm=ones, layer_norm=True, eps=1e-5)
+    return _common(hf, device, layers, norm=ones, layer_norm=True, eps=1e-5,
+                   torch_layer_norm="float32")
 
 
 def _apertus(hf, device) -> Weights:
@@ -1964,7 +1968,8 @@ def extract(hf, device: torch.device) -> Weights:
         raise ModelLoadError(f"model_type {cfg.model_type!r} is not supported by the runner; "
                              f"supported: {', '.join(SUPPORTED)}")
     w = fn(hf, device)
-    w.torch_layer_norm = w.layer_norm and _torch_layer_norms(hf)
+    if w.layer_norm and not w.torch_layer_norm:
+        w.torch_layer_norm = "dtype" if _torch_layer_norms(hf) else ""
     _experts_implementation(hf, w)
     return w
 
@@ -1986,5 +1991,6 @@ def _torch_layer_norms(hf) -> bool:
     """Whether every norm of the checkpoint's language model is torch's nn.LayerNorm (its
     class exactly: Cohere's, OLMo's and per-head norms compute their own way)."""
     lm = hf.get_decoder() if hasattr(hf, "get_decoder") else hf
-    norms = [mod for mod in lm.modules() if "norm" in type(mod).__name__.lower()]
+    norms = [mod for mod in lm.modules()  # (leaves: DBRX's blocks are "NormAttentionNorm"s)
+             if "norm" in type(mod).__name__.lower() and not any(mod.children())]
     return bool(norms) and all(type(mod) is torch.nn.LayerNorm for mod in norms)

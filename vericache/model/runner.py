@@ -353,11 +353,15 @@ class Runner:
 
     def _layer_norm(self, x: torch.Tensor, w: torch.Tensor,
                     b: torch.Tensor | None = None) -> torch.Tensor:
-        """A LayerNorm over the last dim: torch's (F.layer_norm) where the checkpoint's norms are
-        (`Weights.torch_layer_norm`) and w is one vector; else in Cohere's order: centred,
+        """A LayerNorm over the last dim: torch's (F.layer_norm, in the model's dtype or over a
+        float32 copy) where the checkpoint's norms are (`Weights.torch_layer_norm`) and w is
+        one vector; else in Cohere's order: centred,
         scaled by the variance's rsqrt and by w (plus b, StarCoder 2's), in float32, then
         cast; w and b [x.shape[-1]], or broadcastable (per-head q/k LayerNorms,
         `Layer.qk_layer_norm`)."""
+        if self.torch_layer_norm == "float32" and w.dim() == 1:
+            return F.layer_norm(x.float(), (x.shape[-1],), w.float(),
+                                None if b is None else b.float(), self.eps).to(x.dtype)
         if self.torch_layer_norm and w.dim() == 1:
             return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
         xf = x.float()
@@ -1031,10 +1035,12 @@ class Runner:
                 qk = torch.cat([self._rms(qkv[:, : hq * d].contiguous(), wq),
                                 self._rms(qkv[:, hq * d: (hq + hkv) * d].contiguous(), wk)], 1)
                 qk = qk.view(-1, hq + hkv, d)
-            if lyr.qk_layer_norm and lyr.qk_norm_shared and self.torch_layer_norm:
+            if lyr.qk_layer_norm and self.torch_layer_norm:  # torch's, a call a norm
                 w_, b_ = lyr.qk_norm, lyr.qk_norm_b
-                qk = torch.cat([self._layer_norm(qk[:, :hq], w_[0], b_[0]),
-                                self._layer_norm(qk[:, hq:], w_[hq], b_[hq])], 1)
+                cuts = ([0, hq, hq + hkv] if lyr.qk_norm_shared  # (one for q's heads, one k's)
+                        else list(range(hq + hkv + 1)))  # (StableLM's: one a head)
+                qk = torch.cat([self._layer_norm(qk[:, a:z], w_[a], None if b_ is None else b_[a])
+                                for a, z in zip(cuts, cuts[1:])], 1)
             elif lyr.qk_layer_norm:
                 qk = self._layer_norm(qk, lyr.qk_norm, lyr.qk_norm_b)
             elif lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
