@@ -119,9 +119,9 @@ class Experts:
     # transformers' grouped (or batched) experts, its default where the checkpoint's experts
     # class takes one (`extract` asks its `_experts_implementation`): each chosen expert's
     # output (its biases added to its products) times its weight, kept in the product's
-    # dtype (float32 for Mixtral's weights),
-    # summed over the row's top-k slots in slot order, then cast once; else (its eager
-    # loop) each weighted output cast, then added in the experts' order
+    # dtype (float32 for Mixtral's weights), summed over the row's top-k slots in slot order,
+    # then cast once; else (its eager loop) each weighted output cast, then added in the
+    # experts' order
     sum_slots: bool = False
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

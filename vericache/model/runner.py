@@ -355,10 +355,9 @@ class Runner:
                     b: torch.Tensor | None = None) -> torch.Tensor:
         """A LayerNorm over the last dim: torch's (F.layer_norm, in the model's dtype or over a
         float32 copy) where the checkpoint's norms are (`Weights.torch_layer_norm`) and w is
-        one vector; else in Cohere's order: centred,
-        scaled by the variance's rsqrt and by w (plus b, StarCoder 2's), in float32, then
-        cast; w and b [x.shape[-1]], or broadcastable (per-head q/k LayerNorms,
-        `Layer.qk_layer_norm`)."""
+        one vector; else in Cohere's order: centred, scaled by the variance's rsqrt and by w
+        (plus b, StarCoder 2's), in float32, then cast; w and b [x.shape[-1]], or
+        broadcastable (per-head q/k LayerNorms, `Layer.qk_layer_norm`)."""
         if self.torch_layer_norm == "float32" and w.dim() == 1:
             return F.layer_norm(x.float(), (x.shape[-1],), w.float(),
                                 None if b is None else b.float(), self.eps).to(x.dtype)
@@ -900,13 +899,15 @@ class Runner:
         scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
-        dropped; with `attn_float32` (Flint's, GPT-Neo's, GPT-J's, CodeGen's), those scores
-        and that softmax in float32, the weights cast back; with ALiBi's `bias` (`_alibi`), the
-        scaled scores plus it (float32, MPT's and Falcon's order; BLOOM's: bias + scale q k^T
-        in one baddbmm, in the model's dtype), softmax in float32, the weights cast back;
-        Falcon's bias is SDPA's mask, as transformers passes it. A row that sees no key (a
-        padding row) gives zeros, not NaN (Falcon's: finite values, discarded)."""
-        if not self.attn_softcap and sinks is None and not self.attn_float32 and not self.attn_eager:
+        dropped; with `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where
+        loaded eager), those scores and that softmax in float32, the weights cast back; with
+        `attn_eager` (GPT-1's, XGLM's), the explicit path as it is; with ALiBi's `bias`
+        (`_alibi`), the scaled scores plus it (float32, MPT's order; BLOOM's: bias + scale
+        q k^T in one baddbmm, in the model's dtype), softmax in float32, the weights cast
+        back; Falcon's bias is SDPA's mask, as transformers passes it. A row that sees no key
+        (a padding row) gives zeros, not NaN (Falcon's: finite values, discarded)."""
+        explicit = self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
+        if not explicit:
             if bias is None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             if self.alibi_kind == "falcon":  # transformers' SDPA with the bias as its mask
