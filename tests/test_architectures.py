@@ -1293,7 +1293,8 @@ BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon",
 def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
     """In bfloat16 a 200-token prefill's logits equal transformers' forward bit for bit
     (benchmarks/bf16_logits.py measures every family): the same operations in the same
-    order, rounded where transformers rounds."""
+    order, rounded where transformers rounds; and `full`'s greedy tokens are transformers'
+    `generate`'s."""
     from vericache.model.loader import load_model
     build(name, tmp_path)
     lm = load_model(str(tmp_path), dtype="bfloat16")
@@ -1304,6 +1305,13 @@ def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
         want = hf(torch.tensor([ids])).logits[0]
     assert want.dtype == torch.bfloat16  # (the runner hands its logits on in float32)
     assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
+    # (the prompt in one prefill pass, as transformers' generate takes it, then steps)
+    from vericache.engine.generation import GenParams
+    from vericache.engine.local import generate
+    full = generate(lm, ids, GenParams(mode="full", max_tokens=20, ignore_eos=True))
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, 200, dtype=torch.long),
+                      max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert full.token_ids == out[0, 200:].tolist()
 
 
 @pytest.mark.parametrize("name", sorted(VL_LOGITS))
