@@ -1284,9 +1284,11 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # transformers takes it (CodeGen), grouped experts (Mixtral, Qwen2-MoE), each branch's output
 # times the residual multiplier (Granite), norms that scale in float32 and grouped experts'
 # biases added after their products (GPT-OSS), a LayerNorm a head (StableLM 2 12B's q/k
-# norms), torch's LayerNorm over a float32 copy (OLMo)
+# norms), torch's LayerNorm over a float32 copy (OLMo), RoPE over interleaved pairs in place
+# (Cohere, ERNIE 4.5)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
-                "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo"]
+                "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
+                "ernie4_5"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)

@@ -269,6 +269,10 @@ class Layer:
     # GPT-1's post-norm block: ln_attn_in norms h + attention (the MLP's input and the next
     # residual), ln_mlp_in norms h + MLP; no norm before either branch
     post_norms: bool = False
+    # RoPE over interleaved pairs (x[2i], x[2i + 1]) in place, outside float32
+    # (`_interleaved_rope`: q's and k's dims as transformers lays them, so each score sums in
+    # its order); the layer's table is then in pairs too (`_pair_tables`)
+    rope_pairs: bool = False
     # Beam's depth-scaled sums: h = attention a + h b, then h = MLP c + h d, (a, b, c, d), each
     # product in the model's dtype; None: h + branch
     residual_mix: tuple[float, float, float, float] | None = None
@@ -857,10 +861,16 @@ def _halves_order(d: int, rot: int) -> torch.Tensor:
 
 def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
     """For a RoPE over interleaved pairs (Cohere's, GLM's, over each head's first `rot` dims):
-    q's and k's projection rows (and biases) reordered in each head to the halves Llama's
-    RoPE pairs (x[i], x[i + rot/2]), `_halves_order`. q and k reordered alike leave every
-    score as it was (v is not reordered), and the rotation is the same arithmetic on each
-    pair."""
+    in float32, q's and k's projection rows (and biases) reordered in each head to the halves
+    Llama's RoPE pairs (x[i], x[i + rot/2]), `_halves_order`, which the native kernels
+    rotate. q and k reordered alike leave every score as it was, up to the order its
+    products are summed in (v is not reordered), and the rotation is the same arithmetic on
+    each pair. In other dtypes, where that order shows, the rows stay and the layers rotate
+    their pairs in place (`Layer.rope_pairs`)."""
+    if layers and layers[0].w_qkv.dtype != torch.float32:
+        for layer in layers:
+            layer.rope_pairs = True
+        return
     hq, hkv, d = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
     order = _halves_order(d, rot)
 
@@ -1968,6 +1978,7 @@ def extract(hf, device: torch.device) -> Weights:
         raise ModelLoadError(f"model_type {cfg.model_type!r} is not supported by the runner; "
                              f"supported: {', '.join(SUPPORTED)}")
     w = fn(hf, device)
+    _pair_tables(w)
     if w.layer_norm and not w.torch_layer_norm:
         w.torch_layer_norm = "dtype" if _torch_layer_norms(hf) else ""
     _experts_implementation(hf, w)
@@ -1985,6 +1996,15 @@ def _experts_implementation(hf, w: Weights) -> None:
         for e, mod in zip(ours, theirs):
             e.sum_slots = (not e.scale_input and mod.config._experts_implementation
                            in ("grouped_mm", "batched_mm"))
+
+
+def _pair_tables(w: Weights) -> None:
+    """The RoPE tables of layers that rotate interleaved pairs in place (`Layer.rope_pairs`),
+    from halves (c_0 .. c_{r/2-1}, twice) to pairs (c_0, c_0, c_1, c_1, ...)."""
+    for i in sorted({lyr.rope for lyr in w.layers if lyr.rope_pairs}):
+        cos, sin = w.ropes[i]
+        half = cos.shape[-1] // 2
+        w.ropes[i] = tuple(t[..., :half].repeat_interleave(2, -1) for t in (cos, sin))
 
 
 def _torch_layer_norms(hf) -> bool:

@@ -378,21 +378,28 @@ class Runner:
             return self.linear_kernel.rms_heads(x, w, self.eps)
         return self._rms(x, w)
 
-    def _rope_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   pairs: bool = False) -> torch.Tensor:
         """A pass's RoPE on its fresh q/k rows x [T, heads, D] (a view of its qkv product, or
         its q/k norm's output; cos, sin [T, R]): in place by the native kernel where it
-        serves (float32 on CPU), else `_rope`."""
+        serves (float32 on CPU), else `_rope`; over interleaved pairs where the layer's are
+        (`Layer.rope_pairs`)."""
+        if pairs:
+            return self._rope(x, cos.unsqueeze(1), sin.unsqueeze(1), pairs=True)
         if self.linear_kernel is not None and x.dtype == torch.float32:
             return self.linear_kernel.rope(x, cos, sin)
         return self._rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos, sin: [T, 1, R], R <= D (partial rotary: the rest passes)
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              pairs: bool = False) -> torch.Tensor:
+        # x: [T, heads, D]; cos, sin: [T, 1, R], R <= D (partial rotary: the rest passes);
+        # the pairs (x[i], x[i + R/2]), or (x[2i], x[2i + 1]) with `pairs`
         r = cos.shape[-1]
         xr = x if r == x.shape[-1] else x[..., :r]
         half = r // 2
-        rot = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        rot = (torch.stack((-xr[..., 1::2], xr[..., ::2]), dim=-1).flatten(-2) if pairs
+               else torch.cat((-xr[..., half:], xr[..., :half]), dim=-1))
         # (a float32 table for a narrower model, OLMo's: RoPE in float32, then cast back)
         out = (xr * cos + rot * sin).to(x.dtype)
         return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
@@ -1046,7 +1053,7 @@ class Runner:
                 qk = self._layer_norm(qk, lyr.qk_norm, lyr.qk_norm_b)
             elif lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
-            qk = self._rope_pass(qk, *ropes[lyr.rope])
+            qk = self._rope_pass(qk, *ropes[lyr.rope], pairs=lyr.rope_pairs)
             if lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
