@@ -889,8 +889,8 @@ def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
 
 def _cohere(hf, device) -> Weights:
     """Cohere (Command R) and Cohere 2 (Command R7B, Command A): attention and MLP in parallel on
-    one LayerNorm's output (`parallel`, `layer_norm`), RoPE over interleaved pairs (q and k
-    rows reordered, `_interleaved_rope`, and the table with them), logits times
+    one LayerNorm's output (`parallel`, `layer_norm`), RoPE over interleaved pairs (in
+    float32 q and k rows reordered, `_interleaved_rope`, and the table with them), logits times
     `logit_scale`. Cohere computes RoPE in float32, so the table is float32 (its values the
     model dtype's, as transformers' rotary module gives them). Cohere 2's full-attention
     layers have no RoPE (`_without_rope`). Cohere 2 MoE: Cohere 2's block with experts after
