@@ -722,12 +722,13 @@ def _llama(hf, device) -> Weights:
 def _without_rope(w: Weights, nope: list[int]) -> Weights:
     """Layers `nope` read an identity RoPE table (cos 1, sin 0, as wide as the model's own so
     one fused pass serves every layer), which leaves q and k bit for bit as they are:
-    x * 1 - y * 0 = x. It is a stride-0 view, so it costs no memory."""
+    x * 1 - y * 0 = x. It is a stride-0 view, so it costs no memory (and the layers rotate
+    no pairs in place, so `_pair_tables` leaves it as it is)."""
     if nope:
         cos = w.ropes[0][0]
         w.ropes.append(_identity_rope(*cos.shape, cos.dtype, cos.device))
         for i in nope:
-            w.layers[i].rope = len(w.ropes) - 1
+            w.layers[i].rope, w.layers[i].rope_pairs = len(w.ropes) - 1, False
     return w
 
 
