@@ -74,19 +74,6 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def weight_bytes(runner) -> int:
-    """The runner's weight bytes (each tensor once: tied embeddings count once)."""
-    seen, total = set(), 0
-    tensors = [t for t in (runner.embed, runner.lm_head, runner.norm) if t is not None]
-    for lyr in runner.layers:
-        tensors += [v for v in vars(lyr).values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def _caches(runner, batch: int, tokens: int, room: int) -> list:
     """`batch` caches of `tokens` random K/V tokens, made in one pool (as the engine's are:
     the first pass copies nothing)."""
@@ -126,7 +113,7 @@ def measure_point(runner, batch: int, context: int, ratio: float, k: int, repeat
     t_draft = _timed(lambda: _pass(runner, short, 1, g), dev, repeats)
     del short
     kv = context * runner.kv_bytes_per_token()
-    weights = weight_bytes(runner)
+    weights = runner.weight_bytes()
     # what a full step must read (every weight once, every cache once), over its time
     return {"batch": batch, "context": context, "ratio": ratio, "k": k,
             "full_step_s": t_full, "verify_pass_s": t_verify, "draft_step_s": t_draft,
@@ -207,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     runner = build_runner(a.shape, dtype, dev)
     built_s = time.perf_counter() - t0
-    weights = weight_bytes(runner)
+    weights = runner.weight_bytes()
     free = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 8 << 30)
     kvt = runner.kv_bytes_per_token()
     points, skipped = [], []

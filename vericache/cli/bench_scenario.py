@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from vericache.bench.grid import Grid, takes_ratio
 from vericache.bench.project import MACHINES, measured_round, project_run
 from vericache.bench.prompts import shared_document_prompts
@@ -44,19 +42,6 @@ def config(args, grid: Grid) -> ScenarioConfig:
         services=parse_services(args.services) if args.services else None)
 
 
-def weight_bytes(runner) -> int:
-    """Bytes of the runner's weights (a tied LM head counted once)."""
-    seen, n = set(), 0
-    tensors = [t for t in (runner.embed, runner.norm, runner.lm_head) if t is not None]
-    for lyr in runner.layers:
-        tensors += [t for t in vars(lyr).values() if isinstance(t, torch.Tensor)]
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            n += t.numel() * t.element_size()
-    return n
-
-
 def add_roofline(doc: dict, runner, threads: int | None) -> None:
     """VeriCache's ratios as this machine's roofline projects them (vericache.bench.roofline:
     every variant at its peak rates), and the measured ratios over them, into the document.
@@ -65,7 +50,7 @@ def add_roofline(doc: dict, runner, threads: int | None) -> None:
 
     s, st = doc["summary"], doc["settings"]
     _, tau, k, r = measured_round(doc)
-    wb = weight_bytes(runner)
+    wb = runner.weight_bytes()
     model = {"params": wb // runner.embed.element_size(), "layers": runner.num_layers,
              "heads": runner.num_heads, "head_dim": runner.head_dim, "weight_bytes": wb,
              "kv_per_token": runner.kv_bytes_per_token(),
@@ -151,7 +136,7 @@ def run_scenario_cli(args, grid: Grid) -> int:
     doc = run_scenario(lm, prompts, cfg, step, warm)
     doc["settings"].update({"dtype": args.dtype, "device": args.device, "threads": args.threads})
     if args.project is not None:
-        doc["projection"] = project_run(doc, args.project, weight_bytes(lm.runner))
+        doc["projection"] = project_run(doc, args.project, lm.runner.weight_bytes())
     if doc["scenario"] == "long-context" and args.services is None:
         step("roofline: this machine's read bandwidth and matmul rates")
         add_roofline(doc, lm.runner, args.threads)

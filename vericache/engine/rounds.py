@@ -35,9 +35,9 @@ def arena(runner, side: str, group: int):
     caches into its pool (an 8k verifier cache in 0.84 s, against 0.07 s for the pass;
     docs/performance.md, thirty-ninth session). SDPA reads every slot of a pass's span, so
     where it runs the passes (no native kernel; the drafter of a model whose attention reads
-    positions, whose caches record them) a group keeps a pool of its own. (A pass of more than the kernel's
-    `KERNEL_ROWS` rows a sequence, a verify pass of k >= 64, is SDPA's too: over one pool a
-    side, such a pass of one group is copied into a pool of its own.)"""
+    positions, whose caches record them) a group keeps a pool of its own. (A pass of more
+    than the kernel's `KERNEL_ROWS` rows a sequence, a verify pass of k >= 64, is SDPA's too:
+    over one pool a side, such a pass of one group is copied into a pool of its own.)"""
     ranged = runner.attend_kernel is not None and not (side == "draft" and runner.positioned)
     return side if ranged else (side, group)
 

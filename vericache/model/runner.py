@@ -517,6 +517,19 @@ class Runner:
             for name, attr in (("w_qkv", "w_qkv"), ("w_o", "w_o"), ("w_gu", "w_gate_up"),
                                ("w_down", "w_down"))}}
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights: the embedding, final norm and LM head, and each layer's tensors
+        (each tensor once: a tied LM head counts once)."""
+        seen, n = set(), 0
+        tensors = [t for t in (self.embed, self.norm, self.lm_head) if t is not None]
+        for lyr in self.layers:
+            tensors += [t for t in vars(lyr).values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                n += t.numel() * t.element_size()
+        return n
+
     def weight_block_bytes(self) -> int:
         """Bytes of the weights' block form (`_blocks`), which every pass shares."""
         return sum(q.nbytes for q in self._blocks.values())
