@@ -246,8 +246,8 @@ ARCHS = {
     # only (q scaled by position on the others), depth-scaled residual sums, a grouped sigmoid
     # router after a dense layer, soft-capped logits
     "beam": ("BeamConfig", dict(
-        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=2,
-        topk_group=1, routed_scaling_factor=2.5, sliding_window=WINDOW, attention_bias=True,
+        head_dim=32, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, n_group=2,
+        topk_group=2, routed_scaling_factor=2.5, sliding_window=WINDOW, attention_bias=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], final_logit_softcapping=30.0,
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
@@ -573,7 +573,7 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
-           "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 1), 2.5)}
+           "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
@@ -736,8 +736,8 @@ def test_family_config(arch):
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
             8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe",
-                          "deepseek_v2", "sarvam_moe")
-            else 4, 2)
+                          "deepseek_v2", "sarvam_moe", "beam")
+            else 4, 4 if name == "beam" else 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
         assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
             ("mixtral", "deepseek_v2", "hunyuan", "flint")))
@@ -784,8 +784,9 @@ def test_family_config(arch):
                 False, True, False] and r.q_scale.dtype == torch.float32
             assert r.layers[1].residual_mix == (0.5, 0.75 ** 0.5, 5 ** -0.5, 0.8 ** 0.5)
             gate = hf.model.layers[0].self_attn.gate_bias  # each head's, on its rows of g
-            assert torch.equal(r.layers[0].b_qkv[-4 * 32:].view(4, 32), gate[:, None].expand(4, 32))
-            assert r.norm_upcast and r.final_softcap == 30.0
+            assert torch.equal(r.layers[0].out_gate_b.view(4, 32), gate[:, None].expand(4, 32))
+            assert r.norm_upcast and r.final_softcap == 30.0 and r.softcap_float32 and r.glu_float32
+            assert r.layers[1].moe.scale_after and r.layers[1].moe.choice_sorted
             from transformers.models.beam.modeling_beam import compute_attention_scaling
             p = torch.arange(r.q_scale.shape[0])[None]  # q's factor, as transformers computes it
             assert torch.equal(r.q_scale, compute_attention_scaling(p).flatten())
@@ -1285,35 +1286,40 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # times the residual multiplier (Granite), norms that scale in float32 and grouped experts'
 # biases added after their products (GPT-OSS), a LayerNorm a head (StableLM 2 12B's q/k
 # norms), torch's LayerNorm over a float32 copy (OLMo), RoPE over interleaved pairs in place
-# (Cohere, ERNIE 4.5)
+# (Cohere, ERNIE 4.5), latent attention's keys nope then pe (DeepSeek-V3), its complex pairs
+# in float32 in place (DeepSeek-V2), sinks as sigmoid(lse - sink) (Granite-SWA), the RoPE
+# table in the model's dtype (GPT-J), the gated MLP, the soft-cap and the experts' scale in
+# transformers' order and its top k sorted (Beam)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
-                "ernie4_5"]
+                "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)
 def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
-    """In bfloat16 a 200-token prefill's logits equal transformers' forward bit for bit
+    """In bfloat16 a 256-token prefill's logits equal transformers' forward bit for bit
     (benchmarks/bf16_logits.py measures every family): the same operations in the same
     order, rounded where transformers rounds; and `full`'s greedy tokens are transformers'
     `generate`'s."""
     from vericache.model.loader import load_model
     build(name, tmp_path)
     lm = load_model(str(tmp_path), dtype="bfloat16")
-    ids = torch.randint(3, VOCAB, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    n = 256  # (benchmarks/bf16_logits.py's prompt)
+    ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
-        got = lm.runner.step(ids, 0, lm.runner.new_cache(200), logits="all")[0]
+        got = lm.runner.step(ids, 0, lm.runner.new_cache(n), logits="all")[0]
         hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
         want = hf(torch.tensor([ids])).logits[0]
-    assert want.dtype == torch.bfloat16  # (the runner hands its logits on in float32)
+    # (the runner hands its logits on in float32; Beam's soft-cap is float32 in both)
+    assert want.dtype == (torch.float32 if name == "beam" else torch.bfloat16)
     assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
     # (the prompt in one prefill pass, as transformers' generate takes it, then steps)
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate
     full = generate(lm, ids, GenParams(mode="full", max_tokens=20, ignore_eos=True))
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, 200, dtype=torch.long),
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, n, dtype=torch.long),
                       max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert full.token_ids == out[0, 200:].tolist()
+    assert full.token_ids == out[0, n:].tolist()
 
 
 @pytest.mark.parametrize("name", sorted(VL_LOGITS))

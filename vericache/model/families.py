@@ -123,6 +123,10 @@ class Experts:
     # then cast once; else (its eager loop) each weighted output cast, then added in the
     # experts' order
     sum_slots: bool = False
+    # Beam's: `scale` multiplies the summed output (in the model's dtype), not the weights
+    scale_after: bool = False
+    # Beam's router takes its top k sorted (DeepSeek-V3's take theirs unsorted)
+    choice_sorted: bool = False
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -154,13 +158,15 @@ class Experts:
             choice = choice.masked_fill(~mask.bool().repeat_interleave(choice.shape[-1] // n, 1),
                                         float("-inf") if sigmoid else 0.0)
         # (transformers' DeepSeek-V3 routers take their top k unsorted, Mixtral's sorted)
-        idx = torch.topk(choice, self.top_k, dim=-1, sorted=self.scores is None)[1]
+        idx = torch.topk(choice, self.top_k, dim=-1,
+                         sorted=self.scores is None or self.choice_sorted)[1]
         top = scores.gather(1, idx)
         if self.norm_topk:
             total = top.sum(dim=-1, keepdim=True)
             top = top / (total.clamp(min=self.norm_min) if self.norm_min is not None
                          else total + self.norm_eps)
-        top = top * self.scale
+        if not self.scale_after:
+            top = top * self.scale
         return (top.to(dtype) if self.weights_in_dtype else top), idx
 
     def mats(self) -> list[torch.Tensor]:
@@ -190,15 +196,16 @@ class MLA:
     its value comes from the latent too. The layer's first product (`Layer.w_qkv`) gives q
     (or q's low-rank part, then `q_norm` and `q_b`) and the latent beside k_pe; then the latent
     is normed (`kv_norm`) and widened by `kv_b` to every head's k_nope and v. The cache holds
-    each head's key (pe first, then nope) and its value padded with zeros to the key's width
-    (the padding's products are zeros: the attention output's first `v` dims are the value's);
-    q's rows are reordered at load to the same pe-first order (a head's dot product is the
-    same sum, in another order), and DeepSeek's interleaved RoPE pairs (`rope_interleave`) to
-    halves, so the runner's partial RoPE rotates them."""
+    each head's key as transformers concatenates it (nope, then pe: each score sums its
+    products in transformers' order) and its value padded with zeros to the key's width (the
+    padding's products are zeros: the attention output's first `v` dims are the value's);
+    DeepSeek's interleaved RoPE pairs (`rope_interleave`) are reordered to halves at load, as
+    transformers reorders them before rotating, and the runner's RoPE rotates each head's last
+    `pe` dims (`Runner._rope_pass`'s `tail`)."""
 
     q_rows: int  # the first product's rows that are q's (or q_a's)
     q_norm: torch.Tensor | None  # [q_lora_rank] (None: q is the first product's)
-    q_b: torch.Tensor | None  # [Hq (pe + nope), q_lora_rank]
+    q_b: torch.Tensor | None  # [Hq (nope + pe), q_lora_rank]
     kv_norm: torch.Tensor  # [kv_lora_rank]
     kv_b: torch.Tensor  # [Hq (nope + v), kv_lora_rank]
     rank: int  # kv_lora_rank
@@ -273,6 +280,8 @@ class Layer:
     # (`_interleaved_rope`: q's and k's dims as transformers lays them, so each score sums in
     # its order); the layer's table is then in pairs too (`_pair_tables`)
     rope_pairs: bool = False
+    # Beam's bias a head on the output gate [Hq D], added after the gate's product
+    out_gate_b: torch.Tensor | None = None
     # Beam's depth-scaled sums: h = attention a + h b, then h = MLP c + h d, (a, b, c, d), each
     # product in the model's dtype; None: h + branch
     residual_mix: tuple[float, float, float, float] | None = None
@@ -303,6 +312,7 @@ class Weights:
     embed_scale_number: bool = False
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    softcap_float32: bool = False  # Beam: that in float32 (Gemma's: in the model's dtype)
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
     # Flint, GPT-Neo, GPT-J and CodeGen: the scores (Flint's sinks' logits too) and their
     # softmax in float32, the weights then cast to the model's dtype (their eager attention's
@@ -311,6 +321,15 @@ class Weights:
     # GPT-1, XGLM: transformers' only attention is its eager arithmetic (`Runner._sdpa`'s
     # explicit path: scores in the model's dtype, softmax in float32, cast back), not SDPA
     attn_eager: bool = False
+    # GPT-1: the explicit path's scores divided by sqrt(D) (transformers' order; a product
+    # with its inverse rounds otherwise where sqrt(D) is not a power of two)
+    attn_divide: bool = False
+    # Beam: a gated MLP's act(gate) * up in float32, then cast (its experts' too)
+    glu_float32: bool = False
+    # Granite-SWA: attention sinks (`Layer.sinks`) as transformers computes them, the output
+    # times sigmoid(logsumexp(scores) - sink) in float32; else GPT-OSS's, one more logit in
+    # the softmax (the same value, other roundings)
+    sinks_lse: bool = False
     # OPT, XGLM: q scaled by the attention's scale in the model's dtype (after its bias), the
     # attention then unscaled (their order; in bfloat16 the rounding differs)
     q_prescaled: bool = False
@@ -637,13 +656,16 @@ def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
     if v > d:
         raise ModelLoadError(f"{cfg.model_type}: a value wider than the key ({v} > {d}) is not "
                              "supported by the runner")
-    # (DeepSeek-V2's RoPE is over interleaved pairs: complex numbers)
+    # DeepSeek-V3's interleaved RoPE pairs (`rope_interleave`) reordered to halves, as
+    # transformers reorders them before rotating; DeepSeek-V2's (complex numbers) too in
+    # float32, else left for the runner to multiply in place (`_complex_pairs`)
+    kv_a = a.kv_a_proj_with_mqa
     interleave = getattr(cfg, "rope_interleave", cfg.model_type == "deepseek_v2")
-    pairs = _halves_order(pe, pe) if interleave else torch.arange(pe)
-    head = torch.cat([nope + pairs, torch.arange(nope)])  # a head's q: pe, then nope
+    halves = interleave and not _complex_pairs(cfg, kv_a.weight.dtype)
+    pairs = _halves_order(pe, pe) if halves else torch.arange(pe)
+    head = torch.cat([torch.arange(nope), nope + pairs])  # a head's q: nope, then pe
     q_order = (torch.arange(hq)[:, None] * d + head[None]).reshape(-1)
     kv_order = torch.cat([torch.arange(rank), rank + pairs])
-    kv_a = a.kv_a_proj_with_mqa
     # q = q_b(norm(q_a x)), else q_proj x in the first product (A.X-K1's module has no q_proj)
     low_rank = getattr(a, "q_proj", None) is None
     first = a.q_a_proj if low_rank else a.q_proj
@@ -662,6 +684,13 @@ def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
     return w_qkv, b_qkv, mla
 
 
+def _complex_pairs(cfg, dtype: torch.dtype) -> bool:
+    """Whether a latent attention's RoPE rotates interleaved pairs in place
+    (`Layer.rope_pairs`): DeepSeek-V2's outside float32, where transformers multiplies them as
+    complex numbers in float32 (the runner's `_rope` over a float32 table is that arithmetic)."""
+    return cfg.model_type == "deepseek_v2" and dtype != torch.float32
+
+
 def _block(lyr, device, cfg=None, **kw) -> Layer:
     """A decoder layer's projections in the runner's layout (fused QKV and gate/up, from
     separate q/k/v and gate/up projections; a latent attention's, `_mla`; a sparse MoE
@@ -671,6 +700,7 @@ def _block(lyr, device, cfg=None, **kw) -> Layer:
     mlp = lyr.mlp if hasattr(lyr, "mlp") else lyr.block_sparse_moe  # (Granite-MoE's name)
     if hasattr(a, "kv_a_proj_with_mqa"):
         w_qkv, bias, kw["mla"] = _mla(cfg, a, device)
+        kw["rope_pairs"] = _complex_pairs(cfg, w_qkv.dtype)
     elif hasattr(a, "q_gate_proj") or hasattr(a, "gate_proj"):  # an output gate (`out_gate`)
         w_qkv, bias = _gated_attention(cfg, a, device)
         kw["out_gate"] = True
@@ -746,8 +776,8 @@ def _granite(hf, device) -> Weights:
     attention's is its scale, and the logits are divided by `logits_scaling`. The residual
     multiplier is folded into o_proj and down_proj (`_fold_residual`), so the fused pass
     serves Granite. Granite-SWA (and its MoE) adds sliding layers and attention sinks
-    (`Layer.sinks`: transformers scales the output by sigmoid(lse - sink), which equals one
-    more logit in the softmax). HyperCLOVAX norms each branch's output before the residual
+    (`Layer.sinks`, `Weights.sinks_lse`: transformers scales the output by
+    sigmoid(lse - sink), which equals one more logit in the softmax). HyperCLOVAX norms each branch's output before the residual
     multiplier, which is then folded into those norms' weights, and multiplies its logits by
     `logits_scaling`."""
     cfg = hf.config
@@ -760,7 +790,7 @@ def _granite(hf, device) -> Weights:
             lyr.moe.shared_gate_up = _t(shared.input_linear.weight, device)
             lyr.moe.shared_down = _t(shared.output_linear.weight, device)
         if getattr(src.self_attn, "sinks", None) is not None:
-            lyr.sinks = _t(src.self_attn.sinks, device)
+            lyr.sinks, w.sinks_lse = _t(src.self_attn.sinks, device), True
         if clova and cfg.use_post_norm:
             lyr.ln_attn_out = _t(src.post_norm1.weight * m, device)
             lyr.ln_mlp_out = _t(src.post_norm2.weight * m, device)
@@ -1321,18 +1351,16 @@ def _beam(hf, device) -> Weights:
                        qk_norm=_qk_norm(cfg, a, device), window=_window(cfg, i),
                        rope=kinds.index(cfg.layer_types[i]) if i not in nope else 0,
                        q_scaled=i in nope)
-        b = (layer.b_qkv if layer.b_qkv is not None
-             else torch.zeros(layer.w_qkv.shape[0], dtype=layer.w_qkv.dtype)).clone()
-        b[-hq * d:] += a.gate_bias.detach().to(b.device, b.dtype).repeat_interleave(d)
-        layer.b_qkv = b
+        layer.out_gate_b = _t(a.gate_bias.repeat_interleave(d), device)
         ia, im = 2 * (i + 1), 2 * (i + 1) + 1
         layer.residual_mix = (1 / math.sqrt(ia), math.sqrt((ia - 1) / ia),
                               1 / math.sqrt(im), math.sqrt((im - 1) / im))
         if layer.moe is not None:
             layer.moe.scale = float(lyr.mlp.routed_scaling_factor)
+            layer.moe.scale_after = layer.moe.choice_sorted = True
         layers.append(layer)
-    w = _common(hf, device, layers, ropes=ropes, norm_upcast=True,
-                final_softcap=cfg.final_logit_softcapping)
+    w = _common(hf, device, layers, ropes=ropes, norm_upcast=True, glu_float32=True,
+                final_softcap=cfg.final_logit_softcapping, softcap_float32=True)
     p = torch.arange(n, dtype=torch.float32)
     w.q_scale = _t(torch.exp(0.1 * torch.log1p((p + 1) / 2048)), device)
     return _without_rope(w, nope)
@@ -1526,7 +1554,8 @@ def _openai_gpt(hf, device) -> Weights:
     return Weights(layers, embed, None, lm_head,
                    [_identity_rope(max_positions(cfg), d, embed.dtype, device)], d,
                    layer_norm=True, eps=cfg.layer_norm_epsilon, gated=False,
-                   pos_embed=_t(m.positions_embed.weight, device), attn_eager=True)
+                   pos_embed=_t(m.positions_embed.weight, device), attn_eager=True,
+                   attn_divide=True)
 
 
 def _gpt_neo(hf, device) -> Weights:
@@ -1568,7 +1597,8 @@ def _codegen_qkv(a, device) -> tuple[torch.Tensor, None]:
 def _gptj(hf, device) -> Weights:
     """GPT-J and CodeGen: attention and MLP in parallel on one LayerNorm (Phi's block: biases
     on the MLP and the LM head, none on q/k/v/o), RoPE over interleaved pairs of each head's
-    first `rotary_dim` dims (`_interleaved_rope`), its table transformers' sin and cos halves,
+    first `rotary_dim` dims (`_interleaved_rope`), its table transformers' sin and cos halves
+    (GPT-J's in the model's dtype, as transformers casts it; CodeGen's in float32),
     and, where the checkpoint is loaded with eager attention, the scores in float32 in any
     dtype (`attn_float32`; transformers takes SDPA by default). CodeGen's q, k and v are one
     product in its own order (`_codegen_qkv`)."""
@@ -1583,7 +1613,10 @@ def _gptj(hf, device) -> Weights:
               for b in m.h for w_qkv, b_qkv in [qkv(b.attn, device)]]
     rot = cfg.rotary_dim or d
     _interleaved_rope(layers, cfg, rot)
-    sin, cos = m.rotary_emb.embed_positions[: max_positions(cfg)].split(rot // 2, dim=-1)
+    table = m.rotary_emb.embed_positions[: max_positions(cfg)]
+    if cfg.model_type == "gptj":  # (GPT-J's rotates in the model's dtype; CodeGen's float32)
+        table = table.to(m.wte.weight.dtype)
+    sin, cos = table.split(rot // 2, dim=-1)
     embed, lm_head = _embed_and_head(hf, m.wte.weight, device)
     ropes = [(_t(torch.cat([cos, cos], -1), device), _t(torch.cat([sin, sin], -1), device))]
     return Weights(layers, embed, _t(m.ln_f.weight, device), lm_head, ropes, d,

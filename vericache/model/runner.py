@@ -193,6 +193,9 @@ class Runner:
         self.bias_after = w.bias_after
         self.residual_scale = w.residual_scale
         self.attn_eager = w.attn_eager
+        self.sinks_lse = w.sinks_lse
+        self.glu_float32 = w.glu_float32
+        self.attn_divisor = self.head_dim ** 0.5 if w.attn_divide else None
         if w.q_prescaled:
             self.scale = 1.0
         self.act = _activation(w.activation)
@@ -201,6 +204,7 @@ class Runner:
                             torch.tensor(w.embed_scale, dtype=self.dtype, device=self.device))
         self.norm_upcast = w.norm_upcast
         self.final_softcap = w.final_softcap
+        self.softcap_float32 = w.softcap_float32
         self.logit_divisor = w.logit_divisor
         self.logit_scale = w.logit_scale
         # Gemma 2's soft-capped scores: no fused kernel or SDPA computes them, so attention
@@ -379,11 +383,15 @@ class Runner:
         return self._rms(x, w)
 
     def _rope_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   pairs: bool = False) -> torch.Tensor:
+                   pairs: bool = False, tail: bool = False) -> torch.Tensor:
         """A pass's RoPE on its fresh q/k rows x [T, heads, D] (a view of its qkv product, or
         its q/k norm's output; cos, sin [T, R]): in place by the native kernel where it
         serves (float32 on CPU), else `_rope`; over interleaved pairs where the layer's are
-        (`Layer.rope_pairs`)."""
+        (`Layer.rope_pairs`); over each head's last R dims with `tail` (latent attention's
+        k_pe and q_pe, `MLA`), else its first."""
+        if tail:  # the head's first D - R dims pass
+            r = x.shape[-1] - cos.shape[-1]
+            return torch.cat((x[..., :r], self._rope_pass(x[..., r:], cos, sin, pairs)), -1)
         if pairs:
             return self._rope(x, cos.unsqueeze(1), sin.unsqueeze(1), pairs=True)
         if self.linear_kernel is not None and x.dtype == torch.float32:
@@ -919,9 +927,11 @@ class Runner:
         scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
-        dropped; with `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where
+        dropped (Granite-SWA's, `sinks_lse`: the plain output times sigmoid(logsumexp of the
+        row's scores less the sink), in float32, cast back); with `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where
         loaded eager), those scores and that softmax in float32, the weights cast back; with
-        `attn_eager` (GPT-1's, XGLM's), the explicit path as it is; with ALiBi's `bias`
+        `attn_eager` (GPT-1's, XGLM's), the explicit path as it is (GPT-1's scores divided by
+        sqrt(D), `attn_divisor`); with ALiBi's `bias`
         (`_alibi`), the scaled scores plus it (float32, MPT's order; BLOOM's: bias + scale
         q k^T in one baddbmm, in the model's dtype), softmax in float32, the weights cast
         back; Falcon's bias is SDPA's mask, as transformers passes it. A row that sees no key
@@ -944,20 +954,27 @@ class Runner:
                               q.reshape(-1, rows, d), kt, alpha=self.scale).view(*lead, rows, n)
             bias = None
         else:
-            s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+            s = torch.matmul(q, k.transpose(-1, -2))
+            s = s * self.scale if self.attn_divisor is None else s / self.attn_divisor
         if self.attn_softcap:
             s = _softcap(s, self.attn_softcap)
         if bias is not None:
             s = s + bias
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
-        if sinks is None:
+        if sinks is not None:  # each row's head's sink [..., Hkv, G L, 1]
+            hkv, rows = s.shape[-3], s.shape[-2]
+            g = sinks.shape[0] // hkv
+            col = sinks.to(s.dtype).view(hkv, g, 1, 1).expand(hkv, g, rows // g, 1)
+            col = col.reshape(hkv, rows, 1).expand(*s.shape[:-1], 1)
+        if sinks is None or self.sinks_lse:
             w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(v.dtype)
-            return torch.matmul(w, v)
-        hkv, rows = s.shape[-3], s.shape[-2]
-        g = sinks.shape[0] // hkv
-        col = sinks.to(s.dtype).view(hkv, g, 1, 1).expand(hkv, g, rows // g, 1)
-        s = torch.cat([s, col.reshape(hkv, rows, 1).expand(*s.shape[:-1], 1)], dim=-1)
+            out = torch.matmul(w, v)
+            if sinks is None:
+                return out
+            scale = (torch.logsumexp(s, dim=-1, keepdim=True) - col).float().sigmoid()
+            return out * scale.to(out.dtype)
+        s = torch.cat([s, col], dim=-1)
         s = s - s.max(dim=-1, keepdim=True).values
         w = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1]
         return torch.matmul(w.to(v.dtype), v)
@@ -1066,7 +1083,8 @@ class Runner:
                 qk = self._layer_norm(qk, lyr.qk_norm, lyr.qk_norm_b)
             elif lyr.qk_norm is not None and not lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
-            qk = self._rope_pass(qk, *ropes[lyr.rope], pairs=lyr.rope_pairs)
+            qk = self._rope_pass(qk, *ropes[lyr.rope], pairs=lyr.rope_pairs,
+                                 tail=lyr.mla is not None)
             if lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
@@ -1097,8 +1115,10 @@ class Runner:
                                          masks[i])
             if lyr.mla is not None:  # each head's value, without the padding
                 attn = attn.view(-1, hq, d)[..., : lyr.mla.v].reshape(-1, hq * lyr.mla.v)
-            if lyr.out_gate:  # sigmoid(g), g the first product's last rows
-                attn = attn * self._each(torch.sigmoid, qkv[:, (hq + 2 * hkv) * d:], invariant)
+            if lyr.out_gate:  # sigmoid(g), g the first product's last rows (+ Beam's bias)
+                g = qkv[:, (hq + 2 * hkv) * d:]
+                g = g if lyr.out_gate_b is None else g + lyr.out_gate_b
+                attn = attn * self._each(torch.sigmoid, g, invariant)
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
@@ -1153,6 +1173,10 @@ class Runner:
             a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * glu
         elif not self.gated:
             a = self._each(act or self.act, gu, invariant)
+        elif self.glu_float32 and gu.dtype != torch.float32:  # (Beam's)
+            i = gu.shape[1] // 2
+            a = (self._each(act or self.act, gu[:, :i].float(), invariant)
+                 * gu[:, i:].float()).to(gu.dtype)
         elif (not invariant and self.silu and act is None and self.linear_kernel is not None
                 and gu.shape[0] <= LINEAR_ROWS):
             a = self.linear_kernel.silu_mul(gu)  # the function `_fused` applies
@@ -1171,7 +1195,7 @@ class Runner:
     def _mla(self, first: torch.Tensor, m: MLA, lin) -> torch.Tensor:
         """A latent attention's q, k and v in the layout of a qkv product [T, (Hq + 2 Hq) D]
         (`MLA`), from its first product: q (through its low-rank norm and q_b), each head's
-        key (the shared, rotated k_pe, then its k_nope from the normed latent) and value
+        key (its k_nope from the normed latent, then the shared k_pe, rotated after) and value
         (padded with zeros to D)."""
         T, hq, d = first.shape[0], self.num_heads, m.nope + m.pe
         q = first[:, : m.q_rows]
@@ -1179,7 +1203,7 @@ class Runner:
             q = lin(self._rms(q.contiguous(), m.q_norm, m.eps), m.q_b)
         latent, k_pe = first[:, m.q_rows: m.q_rows + m.rank], first[:, m.q_rows + m.rank:]
         kv = lin(self._rms(latent.contiguous(), m.kv_norm, m.eps), m.kv_b).view(T, hq, m.nope + m.v)
-        k = torch.cat([k_pe.unsqueeze(1).expand(T, hq, m.pe), kv[..., : m.nope]], -1)
+        k = torch.cat([kv[..., : m.nope], k_pe.unsqueeze(1).expand(T, hq, m.pe)], -1)
         v = torch.cat([kv[..., m.nope:], kv.new_zeros(T, hq, d - m.v)], -1)
         return torch.cat([q.reshape(T, hq * d), k.reshape(T, hq * d), v.reshape(T, hq * d)], 1)
 
@@ -1206,6 +1230,8 @@ class Runner:
                 out.index_add_(0, rows, y if e.scale_input else (y * weight).to(out.dtype))
         if slots is not None:
             out = slots.sum(dim=1).to(x.dtype)
+        if e.scale_after:
+            out = out * e.scale
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant,
                                e.shared_gate_up_b, e.shared_down_b)
@@ -1330,7 +1356,8 @@ class Runner:
         if self.logit_scale:
             logits = logits * self.logit_scale
         if self.final_softcap:
-            logits = _softcap(logits, self.final_softcap)
+            logits = _softcap(logits.float() if self.softcap_float32 else logits,
+                              self.final_softcap)
         logits = logits.float()
         out, start = [], 0
         for n in spans:

@@ -319,16 +319,18 @@ class Linear:
         return x
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE in place on x [T, heads, D] (float32, unit stride within a head,
-        heads D apart; tokens at any stride); cos, sin [T, R] contiguous, R <= D even."""
-        T, heads, D = x.shape
+        """Rotate-half RoPE in place on x [T, heads, W] (float32, unit stride within a head,
+        heads at least W apart, a wider head's tail among them; tokens at any stride); cos, sin
+        [T, R] contiguous, R <= W even."""
+        T, heads, W = x.shape
         R = cos.shape[-1]
-        if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != D
+        if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) < W
                 or cos.dtype != torch.float32 or cos.shape != (T, R) or sin.shape != (T, R)
-                or not (cos.is_contiguous() and sin.is_contiguous()) or R > D or R % 2):
-            raise ValueError("rope: x [T, heads, D] float32 with unit and D strides; "
-                             "cos, sin [T, R] contiguous float32, R <= D even")
-        self._rope(x.data_ptr(), T, heads, D, x.stride(0), cos.data_ptr(), sin.data_ptr(), R)
+                or not (cos.is_contiguous() and sin.is_contiguous()) or R > W or R % 2):
+            raise ValueError("rope: x [T, heads, W] float32 with unit stride, heads at least W "
+                             "apart; cos, sin [T, R] contiguous float32, R <= W even")
+        self._rope(x.data_ptr(), T, heads, x.stride(1), x.stride(0), cos.data_ptr(),
+                   sin.data_ptr(), R)
         return x
 
     def draft_head(self, x: torch.Tensor, w, b: torch.Tensor | None = None,
