@@ -1289,18 +1289,21 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # (Cohere, ERNIE 4.5), latent attention's keys nope then pe (DeepSeek-V3), its complex pairs
 # in float32 in place (DeepSeek-V2), sinks as sigmoid(lse - sink) (Granite-SWA), the RoPE
 # table in the model's dtype (GPT-J), the gated MLP, the soft-cap and the experts' scale in
-# transformers' order and its top k sorted (Beam)
+# transformers' order and its top k sorted (Beam), a decode step's SDPA call with each query
+# head its own rows (Solar Open, whose heads are 128 wide)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
-                "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam"]
+                "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
+                "solar_open"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)
 def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
     """In bfloat16 a 256-token prefill's logits equal transformers' forward bit for bit
-    (benchmarks/bf16_logits.py measures every family): the same operations in the same
-    order, rounded where transformers rounds; and `full`'s greedy tokens are transformers'
-    `generate`'s."""
+    (benchmarks/bf16_logits.py measures every family), and so do the next twelve decode
+    steps' (each against transformers' step over its own cache): the same operations in the
+    same order, rounded where transformers rounds; and `full`'s greedy tokens are
+    transformers' `generate`'s."""
     from vericache.model.loader import load_model
     build(name, tmp_path)
     lm = load_model(str(tmp_path), dtype="bfloat16")
@@ -1313,6 +1316,15 @@ def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
     # (the runner hands its logits on in float32; Beam's soft-cap is float32 in both)
     assert want.dtype == (torch.float32 if name == "beam" else torch.bfloat16)
     assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
+    with torch.inference_mode():  # then twelve decode steps' logits, against transformers' own
+        cache = lm.runner.new_cache(n + 12)
+        lm.runner.step(ids, 0, cache, logits="none")
+        out = hf(torch.tensor([ids]), use_cache=True)
+        for s in range(12):
+            t = int(out.logits[0, -1].argmax())
+            got = lm.runner.step([t], n + s, cache, logits="last")[0][-1]
+            out = hf(torch.tensor([[t]]), cache=out.past_key_values, use_cache=True)
+            assert torch.equal(got, out.logits[0, -1].float()), (name, s)
     # (the prompt in one prefill pass, as transformers' generate takes it, then steps)
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate

@@ -923,7 +923,8 @@ class Runner:
               mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """SDPA (q [B, Hkv, G L, D], rows by query head then row; mask: True where a key is
-        seen), or the explicit path transformers' eager attention computes: with soft-capped
+        seen; without a mask, outside float32, as transformers calls it: q [B, Hq, L, D] with
+        `enable_gqa`), or the explicit path transformers' eager attention computes: with soft-capped
         scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
         back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
         sink logit less their maximum, softmax in the model's dtype, the sink's share
@@ -938,6 +939,14 @@ class Runner:
         (a padding row) gives zeros, not NaN (Falcon's: finite values, discarded)."""
         explicit = self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
         if not explicit:
+            if bias is None and mask is None and self.group > 1 and q.dtype != torch.float32:
+                # (transformers' call without a mask, outside float32, where its order shows:
+                # each query head its own rows, [.., Hq, L, D], K/V shared by `enable_gqa`;
+                # float32 keeps the grouped rows, which torch's CPU kernel reads faster)
+                *lead, hkv, rows, d = q.shape
+                qh = q.reshape(*lead, hkv * self.group, rows // self.group, d)
+                o = F.scaled_dot_product_attention(qh, k, v, scale=self.scale, enable_gqa=True)
+                return o.reshape(q.shape)
             if bias is None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             if self.alibi_kind == "falcon":  # transformers' SDPA with the bias as its mask
