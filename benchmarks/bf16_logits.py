@@ -1,6 +1,7 @@
 """The runner's prefill logits against transformers' own forward, family by family, in a
 narrow dtype: how many rows are equal bit for bit, the largest difference, and how often the
-two argmaxes agree.
+two argmaxes agree; then how many of the next decode steps' logits are equal bit for bit
+(each side one token a step over its own cache, both fed transformers' argmax).
 
     .venv/bin/python benchmarks/bf16_logits.py --json bf16_logits.json
     .venv/bin/python benchmarks/bf16_logits.py --archs gpt2,mixtral --dtype float16
@@ -27,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def compare(name: str, dtype: torch.dtype, prompt_len: int) -> dict:
-    """One family's prefill logits, the runner's against transformers'."""
+def compare(name: str, dtype: torch.dtype, prompt_len: int, steps: int) -> dict:
+    """One family's prefill logits, the runner's against transformers', then `steps` decode
+    steps' logits."""
     import test_architectures as ta
 
     from vericache.model.loader import load_model
@@ -38,14 +40,31 @@ def compare(name: str, dtype: torch.dtype, prompt_len: int) -> dict:
         lm = load_model(d, dtype=str(dtype).removeprefix("torch."))
         ids = torch.randint(3, ta.VOCAB, (prompt_len,),
                             generator=torch.Generator().manual_seed(1)).tolist()
+        equal_steps, first_diff = 0, None
         with torch.inference_mode():
-            mine = lm.runner.step(ids, 0, lm.runner.new_cache(prompt_len), logits="all")[0]
+            cache = lm.runner.new_cache(prompt_len + steps)
+            mine = lm.runner.step(ids, 0, cache, logits="all")[0]
             hf = ta.auto_class(name).from_pretrained(d, dtype=dtype).eval()
-            ref = hf(torch.tensor([ids])).logits[0]
+            out = hf(torch.tensor([ids]), use_cache=True)
+            ref = out.logits[0]
+            seq = list(ids)
+            for s in range(steps):
+                t = int(out.logits[0, -1].argmax())
+                seq.append(t)
+                got = lm.runner.step([t], prompt_len + s, cache, logits="last")[0][-1]
+                past = getattr(out, "past_key_values", None)
+                # (GPT-1 has no cache in transformers: its step is the whole sequence again)
+                out = (hf(torch.tensor([seq])) if past is None else
+                       hf(torch.tensor([[t]]), past_key_values=past, use_cache=True))
+                if torch.equal(got, out.logits[0, -1].float()):
+                    equal_steps += 1
+                elif first_diff is None:
+                    first_diff = s
     mine, ref = mine.float(), ref.float()
     return {"arch": name, "rows_bitwise": round((mine == ref).all(-1).float().mean().item(), 4),
             "max_abs": float((mine - ref).abs().max()),
-            "argmax_same": round((mine.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4)}
+            "argmax_same": round((mine.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
+            "steps_bitwise": equal_steps, "steps": steps, "first_step_diff": first_diff}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,24 +76,27 @@ def main(argv: list[str] | None = None) -> int:
                         "tests/test_architectures.py's ARCHS)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--steps", type=int, default=12, help="decode steps compared (default 12)")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     names = a.archs.split(",") if a.archs else list(ta.ARCHS)
     rows = []
     for name in names:
         try:
-            row = compare(name, getattr(torch, a.dtype), a.prompt)
+            row = compare(name, getattr(torch, a.dtype), a.prompt, a.steps)
         except Exception as e:  # noqa: BLE001 (a family's failure is reported, the run goes on)
             row = {"arch": name, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
     done = [r for r in rows if "error" not in r]
     same = [r["arch"] for r in done if r["rows_bitwise"] == 1.0]
+    steps = [r["arch"] for r in done if r["steps_bitwise"] == a.steps]
     print(f"bf16_logits: {len(same)} of {len(done)} families equal transformers' logits bit for "
-          f"bit ({a.dtype}, {a.prompt} tokens); {len(rows) - len(done)} failed to run")
+          f"bit ({a.dtype}, {a.prompt} tokens), {len(steps)} in all {a.steps} decode steps; "
+          f"{len(rows) - len(done)} failed to run")
     if a.json:
-        Path(a.json).write_text(json.dumps({"dtype": a.dtype, "prompt": a.prompt, "rows": rows},
-                                           indent=1))
+        Path(a.json).write_text(json.dumps({"dtype": a.dtype, "prompt": a.prompt,
+                                            "steps": a.steps, "rows": rows}, indent=1))
     return 0
 
 

@@ -923,20 +923,21 @@ class Runner:
               mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """SDPA (q [B, Hkv, G L, D], rows by query head then row; mask: True where a key is
-        seen; without a mask, outside float32, as transformers calls it: q [B, Hq, L, D] with
-        `enable_gqa`), or the explicit path transformers' eager attention computes: with soft-capped
-        scores (Gemma 2), scores times the scale, capped, masked, softmax in fp32, then cast
-        back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's scores and its head's
-        sink logit less their maximum, softmax in the model's dtype, the sink's share
-        dropped (Granite-SWA's, `sinks_lse`: the plain output times sigmoid(logsumexp of the
-        row's scores less the sink), in float32, cast back); with `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where
-        loaded eager), those scores and that softmax in float32, the weights cast back; with
-        `attn_eager` (GPT-1's, XGLM's), the explicit path as it is (GPT-1's scores divided by
-        sqrt(D), `attn_divisor`); with ALiBi's `bias`
-        (`_alibi`), the scaled scores plus it (float32, MPT's order; BLOOM's: bias + scale
-        q k^T in one baddbmm, in the model's dtype), softmax in float32, the weights cast
-        back; Falcon's bias is SDPA's mask, as transformers passes it. A row that sees no key
-        (a padding row) gives zeros, not NaN (Falcon's: finite values, discarded)."""
+        seen; without a mask, outside float32, as transformers calls it: q [B, Hq, L, D]
+        with `enable_gqa`), or the explicit path transformers' eager attention computes:
+        with soft-capped scores (Gemma 2), scores times the scale, capped, masked, softmax
+        in fp32, then cast back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's
+        scores and its head's sink logit less their maximum, softmax in the model's dtype,
+        the sink's share dropped (Granite-SWA's, `sinks_lse`: the plain output times
+        sigmoid(logsumexp of the row's scores less the sink), in float32, cast back); with
+        `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where loaded eager),
+        those scores and that softmax in float32, the weights cast back; with `attn_eager`
+        (GPT-1's, XGLM's), the explicit path as it is (GPT-1's scores divided by sqrt(D),
+        `attn_divisor`); with ALiBi's `bias` (`_alibi`), the scaled scores plus it (float32,
+        MPT's order; BLOOM's: bias + scale q k^T in one baddbmm, in the model's dtype),
+        softmax in float32, the weights cast back; Falcon's bias is SDPA's mask, as
+        transformers passes it. A row that sees no key (a padding row) gives zeros, not NaN
+        (Falcon's: finite values, discarded)."""
         explicit = self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
         if not explicit:
             if bias is None and mask is None and self.group > 1 and q.dtype != torch.float32:
