@@ -1290,11 +1290,12 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # in float32 in place (DeepSeek-V2), sinks as sigmoid(lse - sink) (Granite-SWA), the RoPE
 # table in the model's dtype (GPT-J), the gated MLP, the soft-cap and the experts' scale in
 # transformers' order and its top k sorted (Beam), a decode step's SDPA call with each query
-# head its own rows (Solar Open, whose heads are 128 wide)
+# head its own rows (Solar Open, whose heads are 128 wide), a chunked layer's decode keys as
+# transformers' cache holds them (Llama 4)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
-                "solar_open"]
+                "solar_open", "llama4_text"]
 
 
 @pytest.mark.parametrize("name", BF16_BITWISE)

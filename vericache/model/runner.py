@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
-from vericache.model.families import (MLA, SUPPORTED, Experts, Layer, Weights, extract,
+from vericache.model.families import (MLA, SUPPORTED, Chunk, Experts, Layer, Weights, extract,
                                        first_seen, kv_heads, rowwise)
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
@@ -796,6 +796,12 @@ class Runner:
             if positions is None:
                 for w in self.windows:
                     lo = max(0, int(first_seen(past_t[slot_t], w).min()))
+                    if isinstance(w, Chunk) and self.dtype != torch.float32:
+                        # (a chunked layer's keys as transformers' cache holds them, outside
+                        # float32, where the call's shape shows: from `size` - 1 positions
+                        # before the pass's first row, those before a row's chunk masked; a
+                        # verify pass takes the same start as a decode step at its first row)
+                        lo = max(0, int(past_t[slot_t].min()) - w.size + 1)
                     masks[w] = (lo, mask_for(lo, w))
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
