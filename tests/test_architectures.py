@@ -1298,24 +1298,27 @@ BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon",
                 "solar_open", "llama4_text"]
 
 
-@pytest.mark.parametrize("name", BF16_BITWISE)
-def test_bfloat16_logits_are_transformers_bits(name, tmp_path):
-    """In bfloat16 a 256-token prefill's logits equal transformers' forward bit for bit
-    (benchmarks/bf16_logits.py measures every family), and so do the next twelve decode
-    steps' (each against transformers' step over its own cache): the same operations in the
-    same order, rounded where transformers rounds; and `full`'s greedy tokens are
+@pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]
+                         # (a sliding layer's decode keys once they span its window: transformers
+                         # keeps its mask there, and the call's shape shows in float16)
+                         + [("gemma3_text", "float16")])
+def test_bfloat16_logits_are_transformers_bits(name, dtype, tmp_path):
+    """In bfloat16 (and float16) a 256-token prefill's logits equal transformers' forward bit
+    for bit (benchmarks/bf16_logits.py measures every family), and so do the next twelve
+    decode steps' (each against transformers' step over its own cache): the same operations
+    in the same order, rounded where transformers rounds; and `full`'s greedy tokens are
     transformers' `generate`'s."""
     from vericache.model.loader import load_model
     build(name, tmp_path)
-    lm = load_model(str(tmp_path), dtype="bfloat16")
+    lm = load_model(str(tmp_path), dtype=dtype)
     n = 256  # (benchmarks/bf16_logits.py's prompt)
     ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         got = lm.runner.step(ids, 0, lm.runner.new_cache(n), logits="all")[0]
-        hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+        hf = auto_class(name).from_pretrained(str(tmp_path), dtype=getattr(torch, dtype)).eval()
         want = hf(torch.tensor([ids])).logits[0]
     # (the runner hands its logits on in float32; Beam's soft-cap is float32 in both)
-    assert want.dtype == (torch.float32 if name == "beam" else torch.bfloat16)
+    assert want.dtype == (torch.float32 if name == "beam" else getattr(torch, dtype))
     assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
     with torch.inference_mode():  # then twelve decode steps' logits, against transformers' own
         cache = lm.runner.new_cache(n + 12)

@@ -781,7 +781,11 @@ class Runner:
             if window is not None:
                 seen &= keys >= first_seen(row_slot[:, :, None], window)
             seen |= ~real[:, :, None]
-            if bool(seen.all()):
+            # (outside float32 a windowed layer's mask stays once its keys span the window,
+            # seen or not, as transformers keeps it there: `_sdpa` then takes its grouped call)
+            span = None if window is None else getattr(window, "size", window)
+            if bool(seen.all()) and (span is None or self.dtype == torch.float32
+                                     or hi - lo < span):
                 return None
             return seen[:, None].expand(B, g, lq, hi - lo).reshape(B, 1, g * lq, hi - lo)
 
