@@ -40,26 +40,8 @@ def compare(name: str, dtype: torch.dtype, prompt_len: int, steps: int) -> dict:
         lm = load_model(d, dtype=str(dtype).removeprefix("torch."))
         ids = torch.randint(3, ta.VOCAB, (prompt_len,),
                             generator=torch.Generator().manual_seed(1)).tolist()
-        equal_steps, first_diff = 0, None
-        with torch.inference_mode():
-            cache = lm.runner.new_cache(prompt_len + steps)
-            mine = lm.runner.step(ids, 0, cache, logits="all")[0]
-            hf = ta.auto_class(name).from_pretrained(d, dtype=dtype).eval()
-            out = hf(torch.tensor([ids]), use_cache=True)
-            ref = out.logits[0]
-            seq = list(ids)
-            for s in range(steps):
-                t = int(out.logits[0, -1].argmax())
-                seq.append(t)
-                got = lm.runner.step([t], prompt_len + s, cache, logits="last")[0][-1]
-                past = getattr(out, "past_key_values", None)
-                # (GPT-1 has no cache in transformers: its step is the whole sequence again)
-                out = (hf(torch.tensor([seq])) if past is None else
-                       hf(torch.tensor([[t]]), past_key_values=past, use_cache=True))
-                if torch.equal(got, out.logits[0, -1].float()):
-                    equal_steps += 1
-                elif first_diff is None:
-                    first_diff = s
+        hf = ta.auto_class(name).from_pretrained(d, dtype=dtype).eval()
+        mine, ref, equal_steps, first_diff = ta.prefill_and_steps(lm, hf, ids, steps)
     mine, ref = mine.float(), ref.float()
     return {"arch": name, "rows_bitwise": round((mine == ref).all(-1).float().mean().item(), 4),
             "max_abs": float((mine - ref).abs().max()),

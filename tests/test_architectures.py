@@ -632,6 +632,35 @@ def build(name: str, folder, **config) -> None:
     _save_randomised(hf, folder)
 
 
+def prefill_and_steps(lm, hf, ids: list[int], steps: int):
+    """The runner's and transformers' logits over `ids` in one prefill pass each, then over
+    `steps` decode steps (each side one token a step over its own cache, both fed
+    transformers' argmax; GPT-1, which has no cache in transformers, its whole sequence
+    again): (the runner's prefill logits, transformers', how many steps' logits are equal
+    bit for bit, the first that is not or None). benchmarks/bf16_logits.py reports it."""
+    import inspect
+
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    n, seq, equal, first = len(ids), list(ids), 0, None
+    with torch.inference_mode():
+        cache = lm.runner.new_cache(n + steps)
+        mine = lm.runner.step(ids, 0, cache, logits="all")[0]
+        out = hf(torch.tensor([ids]), use_cache=True)
+        ref = out.logits[0]
+        for s in range(steps):
+            t = int(out.logits[0, -1].argmax())
+            seq.append(t)
+            got = lm.runner.step([t], n + s, cache, logits="last")[0][-1]
+            past = getattr(out, "past_key_values", None)
+            out = (hf(torch.tensor([seq])) if past is None else
+                   hf(torch.tensor([[t]]), use_cache=True, **{cache_kw: past}))
+            if torch.equal(got, out.logits[0, -1].float()):
+                equal += 1
+            elif first is None:
+                first = s
+    return mine, ref, equal, first
+
+
 def _save_randomised(hf, folder) -> None:
     """Save `hf` (its random weights, every norm weight and bias, xIELU's parameters and
     DeepSeek-V3's router bias randomised further) with a word-level tokenizer."""
@@ -1313,22 +1342,12 @@ def test_bfloat16_logits_are_transformers_bits(name, dtype, tmp_path):
     lm = load_model(str(tmp_path), dtype=dtype)
     n = 256  # (benchmarks/bf16_logits.py's prompt)
     ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        got = lm.runner.step(ids, 0, lm.runner.new_cache(n), logits="all")[0]
-        hf = auto_class(name).from_pretrained(str(tmp_path), dtype=getattr(torch, dtype)).eval()
-        want = hf(torch.tensor([ids])).logits[0]
+    hf = auto_class(name).from_pretrained(str(tmp_path), dtype=getattr(torch, dtype)).eval()
+    got, want, equal_steps, first = prefill_and_steps(lm, hf, ids, 12)
     # (the runner hands its logits on in float32; Beam's soft-cap is float32 in both)
     assert want.dtype == (torch.float32 if name == "beam" else getattr(torch, dtype))
     assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
-    with torch.inference_mode():  # then twelve decode steps' logits, against transformers' own
-        cache = lm.runner.new_cache(n + 12)
-        lm.runner.step(ids, 0, cache, logits="none")
-        out = hf(torch.tensor([ids]), use_cache=True)
-        for s in range(12):
-            t = int(out.logits[0, -1].argmax())
-            got = lm.runner.step([t], n + s, cache, logits="last")[0][-1]
-            out = hf(torch.tensor([[t]]), cache=out.past_key_values, use_cache=True)
-            assert torch.equal(got, out.logits[0, -1].float()), (name, s)
+    assert (equal_steps, first) == (12, None)  # then twelve decode steps', against transformers'
     # (the prompt in one prefill pass, as transformers' generate takes it, then steps)
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate

@@ -777,9 +777,9 @@ def _granite(hf, device) -> Weights:
     multiplier is folded into o_proj and down_proj (`_fold_residual`), so the fused pass
     serves Granite. Granite-SWA (and its MoE) adds sliding layers and attention sinks
     (`Layer.sinks`, `Weights.sinks_lse`: transformers scales the output by
-    sigmoid(lse - sink), which equals one more logit in the softmax). HyperCLOVAX norms each branch's output before the residual
-    multiplier, which is then folded into those norms' weights, and multiplies its logits by
-    `logits_scaling`."""
+    sigmoid(lse - sink), which equals one more logit in the softmax). HyperCLOVAX norms each
+    branch's output before the residual multiplier, which is then folded into those norms'
+    weights, and multiplies its logits by `logits_scaling`."""
     cfg = hf.config
     w = _llama(hf, device)
     m = float(cfg.residual_multiplier)

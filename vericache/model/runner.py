@@ -212,7 +212,11 @@ class Runner:
         self.attn_softcap = w.attn_softcap
         # Flint's, GPT-Neo's, GPT-J's and CodeGen's scores in float32 (the explicit path) where
         # the model's are not
-        self.attn_float32 = w.attn_float32 and self.dtype != torch.float32
+        # outside float32, where every rounding shows, the torch calls take transformers'
+        # shapes and orders (SDPA's per-head call, windowed layers' masks and keys, Beam's
+        # float32 GLU); float32 keeps the forms the kernels run faster
+        self.narrow = self.dtype != torch.float32
+        self.attn_float32 = w.attn_float32 and self.narrow
         # the layers' sliding windows and chunks (`first_seen`), each once
         self.windows = list(dict.fromkeys(lyr.window for lyr in w.layers if lyr.window))
         self.windowed = bool(self.windows)
@@ -784,8 +788,7 @@ class Runner:
             # (outside float32 a windowed layer's mask stays once its keys span the window,
             # seen or not, as transformers keeps it there: `_sdpa` then takes its grouped call)
             span = None if window is None else getattr(window, "size", window)
-            if bool(seen.all()) and (span is None or self.dtype == torch.float32
-                                     or hi - lo < span):
+            if bool(seen.all()) and (span is None or not self.narrow or hi - lo < span):
                 return None
             return seen[:, None].expand(B, g, lq, hi - lo).reshape(B, 1, g * lq, hi - lo)
 
@@ -799,13 +802,13 @@ class Runner:
             masks[None] = (0, mask_for(0, None))
             if positions is None:
                 for w in self.windows:
-                    lo = max(0, int(first_seen(past_t[slot_t], w).min()))
-                    if isinstance(w, Chunk) and self.dtype != torch.float32:
-                        # (a chunked layer's keys as transformers' cache holds them, outside
-                        # float32, where the call's shape shows: from `size` - 1 positions
-                        # before the pass's first row, those before a row's chunk masked; a
-                        # verify pass takes the same start as a decode step at its first row)
-                        lo = max(0, int(past_t[slot_t].min()) - w.size + 1)
+                    # (a chunked layer's keys outside float32 as transformers' cache holds
+                    # them: from `size` - 1 positions before the pass's first row, those
+                    # before a row's chunk masked; a verify pass takes the same start as a
+                    # decode step at its first row)
+                    lo = max(0, int(past_t[slot_t].min()) - w.size + 1
+                             if isinstance(w, Chunk) and self.narrow
+                             else int(first_seen(past_t[slot_t], w).min()))
                     masks[w] = (lo, mask_for(lo, w))
         total = sum(lens)
         in_order = dense_rows and B * lq == total and torch.equal(src, torch.arange(total, device=dev))
@@ -950,7 +953,7 @@ class Runner:
         (Falcon's: finite values, discarded)."""
         explicit = self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
         if not explicit:
-            if bias is None and mask is None and self.group > 1 and q.dtype != torch.float32:
+            if bias is None and mask is None and self.group > 1 and self.narrow:
                 # (transformers' call without a mask, outside float32, where its order shows:
                 # each query head its own rows, [.., Hq, L, D], K/V shared by `enable_gqa`;
                 # float32 keeps the grouped rows, which torch's CPU kernel reads faster)
@@ -1193,7 +1196,7 @@ class Runner:
             a = (gu[:, i:].clamp(min=-limit, max=limit) + 1) * glu
         elif not self.gated:
             a = self._each(act or self.act, gu, invariant)
-        elif self.glu_float32 and gu.dtype != torch.float32:  # (Beam's)
+        elif self.glu_float32 and self.narrow:  # (Beam's)
             i = gu.shape[1] // 2
             a = (self._each(act or self.act, gu[:, :i].float(), invariant)
                  * gu[:, i:].float()).to(gu.dtype)
