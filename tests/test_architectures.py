@@ -386,6 +386,13 @@ ARCHS = {
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
                                                   "sliding_attention"])),
+    # MiMo-V2-Flash: its full layer 0 with half the sliding layers' K/V heads, a value narrower
+    # than the key and scaled, sinks on the sliding layers, partial RoPE a table a layer type,
+    # DeepSeek-V3's router in groups (no shared expert) after a dense layer 0
+    "mimo_v2_flash": ("MiMoV2FlashConfig", dict(
+        head_dim=96, v_head_dim=64, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=64,
+        routed_scaling_factor=2.5, sliding_window=WINDOW)),
     # Llama 4: chunked attention on its RoPE layers (chunks of L4_CHUNK start inside the
     # prompt, among the decode steps and inside verify passes), RoPE over interleaved pairs,
     # q/k norms without weights after it; layer 1 without RoPE, attending to every key, q
@@ -566,19 +573,20 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
-       "axk1", "beam"}
+       "axk1", "beam", "mimo_v2_flash"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
-           "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5)}
+           "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5),
+           "mimo_v2_flash": ((2, 1), 2.5)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
-            "gpt_neo", "kolibri1", "beam"}
+            "gpt_neo", "kolibri1", "beam", "mimo_v2_flash"}
 CHUNKED = {"llama4_text", "llama4"}  # chunked attention (`families.Chunk`)
 ALIBI = {"bloom", "bloom-6", "mpt", "mpt-6", "falcon-rw"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -760,12 +768,12 @@ def test_family_config(arch):
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
                                                                "mellum", "flint", "cohere2_moe",
-                                                               "axk1", "beam"))
+                                                               "axk1", "beam", "mimo_v2_flash"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
             8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe",
-                          "deepseek_v2", "sarvam_moe", "beam")
+                          "deepseek_v2", "sarvam_moe", "beam", "mimo_v2_flash")
             else 4, 4 if name == "beam" else 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
         assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
@@ -783,7 +791,8 @@ def test_family_config(arch):
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe",
-                                                            "dbrx", "mellum", "beam"))
+                                                            "dbrx", "mellum", "beam",
+                                                            "mimo_v2_flash"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.scores == ("sigmoid" if name in SIGMOID or name == "flint" else "softmax"
                             if name.startswith(("mistral3-mistral4", "ernie4_5_moe", "deepseek_v2"))
@@ -855,6 +864,23 @@ def test_family_config(arch):
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
             assert windows == [WINDOW, None, WINDOW] and r.ropes[0][0].shape[-1] == r.head_dim
+    if name == "mimo_v2_flash":  # the full layer's K/V heads doubled: the sliding layers' 4
+        d, vd, hq, hkv = 96, 64, 4, 4
+        assert (r.num_kv_heads, r.head_dim, r.attend_kernel) == (hkv, d, None)
+        assert windows == [None, WINDOW, WINDOW] and len(r.ropes) == 2
+        assert [lyr.rope for lyr in r.layers] == [0, 1, 1] and r.ropes[0][0].shape[-1] == 32
+        assert [lyr.sinks is None for lyr in r.layers] == [True, False, False]
+        assert all((lyr.v_dim, lyr.v_scale) == (vd, 0.707) for lyr in r.layers)
+        for li, lyr in enumerate(r.layers):
+            a = hf.model.layers[li].self_attn
+            k = lyr.w_qkv[hq * d: (hq + hkv) * d].view(hkv, d, -1)
+            v = lyr.w_qkv[(hq + hkv) * d:].view(hkv, d, -1)
+            assert torch.equal(k[0], a.k_proj.weight[:d]) and torch.equal(v[0, :vd], a.v_proj.weight[:vd])
+            assert not v[:, vd:].any()  # the value's padding
+            # layer 0's two K/V heads each twice, in place (head j in j // 2); the sliding
+            # layers' four their own
+            same = [torch.equal(k[j], k[j + 1]) and torch.equal(v[j], v[j + 1]) for j in range(3)]
+            assert same == ([True, False, True] if li == 0 else [False] * 3)
     if name in ("llama-biases", "starcoder2", "seed_oss", "ernie4_5"):  # biases past q/k/v
         assert all(lyr.b_o is not None and lyr.b_gate_up is not None and lyr.b_down is not None
                    for lyr in r.layers) and r._fused_w is None
@@ -1320,11 +1346,12 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # table in the model's dtype (GPT-J), the gated MLP, the soft-cap and the experts' scale in
 # transformers' order and its top k sorted (Beam), a decode step's SDPA call with each query
 # head its own rows (Solar Open, whose heads are 128 wide), a chunked layer's decode keys as
-# transformers' cache holds them (Llama 4)
+# transformers' cache holds them (Llama 4), eager attention with its softmax in the model's
+# dtype on every layer, a value scaled in it (MiMo-V2-Flash)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
-                "solar_open", "llama4_text"]
+                "solar_open", "llama4_text", "mimo_v2_flash"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]

@@ -269,6 +269,11 @@ class Layer:
     # output is multiplied by sigmoid(g) before o_proj
     out_gate: bool = False
     clip_qkv: float | None = None  # q, k and v clamped to [-c, c] (OLMo's)
+    # a value narrower than the key (MiMo-V2-Flash's): the cache holds it padded with zeros to
+    # the key's width (the padding's products are zeros), and the attention output's first
+    # `v_dim` dims of each head are the value's (latent attention's: `MLA.v`)
+    v_dim: int | None = None
+    v_scale: float | None = None  # v times this after its product (MiMo-V2-Flash's)
     # the MLP's activation where it is the layer's own (Apertus's xIELU has learned
     # parameters a layer); None: the model's (`Weights.activation`)
     act: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -330,6 +335,10 @@ class Weights:
     # times sigmoid(logsumexp(scores) - sink) in float32; else GPT-OSS's, one more logit in
     # the softmax (the same value, other roundings)
     sinks_lse: bool = False
+    # MiMo-V2-Flash: transformers' only attention is its eager arithmetic, every layer's row
+    # less its maximum, softmax in the model's dtype (GPT-OSS's sinks path, with or without
+    # a sink)
+    softmax_in_dtype: bool = False
     # OPT, XGLM: q scaled by the attention's scale in the model's dtype (after its bias), the
     # attention then unscaled (their order; in bfloat16 the rounding differs)
     q_prescaled: bool = False
@@ -392,6 +401,8 @@ def kv_heads(cfg) -> int:
                 1 if cfg.multi_query else cfg.num_attention_heads)
     if cfg.model_type in _MULTI_HEAD:
         return 1 if getattr(cfg, "multi_query", False) else cfg.num_attention_heads
+    if cfg.model_type == "mimo_v2_flash":  # its sliding layers' twice as many (`_mimo`)
+        return cfg.num_key_value_heads * (2 if "sliding_attention" in cfg.layer_types else 1)
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
@@ -1410,6 +1421,49 @@ def _gpt_oss(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, norm_upcast=True)
 
 
+def _mimo(hf, device) -> Weights:
+    """MiMo-V2-Flash: Llama's pre-norm block, sliding layers with attention sinks (GPT-OSS's,
+    `sinks`) and twice the full layers' K/V heads, a value narrower than the key (`v_dim`)
+    and scaled after its product (`v_scale`), partial RoPE with a table a layer type, and
+    DeepSeek-V3's router (without shared experts) after a dense layer 0. The cache has one
+    width and head count for every layer: the sliding layers' K/V heads, each full layer's
+    head held twice (transformers' query head i reads head i // (Hq / Hkv_layer): with its
+    heads doubled, head i // (Hq / Hkv) is a copy of that one, so each score and output is
+    the same sum), each value padded with zeros to the key's width."""
+    cfg, m = hf.config, hf.model
+    hkv, d = kv_heads(cfg), head_dim(cfg)
+    ropes, rope = _ropes(cfg, m, device, per_kind="" not in _rope_params(cfg))
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a = lyr.self_attn
+        vd = a.v_head_dim
+        rep = hkv // (a.k_proj.out_features // d)  # 2 on full layers, 1 on sliding ones
+
+        def heads(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
+            """k's or v's rows (or bias) [Hkv_layer width, ...], each head padded to d and
+            repeated `rep` times: [Hkv d, ...]"""
+            if t is None:
+                return None
+            t = t.reshape(-1, width, *t.shape[1:])
+            t = torch.cat([t, t.new_zeros(t.shape[0], d - width, *t.shape[2:])], 1)
+            return t.repeat_interleave(rep, 0).reshape(hkv * d, *t.shape[2:])
+
+        w_qkv = torch.cat([a.q_proj.weight, heads(a.k_proj.weight, d), heads(a.v_proj.weight, vd)])
+        b_qkv = None
+        if a.q_proj.bias is not None:
+            b_qkv = _t(torch.cat([a.q_proj.bias, heads(a.k_proj.bias, d),
+                                  heads(a.v_proj.bias, vd)]), device)
+        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                       ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                       window=_window(cfg, i), rope=rope[i],
+                       sinks=None if a.sinks is None else _t(a.sinks, device),
+                       v_dim=vd if vd != d else None,
+                       v_scale=float(a.v_scale) if a.v_scale != 1.0 else None)
+        layer.w_qkv, layer.b_qkv = _t(w_qkv, device), b_qkv
+        layers.append(layer)
+    return _common(hf, device, layers, ropes=ropes, softmax_in_dtype=True)
+
+
 def _identity_rope(n: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A RoPE table that leaves q and k as they are (cos 1, sin 0: x * 1 - y * 0 = x, bit for
     bit) for n positions of d dims, as stride-0 views: for families without RoPE."""
@@ -1929,6 +1983,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "afmoe": _afmoe,
     "beam": _beam,
     "gpt_oss": _gpt_oss,
+    "mimo_v2_flash": _mimo,  # per-layer K/V heads, a narrower value, sinks on sliding layers
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,
     "qwen3_vl_text": _llama,

@@ -194,6 +194,8 @@ class Runner:
         self.residual_scale = w.residual_scale
         self.attn_eager = w.attn_eager
         self.sinks_lse = w.sinks_lse
+        # (MiMo-V2-Flash's softmax in its dtype: outside float32, where it shows)
+        self.softmax_in_dtype = w.softmax_in_dtype and self.dtype != torch.float32
         self.glu_float32 = w.glu_float32
         self.attn_divisor = self.head_dim ** 0.5 if w.attn_divide else None
         if w.q_prescaled:
@@ -260,6 +262,7 @@ class Runner:
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
                     and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
+                    and lyr.v_dim is None and lyr.v_scale is None
                     and not lyr.out_gate and lyr.residual_mix is None
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -886,8 +889,9 @@ class Runner:
             bias = (self._alibi(torch.arange(lo, p.hi, device=self.device)[None, None], p.row_slot)
                     if kpos is None else self._alibi(kpos[:, :, lo:], p.positions))
         # (a drafter's narrower cache: widened to the queries' dtype for SDPA; latent
-        # attention's values without their padding, as transformers' SDPA call takes them)
-        mv = qp.shape[-1] if lyr.mla is None else lyr.mla.v
+        # attention's and MiMo-V2-Flash's values without their padding, as transformers' SDPA
+        # call takes them)
+        mv = lyr.mla.v if lyr.mla is not None else lyr.v_dim or qp.shape[-1]
         out = self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype),
                          cv[:, :, lo: p.hi, :mv].to(qp.dtype), mask, lyr.sinks, bias)
         return out if mv == qp.shape[-1] else F.pad(out, (0, qp.shape[-1] - mv))
@@ -942,7 +946,8 @@ class Runner:
         in fp32, then cast back; with attention sinks (GPT-OSS, `sinks` [Hq]), each row's
         scores and its head's sink logit less their maximum, softmax in the model's dtype,
         the sink's share dropped (Granite-SWA's, `sinks_lse`: the plain output times
-        sigmoid(logsumexp of the row's scores less the sink), in float32, cast back); with
+        sigmoid(logsumexp of the row's scores less the sink), in float32, cast back; outside
+        float32, MiMo-V2-Flash's every layer so, a sink or not: `softmax_in_dtype`); with
         `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where loaded eager),
         those scores and that softmax in float32, the weights cast back; with `attn_eager`
         (GPT-1's, XGLM's), the explicit path as it is (GPT-1's scores divided by sqrt(D),
@@ -951,7 +956,8 @@ class Runner:
         softmax in float32, the weights cast back; Falcon's bias is SDPA's mask, as
         transformers passes it. A row that sees no key (a padding row) gives zeros, not NaN
         (Falcon's: finite values, discarded)."""
-        explicit = self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
+        explicit = (self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
+                    or self.softmax_in_dtype)
         if not explicit:
             if bias is None and mask is None and self.group > 1 and self.narrow:
                 # (transformers' call without a mask, outside float32, where its order shows:
@@ -990,16 +996,18 @@ class Runner:
             g = sinks.shape[0] // hkv
             col = sinks.to(s.dtype).view(hkv, g, 1, 1).expand(hkv, g, rows // g, 1)
             col = col.reshape(hkv, rows, 1).expand(*s.shape[:-1], 1)
-        if sinks is None or self.sinks_lse:
+        if (sinks is None and not self.softmax_in_dtype) or self.sinks_lse:
             w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(v.dtype)
             out = torch.matmul(w, v)
             if sinks is None:
                 return out
             scale = (torch.logsumexp(s, dim=-1, keepdim=True) - col).float().sigmoid()
             return out * scale.to(out.dtype)
-        s = torch.cat([s, col], dim=-1)
+        if sinks is not None:
+            s = torch.cat([s, col], dim=-1)
         s = s - s.max(dim=-1, keepdim=True).values
-        w = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1]
+        w = torch.softmax(s, dim=-1, dtype=s.dtype)
+        w = w[..., :-1] if sinks is not None else w.nan_to_num_(0.0)  # (a row with no key)
         return torch.matmul(w.to(v.dtype), v)
 
     @torch.inference_mode()
@@ -1114,6 +1122,8 @@ class Runner:
             if self.q_scale is not None and lyr.q_scaled:
                 q = (q * self.q_scale[positions].view(-1, 1, 1)).to(q.dtype)
             v = qkv[:, (hq + hkv) * d: (hq + 2 * hkv) * d].view(-1, hkv, d)
+            if lyr.v_scale is not None:
+                v = v * lyr.v_scale
             for it, s0, L in captures:
                 it.captured[li] = q[s0: s0 + L][it.capture_q].transpose(0, 1)
             if self.q_prescale is not None:
@@ -1136,8 +1146,9 @@ class Runner:
                 for i in explicit:  # the votes only: their plans gave the rows
                     self._votes_explicit(items[i], li, lyr, q, starts[i], lens[i], pasts[i],
                                          masks[i])
-            if lyr.mla is not None:  # each head's value, without the padding
-                attn = attn.view(-1, hq, d)[..., : lyr.mla.v].reshape(-1, hq * lyr.mla.v)
+            vd = lyr.mla.v if lyr.mla is not None else lyr.v_dim
+            if vd is not None:  # each head's value, without the padding
+                attn = attn.view(-1, hq, d)[..., :vd].reshape(-1, hq * vd)
             if lyr.out_gate:  # sigmoid(g), g the first product's last rows (+ Beam's bias)
                 g = qkv[:, (hq + 2 * hkv) * d:]
                 g = g if lyr.out_gate_b is None else g + lyr.out_gate_b
