@@ -386,6 +386,20 @@ ARCHS = {
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
                                                   "sliding_attention"])),
+    # Laguna: layer 1 with half the query heads (the runner's padded groups), a softplus
+    # output gate a head (an element: `laguna-element`), per-head q/k norms, sliding layers,
+    # partial RoPE on the full layer, a sigmoid router with a bias and soft-capped logits
+    # (the experts' sum scaled, a shared expert) after a dense layer 0
+    "laguna": ("LagunaConfig", dict(
+        head_dim=32, num_attention_heads_per_layer=[4, 2, 4], sliding_window=WINDOW,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5,
+        moe_router_logit_softcapping=3.0)),
+    "laguna-element": ("LagunaConfig", dict(
+        head_dim=32, num_attention_heads_per_layer=[2, 4, 2], gating="per-element",
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64)),
     # MiMo-V2-Flash: its full layer 0 with half the sliding layers' K/V heads, a value narrower
     # than the key and scaled, sinks on the sliding layers, partial RoPE a table a layer type,
     # DeepSeek-V3's router in groups (no shared expert) after a dense layer 0
@@ -573,7 +587,7 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
-       "axk1", "beam", "mimo_v2_flash"}
+       "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -581,12 +595,12 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
            "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5),
-           "mimo_v2_flash": ((2, 1), 2.5)}
+           "mimo_v2_flash": ((2, 1), 2.5), "laguna": (None, 2.5), "laguna-element": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
-            "gpt_neo", "kolibri1", "beam", "mimo_v2_flash"}
+            "gpt_neo", "kolibri1", "beam", "mimo_v2_flash", "laguna"}
 CHUNKED = {"llama4_text", "llama4"}  # chunked attention (`families.Chunk`)
 ALIBI = {"bloom", "bloom-6", "mpt", "mpt-6", "falcon-rw"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -718,7 +732,8 @@ def test_family_config(arch):
                                     "mistral3-mistral4": "mistral3",
                                     "llama4": "llama4_text",  # (its causal LM's config)
                                     "bloom-6": "bloom", "mpt-6": "mpt",
-                                    "llama-biases": "llama"}.get(name, name)
+                                    "llama-biases": "llama",
+                                    "laguna-element": "laguna"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -768,16 +783,18 @@ def test_family_config(arch):
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
                                                                "mellum", "flint", "cohere2_moe",
-                                                               "axk1", "beam", "mimo_v2_flash"))
+                                                               "axk1", "beam", "mimo_v2_flash",
+                                                               "laguna"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
             8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe",
-                          "deepseek_v2", "sarvam_moe", "beam", "mimo_v2_flash")
+                          "deepseek_v2", "sarvam_moe", "beam", "mimo_v2_flash", "laguna")
             else 4, 4 if name == "beam" else 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
-        assert e.weights_in_dtype == (name not in SIGMOID and not name.startswith(
-            ("mixtral", "deepseek_v2", "hunyuan", "flint")))
+        assert e.weights_in_dtype == ((name not in SIGMOID or name.startswith("laguna"))
+                                      and not name.startswith(("mixtral", "deepseek_v2",
+                                                               "hunyuan", "flint")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
                                             "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy",
                                             "dbrx", "aria_text", "aria"))
@@ -814,9 +831,10 @@ def test_family_config(arch):
         if name in SIGMOID:  # the correction bias as loaded (randomised by `build`)
             groups, scale = SIGMOID[name]
             assert (e.groups, e.scale, e.norm_eps) == (groups, scale, 0.0 if name in (
-                "minimax_m2", "kolibri1") else 1e-20)
+                "minimax_m2", "kolibri1", "laguna", "laguna-element") else 1e-20)
             assert e.score_bias.shape == (len(e.gate_up),) and float(e.score_bias.abs().min()) > 0
-        assert all(lyr.out_gate == (name in ("minicpm5_moe", "afmoe", "beam")) for lyr in r.layers)
+        assert all(lyr.out_gate == (name in ("minicpm5_moe", "afmoe", "beam", "laguna",
+                                             "laguna-element")) for lyr in r.layers)
         if name == "beam":  # RoPE on the sliding layers, q scaled on the other; depth-scaled sums
             assert windows == [WINDOW, None, WINDOW] and [lyr.q_scaled for lyr in r.layers] == [
                 False, True, False] and r.q_scale.dtype == torch.float32
@@ -864,6 +882,22 @@ def test_family_config(arch):
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
             assert windows == [WINDOW, None, WINDOW] and r.ropes[0][0].shape[-1] == r.head_dim
+    if name.startswith("laguna"):  # the most query heads of any layer; the others padded
+        heads = hf.config.num_attention_heads_per_layer
+        assert r.num_heads == 4 and [lyr.q_heads is None for lyr in r.layers] == [
+            n == 4 for n in heads]
+        fewer = next(lyr for lyr, n in zip(r.layers, heads) if n == 2)
+        assert fewer.q_heads.tolist() == [0, 2]  # one a KV head's group of two
+        q = fewer.w_qkv[: 4 * 32].view(4, 32, -1)
+        assert not q[[1, 3]].any() and q[[0, 2]].all(-1).any()
+        assert all(lyr.out_gate and lyr.gate_softplus for lyr in r.layers)
+        assert [lyr.gate_heads for lyr in r.layers] == [name == "laguna"] * 3
+        e = r.layers[-1].moe
+        assert (e.scale_after, e.weights_in_dtype, e.choice_sorted, e.norm_eps) == (True, True, True, 0.0)
+        assert e.logit_softcap == (3.0 if name == "laguna" else None)
+        if name == "laguna":
+            assert windows == [None, WINDOW, WINDOW] and [lyr.rope for lyr in r.layers] == [0, 1, 1]
+            assert (r.ropes[0][0].shape[-1], r.ropes[1][0].shape[-1]) == (16, 32)  # partial, full
     if name == "mimo_v2_flash":  # the full layer's K/V heads doubled: the sliding layers' 4
         d, vd, hq, hkv = 96, 64, 4, 4
         assert (r.num_kv_heads, r.head_dim, r.attend_kernel) == (hkv, d, None)
@@ -1347,11 +1381,12 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # transformers' order and its top k sorted (Beam), a decode step's SDPA call with each query
 # head its own rows (Solar Open, whose heads are 128 wide), a chunked layer's decode keys as
 # transformers' cache holds them (Llama 4), eager attention with its softmax in the model's
-# dtype on every layer, a value scaled in it (MiMo-V2-Flash)
+# dtype on every layer, a value scaled in it (MiMo-V2-Flash), a softplus gate a head, soft-
+# capped router logits and the experts' sum scaled after it (Laguna)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
-                "solar_open", "llama4_text", "mimo_v2_flash"]
+                "solar_open", "llama4_text", "mimo_v2_flash", "laguna"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]

@@ -127,6 +127,8 @@ class Experts:
     scale_after: bool = False
     # Beam's router takes its top k sorted (DeepSeek-V3's take theirs unsorted)
     choice_sorted: bool = False
+    # Laguna's: the float32 logits soft-capped, c tanh(logits / c), before their sigmoid
+    logit_softcap: float | None = None
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -145,6 +147,9 @@ class Experts:
             top, idx = torch.topk(logits, self.top_k, dim=-1)
             return rowwise(torch.sigmoid, top.float()).to(dtype), idx
         sigmoid = self.scores == "sigmoid"
+        if self.logit_softcap is not None:  # (row by row, as the sigmoid: `rowwise`)
+            c = self.logit_softcap
+            logits = rowwise(lambda t: torch.tanh(t / c) * c, logits.float())
         if sigmoid:
             scores = rowwise(torch.sigmoid, logits.float())
         else:  # in float32 (Mixtral's), or in the logits' dtype (`scores` "softmax")
@@ -274,6 +279,15 @@ class Layer:
     # `v_dim` dims of each head are the value's (latent attention's: `MLA.v`)
     v_dim: int | None = None
     v_scale: float | None = None  # v times this after its product (MiMo-V2-Flash's)
+    # Laguna's fewer query heads on some layers: the runner computes `Runner.num_heads` (the
+    # most of any layer), this layer's heads among them (each KV head's group padded with
+    # heads whose q rows are zeros), their places [Hq_layer]; the output takes these heads'
+    # only, so o_proj reads the layer's own heads
+    q_heads: torch.Tensor | None = None
+    # Laguna's output gate: softplus(g) in float32, then cast (else sigmoid(g)); one a head,
+    # broadcast over its width (`gate_heads`), or one an element
+    gate_softplus: bool = False
+    gate_heads: bool = False
     # the MLP's activation where it is the layer's own (Apertus's xIELU has learned
     # parameters a layer); None: the model's (`Weights.activation`)
     act: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -404,6 +418,13 @@ def kv_heads(cfg) -> int:
     if cfg.model_type == "mimo_v2_flash":  # its sliding layers' twice as many (`_mimo`)
         return cfg.num_key_value_heads * (2 if "sliding_attention" in cfg.layer_types else 1)
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def q_heads(cfg) -> int:
+    """The query heads the runner computes a layer: the config's; Laguna's, whose layers may
+    have fewer, the most of any layer (`Layer.q_heads`)."""
+    per = getattr(cfg, "num_attention_heads_per_layer", None) if cfg.model_type == "laguna" else None
+    return max(per) if per else cfg.num_attention_heads
 
 
 def _t(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -1464,6 +1485,57 @@ def _mimo(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, softmax_in_dtype=True)
 
 
+def _laguna(hf, device) -> Weights:
+    """Laguna: Llama's pre-norm block with per-head q/k RMSNorms, a query head count a layer
+    (`q_heads`: the runner computes the most of any layer, each KV head's group padded with
+    heads whose q rows are zeros, and o_proj reads the layer's own heads), an output gate
+    softplus(g) a head or an element (`gate_softplus`, `gate_heads`), sliding layers, partial
+    RoPE a table a layer type, and after a dense layer 0 a sigmoid router with a correction
+    bias (logits soft-capped where the config says), its top k sorted, the weights divided
+    by their sum and cast, the experts' sum scaled (`scale_after`), beside a shared expert."""
+    cfg, m = hf.config, hf.model
+    hq, hkv, d = q_heads(cfg), kv_heads(cfg), head_dim(cfg)
+    group = hq // hkv
+    ropes, rope = _ropes(cfg, m, device, per_kind="" not in _rope_params(cfg))
+    per_head = cfg.gating is True or cfg.gating == "per-head"
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a = lyr.self_attn
+        n = a.num_heads
+        real = torch.tensor([j // (n // hkv) * group + j % (n // hkv) for j in range(n)])
+        q = a.q_proj.weight.new_zeros(hq, d, a.q_proj.weight.shape[1])
+        q[real] = a.q_proj.weight.view(n, d, -1)
+        # (a gate a head: its rows padded with zeros to a multiple of 16, so that each row of
+        # the first product starts 16 floats on from the last, as the other families' do: the
+        # invariant pass's norms over q's and k's heads, views of it, then take the same vector
+        # code in every row, wherever a row lies in its pass)
+        gate = a.g_proj.weight
+        gate = torch.cat([gate, gate.new_zeros(-gate.shape[0] % 16, gate.shape[1])])
+        projs = [q.view(hq * d, -1), a.k_proj.weight, a.v_proj.weight, gate]
+        b_qkv = None
+        if a.q_proj.bias is not None:
+            qb = a.q_proj.bias.new_zeros(hq, d)
+            qb[real] = a.q_proj.bias.view(n, d)
+            b_qkv = _t(torch.cat([qb.view(-1), a.k_proj.bias, a.v_proj.bias,
+                                  gate.new_zeros(gate.shape[0])]), device)
+        qk_norm = _t(torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hkv, -1)]),
+                     device)
+        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                       ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                       qk_norm=qk_norm, window=_window(cfg, i), rope=rope[i], out_gate=True,
+                       gate_softplus=True, gate_heads=per_head,
+                       q_heads=None if n == hq else _t(real, device))
+        layer.w_qkv, layer.b_qkv = _t(torch.cat(projs), device), b_qkv
+        e = layer.moe
+        if e is not None:  # (`_experts` read DeepSeek-V3's router; Laguna's arithmetic)
+            e.norm_eps, e.weights_in_dtype, e.choice_sorted = 0.0, True, True
+            e.scale, e.scale_after = float(lyr.mlp.routed_scaling_factor), True
+            cap = float(cfg.moe_router_logit_softcapping)
+            e.logit_softcap = cap if cap > 0 else None
+        layers.append(layer)
+    return _common(hf, device, layers, ropes=ropes)
+
+
 def _identity_rope(n: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A RoPE table that leaves q and k as they are (cos 1, sin 0: x * 1 - y * 0 = x, bit for
     bit) for n positions of d dims, as stride-0 views: for families without RoPE."""
@@ -1983,6 +2055,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "afmoe": _afmoe,
     "beam": _beam,
     "gpt_oss": _gpt_oss,
+    "laguna": _laguna,  # a query head count a layer, a softplus output gate
     "mimo_v2_flash": _mimo,  # per-layer K/V heads, a narrower value, sinks on sliding layers
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
     "qwen2_5_vl_text": _llama,

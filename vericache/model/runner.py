@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from vericache.errors import InvalidArgument
 from vericache.model import kernels, qweights
 from vericache.model.families import (MLA, SUPPORTED, Chunk, Experts, Layer, Weights, extract,
-                                       first_seen, kv_heads, rowwise)
+                                       first_seen, kv_heads, q_heads, rowwise)
 from vericache.model.kvcache import (KVCache, KVPool, draft_head_choice, draft_kv_dtype,
                                      draft_layers_choice,
                                      draft_weights_choice, draft_weights_dtype)
@@ -164,7 +164,7 @@ def _softcap(x: torch.Tensor, c: float) -> torch.Tensor:
 class Runner:
     def __init__(self, cfg, w: Weights):
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = q_heads(cfg)
         self.num_kv_heads = kv_heads(cfg)
         self.head_dim = w.head_dim
         self.hidden = cfg.hidden_size
@@ -1149,10 +1149,21 @@ class Runner:
             vd = lyr.mla.v if lyr.mla is not None else lyr.v_dim
             if vd is not None:  # each head's value, without the padding
                 attn = attn.view(-1, hq, d)[..., :vd].reshape(-1, hq * vd)
+            if lyr.q_heads is not None:  # the layer's own heads (Laguna's), not the padding
+                attn = attn.view(attn.shape[0], hq, -1)[:, lyr.q_heads].reshape(attn.shape[0], -1)
             if lyr.out_gate:  # sigmoid(g), g the first product's last rows (+ Beam's bias)
                 g = qkv[:, (hq + 2 * hkv) * d:]
                 g = g if lyr.out_gate_b is None else g + lyr.out_gate_b
-                attn = attn * self._each(torch.sigmoid, g, invariant)
+                if lyr.gate_heads:  # one a head (the rows past the layer's heads: padding)
+                    g = g[:, : attn.shape[1] // (d if vd is None else vd)]
+                if lyr.gate_softplus:  # (Laguna's: in float32, then cast)
+                    gate = self._each(lambda t: F.softplus(t.float()).to(attn.dtype), g, invariant)
+                else:
+                    gate = self._each(torch.sigmoid, g, invariant)
+                if lyr.gate_heads:  # ... over its width
+                    attn = (attn.view(*gate.shape, -1) * gate[..., None]).view(attn.shape)
+                else:
+                    attn = attn * gate
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
