@@ -1879,7 +1879,9 @@ def test_bitwise_beside_the_fused_pass(name, tmp_path):
     four sequences (3 drafts each) still equals each sequence's own decode steps bit for
     bit, logits and K/V; and vericache (bitwise) equals full (bitwise). GPT-2 and OPT add
     learned positions, GPT-NeoX a parallel MLP on a norm of its own. `llama-gelu`: Llama
-    gated by exact GELU, whose vector code torch takes for contiguous input only (`rowwise`)."""
+    gated by exact GELU, whose vector code torch takes for contiguous input only (`rowwise`).
+    Laguna's first product is 258 floats a row (its gate one a head), so a pass's rows of q
+    start off 64 bytes, where torch's SDPA gives other bits (`_attend_rows` copies each)."""
     from vericache.bench.exactness import measure
     from vericache.engine.generation import GenParams
     from vericache.engine.local import generate

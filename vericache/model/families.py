@@ -1505,12 +1505,7 @@ def _laguna(hf, device) -> Weights:
         real = torch.tensor([j // (n // hkv) * group + j % (n // hkv) for j in range(n)])
         q = a.q_proj.weight.new_zeros(hq, d, a.q_proj.weight.shape[1])
         q[real] = a.q_proj.weight.view(n, d, -1)
-        # (a gate a head: its rows padded with zeros to a multiple of 16, so that each row of
-        # the first product starts 16 floats on from the last, as the other families' do: the
-        # invariant pass's norms over q's and k's heads, views of it, then take the same vector
-        # code in every row, wherever a row lies in its pass)
         gate = a.g_proj.weight
-        gate = torch.cat([gate, gate.new_zeros(-gate.shape[0] % 16, gate.shape[1])])
         projs = [q.view(hq * d, -1), a.k_proj.weight, a.v_proj.weight, gate]
         b_qkv = None
         if a.q_proj.bias is not None:

@@ -1154,13 +1154,11 @@ class Runner:
             if lyr.out_gate:  # sigmoid(g), g the first product's last rows (+ Beam's bias)
                 g = qkv[:, (hq + 2 * hkv) * d:]
                 g = g if lyr.out_gate_b is None else g + lyr.out_gate_b
-                if lyr.gate_heads:  # one a head (the rows past the layer's heads: padding)
-                    g = g[:, : attn.shape[1] // (d if vd is None else vd)]
                 if lyr.gate_softplus:  # (Laguna's: in float32, then cast)
                     gate = self._each(lambda t: F.softplus(t.float()).to(attn.dtype), g, invariant)
                 else:
                     gate = self._each(torch.sigmoid, g, invariant)
-                if lyr.gate_heads:  # ... over its width
+                if lyr.gate_heads:  # one a head, over its width
                     attn = (attn.view(*gate.shape, -1) * gate[..., None]).view(attn.shape)
                 else:
                     attn = attn * gate
@@ -1345,7 +1343,9 @@ class Runner:
             hi = past + j + 1
             lo = 0 if lyr.window is None else max(0, first_seen(hi - 1, lyr.window))
             qj = q[s0 + j: s0 + j + 1].view(1, 1, hkv, g, d).permute(0, 2, 3, 1, 4)
-            qj = qj.reshape(1, hkv, g, d)
+            # (a copy: torch's CPU SDPA gives other bits for a q that starts off 64 bytes, as
+            # a row of a pass's product does where its width is not a multiple of 16 floats)
+            qj = qj.reshape(1, hkv, g, d).clone()
             bias = (None if self.alibi is None
                     else self._item_alibi(it, li, lo, hi, it.positions[j: j + 1])[None])
             o = self._sdpa(qj, ck[None, :, lo:hi], cv[None, :, lo:hi], sinks=lyr.sinks, bias=bias)
