@@ -386,6 +386,15 @@ ARCHS = {
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
                                                   "sliding_attention"])),
+    # LongCat-Flash: two of its layers (four of the runner's), each two latent attentions and
+    # dense MLPs, the first's MLP input also through a mixture (two zero-computation experts
+    # among six) added after the second's MLP
+    "longcat_flash": ("LongcatFlashConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=48,
+        qk_rope_head_dim=16, head_dim=16, v_head_dim=32, n_routed_experts=4, zero_expert_num=2,
+        moe_topk=2,
+        expert_ffn_hidden_size=64, routed_scaling_factor=2.0)),
     # Laguna: layer 1 with half the query heads (the runner's padded groups), a softplus
     # output gate a head (an element: `laguna-element`), per-head q/k norms, sliding layers,
     # partial RoPE on the full layer, a sigmoid router with a bias and soft-capped logits
@@ -580,7 +589,7 @@ QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm", "ctrl",
             "openai-gpt"}
 MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
-             "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1"}
+             "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1", "longcat_flash"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
        "flex_olmo", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "mistral3-mistral4",
@@ -882,6 +891,15 @@ def test_family_config(arch):
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
             assert windows == [WINDOW, None, WINDOW] and r.ropes[0][0].shape[-1] == r.head_dim
+    if name == "longcat_flash":  # its two layers as four: the mixture on the first of each pair
+        assert r.num_layers == 4 and all(lyr.mla is not None and lyr.moe is None for lyr in r.layers)
+        assert [lyr.shortcut is not None for lyr in r.layers] == [True, False, True, False]
+        assert [lyr.add_shortcut for lyr in r.layers] == [False, True, False, True]
+        e, a = r.layers[2].shortcut, hf.model.layers[1].self_attn[0]
+        assert (len(e.gate_up), e.zero_experts, e.router.shape[0], e.scores, e.scale) == (
+            4, 2, 6, "softmax", 2.0)
+        assert (r.layers[2].mla.q_scale, r.layers[2].mla.kv_scale) == (
+            a.mla_scale_q_lora, a.mla_scale_kv_lora) == ((128 / 48) ** 0.5, 2.0)
     if name.startswith("laguna"):  # the most query heads of any layer; the others padded
         heads = hf.config.num_attention_heads_per_layer
         assert r.num_heads == 4 and [lyr.q_heads is None for lyr in r.layers] == [
@@ -994,7 +1012,9 @@ def test_family_config(arch):
         assert (m.q_b is None) == (name in ("deepseek_v3-q", "deepseek_v2-greedy", "sarvam_mla"))
         assert r.ropes[0][0].shape[-1] == 16
         model = hf.model.language_model if name == "mistral3-mistral4" else hf.model
-        assert r.scale == model.layers[0].self_attn.scaling and r._fused_w is None
+        a = model.layers[0].self_attn
+        a = a[0] if name == "longcat_flash" else a  # (its layer's first of two)
+        assert r.scale == a.scaling and r._fused_w is None
         if name in ("deepseek_v3", "mistral3-mistral4"):  # YaRN's mscale in the scale
             assert r.scale != 64 ** -0.5
         assert (r.q_scale is not None) == (name == "mistral3-mistral4")
@@ -1382,11 +1402,12 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 # head its own rows (Solar Open, whose heads are 128 wide), a chunked layer's decode keys as
 # transformers' cache holds them (Llama 4), eager attention with its softmax in the model's
 # dtype on every layer, a value scaled in it (MiMo-V2-Flash), a softplus gate a head, soft-
-# capped router logits and the experts' sum scaled after it (Laguna)
+# capped router logits and the experts' sum scaled after it (Laguna), latent attention's
+# scaled q and latent, zero-computation experts and a mixture added a layer later (LongCat)
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
-                "solar_open", "llama4_text", "mimo_v2_flash", "laguna"]
+                "solar_open", "llama4_text", "mimo_v2_flash", "laguna", "longcat_flash"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]
@@ -1869,7 +1890,8 @@ def test_alibi_votes_are_transformers_attention(name, vote_from, tmp_path):
                          + ["olmo2", "cohere2", "starcoder2", "llama-biases", "phi", "glm4",
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
                             "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
-                            "falcon", "llama4_text", "bloom", "mpt", "openai-gpt"])
+                            "falcon", "llama4_text", "bloom", "mpt", "openai-gpt",
+                            "longcat_flash"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

@@ -129,6 +129,9 @@ class Experts:
     choice_sorted: bool = False
     # Laguna's: the float32 logits soft-capped, c tanh(logits / c), before their sigmoid
     logit_softcap: float | None = None
+    # LongCat-Flash's zero-computation experts: the router scores len(gate_up) + this many, and
+    # a row that chooses one of these adds its input times the weight (`Runner._experts`)
+    zero_experts: int = 0
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -218,6 +221,9 @@ class MLA:
     pe: int
     v: int
     eps: float  # the two norms' (DeepSeek's RMSNorm default, not the config's)
+    # LongCat-Flash's: q times q_scale after q_b, the normed latent times kv_scale before kv_b
+    q_scale: float | None = None
+    kv_scale: float | None = None
 
     def mats(self) -> list[torch.Tensor]:
         return [t for t in (self.q_b, self.kv_b) if t is not None]
@@ -279,6 +285,10 @@ class Layer:
     # `v_dim` dims of each head are the value's (latent attention's: `MLA.v`)
     v_dim: int | None = None
     v_scale: float | None = None  # v times this after its product (MiMo-V2-Flash's)
+    # LongCat-Flash's shortcut mixture of experts: computed on this layer's MLP input beside
+    # its dense MLP, and added after the next layer's MLP (that layer's `add_shortcut`)
+    shortcut: Experts | None = None
+    add_shortcut: bool = False
     # Laguna's fewer query heads on some layers: the runner computes `Runner.num_heads` (the
     # most of any layer), this layer's heads among them (each KV head's group padded with
     # heads whose q rows are zeros), their places [Hq_layer]; the output takes these heads'
@@ -307,8 +317,10 @@ class Layer:
 
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
-        (gate/up and down, or the experts')."""
+        (gate/up and down, or the experts') and a shortcut mixture's."""
         mlp = [self.w_gate_up, self.w_down] if self.moe is None else self.moe.mats()
+        if self.shortcut is not None:
+            mlp += self.shortcut.mats()
         return [self.w_qkv, *([] if self.mla is None else self.mla.mats()), self.w_o, *mlp]
 
 
@@ -692,7 +704,7 @@ def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
     # transformers reorders them before rotating; DeepSeek-V2's (complex numbers) too in
     # float32, else left for the runner to multiply in place (`_complex_pairs`)
     kv_a = a.kv_a_proj_with_mqa
-    interleave = getattr(cfg, "rope_interleave", cfg.model_type == "deepseek_v2")
+    interleave = getattr(cfg, "rope_interleave", cfg.model_type in ("deepseek_v2", "longcat_flash"))
     halves = interleave and not _complex_pairs(cfg, kv_a.weight.dtype)
     pairs = _halves_order(pe, pe) if halves else torch.arange(pe)
     head = torch.cat([torch.arange(nope), nope + pairs])  # a head's q: nope, then pe
@@ -1485,6 +1497,42 @@ def _mimo(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, softmax_in_dtype=True)
 
 
+def _longcat(hf, device) -> Weights:
+    """LongCat-Flash: each of its layers is two of the runner's, each a pre-norm block of
+    DeepSeek-V3's latent attention (q and the normed latent scaled, `MLA.q_scale`,
+    `kv_scale`) and a dense MLP; the first also computes the layer's mixture of experts on
+    its MLP input (`Layer.shortcut`), which the second adds after its MLP. The router:
+    softmax scores of float32 logits (its bias unused, as transformers' forward leaves it),
+    a correction bias in the choice, the top k unsorted, the weights scaled, float32; a choice
+    of one of its zero-computation experts adds the row's input times the weight
+    (`Experts.zero_experts`)."""
+    cfg, m = hf.config, hf.model
+    layers = []
+    for lyr in m.layers:
+        moe, r = lyr.mlp, lyr.mlp.router
+        experts = Experts(router=_t(r.classifier.weight, device).float(),
+                          gate_up=[_t(w, device) for w in moe.experts.gate_up_proj],
+                          down=[_t(w, device) for w in moe.experts.down_proj],
+                          top_k=int(r.top_k), norm_topk=False, weights_in_dtype=False,
+                          scores="softmax", score_bias=_t(r.e_score_correction_bias, device),
+                          scale=float(r.routed_scaling_factor),
+                          zero_experts=int(moe.zero_expert_num))
+        for j in (0, 1):
+            a = lyr.self_attn[j]
+            w_qkv, b_qkv, mla = _mla(cfg, a, device)
+            mla.q_scale, mla.kv_scale = float(a.mla_scale_q_lora), float(a.mla_scale_kv_lora)
+            layers.append(Layer(
+                ln_attn_in=_t(lyr.input_layernorm[j].weight, device), w_qkv=w_qkv, b_qkv=b_qkv,
+                w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
+                ln_mlp_in=_t(lyr.post_attention_layernorm[j].weight, device),
+                w_gate_up=_gate_up(lyr.mlps[j], device),
+                w_down=_t(lyr.mlps[j].down_proj.weight, device), mla=mla,
+                shortcut=experts if j == 0 else None, add_shortcut=j == 1))
+    w = _common(hf, device, layers)
+    w.attn_scale = float(m.layers[0].self_attn[0].scaling)
+    return w
+
+
 def _laguna(hf, device) -> Weights:
     """Laguna: Llama's pre-norm block with per-head q/k RMSNorms, a query head count a layer
     (`q_heads`: the runner computes the most of any layer, each KV head's group padded with
@@ -2050,6 +2098,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "afmoe": _afmoe,
     "beam": _beam,
     "gpt_oss": _gpt_oss,
+    "longcat_flash": _longcat,  # two latent attentions a layer, a shortcut mixture
     "laguna": _laguna,  # a query head count a layer, a softplus output gate
     "mimo_v2_flash": _mimo,  # per-layer K/V heads, a narrower value, sinks on sliding layers
     "qwen2_vl_text": _llama,  # the Qwen VL models' language models (`_language_model`)
@@ -2147,7 +2196,7 @@ def _experts_implementation(hf, w: Weights) -> None:
     transformers' experts implementations (they have its `is_concatenated`), one for each of
     the runner's mixtures, and the checkpoint's implementation is grouped_mm (transformers'
     default) or batched_mm."""
-    ours = [lyr.moe for lyr in w.layers if lyr.moe is not None]
+    ours = [e for lyr in w.layers for e in (lyr.moe, lyr.shortcut) if e is not None]
     theirs = [mod for mod in hf.modules() if hasattr(mod, "is_concatenated")]
     if ours and len(ours) == len(theirs):
         for e, mod in zip(ours, theirs):

@@ -262,7 +262,7 @@ class Runner:
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
                     and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
-                    and lyr.v_dim is None and lyr.v_scale is None
+                    and lyr.v_dim is None and lyr.v_scale is None and lyr.shortcut is None
                     and not lyr.out_gate and lyr.residual_mix is None
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -1179,6 +1179,8 @@ class Runner:
                 h = x = self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
             elif not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
                 x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
+            if lyr.shortcut is not None:  # (LongCat-Flash's: added after the next layer's MLP)
+                shortcut = self._experts(x, lyr.shortcut, lin, invariant)
             if lyr.moe is None:
                 y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant, lyr.b_gate_up,
                               lyr.b_down, act=lyr.act)
@@ -1189,6 +1191,8 @@ class Runner:
             if self.residual_scale is not None:
                 y = y * self.residual_scale
             h = y * mix[2] + h * mix[3] if mix is not None else h + (attn + y if both else y)
+            if lyr.add_shortcut:
+                h = h + shortcut
             if lyr.post_norms:
                 h = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
         for it, L in zip(items, lens):
@@ -1244,8 +1248,13 @@ class Runner:
         q = first[:, : m.q_rows]
         if m.q_b is not None:
             q = lin(self._rms(q.contiguous(), m.q_norm, m.eps), m.q_b)
+        if m.q_scale is not None:
+            q = q * m.q_scale
         latent, k_pe = first[:, m.q_rows: m.q_rows + m.rank], first[:, m.q_rows + m.rank:]
-        kv = lin(self._rms(latent.contiguous(), m.kv_norm, m.eps), m.kv_b).view(T, hq, m.nope + m.v)
+        latent = self._rms(latent.contiguous(), m.kv_norm, m.eps)
+        if m.kv_scale is not None:
+            latent = latent * m.kv_scale
+        kv = lin(latent, m.kv_b).view(T, hq, m.nope + m.v)
         k = torch.cat([kv[..., : m.nope], k_pe.unsqueeze(1).expand(T, hq, m.pe)], -1)
         v = torch.cat([kv[..., m.nope:], kv.new_zeros(T, hq, d - m.v)], -1)
         return torch.cat([q.reshape(T, hq * d), k.reshape(T, hq * d), v.reshape(T, hq * d)], 1)
@@ -1255,12 +1264,19 @@ class Runner:
         rows that chose it, in one product, so a row's bits are those its own pass gives
         wherever `lin` is row-invariant (the native kernel, `_block_linear`)."""
         top, idx = e.route(lin(x.to(e.router.dtype), e.router, e.router_b), x.dtype)
+        identity = None
+        if e.zero_experts:  # (LongCat-Flash's: a zero-computation expert passes its row on)
+            zero = idx >= len(e.gate_up)
+            identity = x * top.masked_fill(~zero, 0.0).sum(dim=-1, keepdim=True)
+            idx = idx.masked_fill(zero, -1)  # (transformers' weight 0 there: nothing to add)
         out = torch.zeros_like(x)
         # (`Experts.sum_slots`: each row's weighted outputs by slot, summed, then cast)
         slots = (x.new_zeros(*idx.shape, x.shape[1], dtype=torch.promote_types(x.dtype, top.dtype))
                  if e.sum_slots else None)
         elin = lin if slots is None else self._then_bias(lin)  # (grouped: biases added after)
         for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
+            if expert < 0:
+                continue
             rows, slot = torch.where(idx == expert)
             weight = top[rows, slot, None]
             y = self._mlp((x[rows] * weight).to(x.dtype) if e.scale_input else x[rows],
@@ -1275,6 +1291,8 @@ class Runner:
             out = slots.sum(dim=1).to(x.dtype)
         if e.scale_after:
             out = out * e.scale
+        if identity is not None:
+            out = out + identity.to(out.dtype)
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant,
                                e.shared_gate_up_b, e.shared_down_b)
