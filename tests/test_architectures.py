@@ -386,6 +386,8 @@ ARCHS = {
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
                                                   "sliding_attention"])),
+    # BitNet b1.58 (its plain-weight checkpoints): norms inside both branches, ReLU²
+    "bitnet": ("BitNetConfig", {}),
     # LongCat-Flash: two of its layers (four of the runner's), each two latent attentions and
     # dense MLPs, the first's MLP input also through a mixture (two zero-computation experts
     # among six) added after the second's MLP
@@ -891,6 +893,10 @@ def test_family_config(arch):
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
             assert windows == [WINDOW, None, WINDOW] and r.ropes[0][0].shape[-1] == r.head_dim
+    if name == "bitnet":  # a norm on the attention's output and one on the MLP's product's input
+        assert all(lyr.ln_attn_sub.shape == (128,) and lyr.ln_mlp_sub.shape == (256,)
+                   for lyr in r.layers) and r._fused_w is None
+        assert torch.equal(r.layers[1].ln_mlp_sub, hf.model.layers[1].mlp.ffn_sub_norm.weight)
     if name == "longcat_flash":  # its two layers as four: the mixture on the first of each pair
         assert r.num_layers == 4 and all(lyr.mla is not None and lyr.moe is None for lyr in r.layers)
         assert [lyr.shortcut is not None for lyr in r.layers] == [True, False, True, False]
@@ -1583,6 +1589,21 @@ def test_cohere2_moe_with_its_sigmoid_router_is_refused():
         Runner.from_hf(Cohere2MoeForCausalLM(cfg))
 
 
+def test_a_packed_bitnet_checkpoint_is_refused():
+    """BitNet's packed ternary checkpoints (a quantization_config: transformers' BitLinear rounds
+    each product's input to 8 bits) are refused with the way out; its plain weights load."""
+    from transformers import BitNetConfig, BitNetForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    hf = BitNetForCausalLM(BitNetConfig(**{**COMMON, "num_hidden_layers": 1}))
+    assert Runner.from_hf(hf).layers[0].ln_mlp_sub is not None
+    hf.config.quantization_config = {"quant_method": "bitnet", "linear_class": "autobitlinear"}
+    with pytest.raises(ModelLoadError, match="packed ternary checkpoints"):
+        Runner.from_hf(hf)
+
+
 @pytest.mark.parametrize("positions", [False, True], ids=["dense", "positions"])
 def test_caches_of_one_arena_are_pooled_from_their_first_token(positions, tmp_path, monkeypatch):
     """`Runner.new_cache(arena=key)`: the caches of one key are slots of one pool from the
@@ -1891,7 +1912,7 @@ def test_alibi_votes_are_transformers_attention(name, vote_from, tmp_path):
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
                             "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
                             "falcon", "llama4_text", "bloom", "mpt", "openai-gpt",
-                            "longcat_flash"])
+                            "longcat_flash", "bitnet"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

@@ -285,6 +285,10 @@ class Layer:
     # `v_dim` dims of each head are the value's (latent attention's: `MLA.v`)
     v_dim: int | None = None
     v_scale: float | None = None  # v times this after its product (MiMo-V2-Flash's)
+    # BitNet's RMSNorms inside the branches: on the attention's output before o_proj [Hq D],
+    # and on act(gate) * up before down_proj [I]
+    ln_attn_sub: torch.Tensor | None = None
+    ln_mlp_sub: torch.Tensor | None = None
     # LongCat-Flash's shortcut mixture of experts: computed on this layer's MLP input beside
     # its dense MLP, and added after the next layer's MLP (that layer's `add_shortcut`)
     shortcut: Experts | None = None
@@ -1497,6 +1501,21 @@ def _mimo(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, softmax_in_dtype=True)
 
 
+def _bitnet(hf, device) -> Weights:
+    """BitNet b1.58's checkpoints with plain weights (its bf16 ones): Llama's block with an
+    RMSNorm on the attention's output before o_proj and one on the MLP's act(gate) * up
+    before down_proj (`Layer.ln_attn_sub`, `ln_mlp_sub`), ReLU². Its packed ternary
+    checkpoints (transformers' BitLinear, activations rounded to 8 bits) are refused."""
+    if getattr(hf.config, "quantization_config", None) is not None:
+        raise ModelLoadError("bitnet: packed ternary checkpoints (a quantization_config) are not "
+                             "supported by the runner; load its plain-weight (bf16) checkpoint")
+    w = _llama(hf, device)
+    for lyr, src in zip(w.layers, hf.model.layers):
+        lyr.ln_attn_sub = _t(src.self_attn.attn_sub_norm.weight, device)
+        lyr.ln_mlp_sub = _t(src.mlp.ffn_sub_norm.weight, device)
+    return w
+
+
 def _longcat(hf, device) -> Weights:
     """LongCat-Flash: each of its layers is two of the runner's, each a pre-norm block of
     DeepSeek-V3's latent attention (q and the normed latent scaled, `MLA.q_scale`,
@@ -2098,6 +2117,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "afmoe": _afmoe,
     "beam": _beam,
     "gpt_oss": _gpt_oss,
+    "bitnet": _bitnet,  # norms inside the branches, ReLU² (plain-weight checkpoints)
     "longcat_flash": _longcat,  # two latent attentions a layer, a shortcut mixture
     "laguna": _laguna,  # a query head count a layer, a softplus output gate
     "mimo_v2_flash": _mimo,  # per-layer K/V heads, a narrower value, sinks on sliding layers

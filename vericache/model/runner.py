@@ -263,6 +263,7 @@ class Runner:
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
                     and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
                     and lyr.v_dim is None and lyr.v_scale is None and lyr.shortcut is None
+                    and lyr.ln_attn_sub is None and lyr.ln_mlp_sub is None
                     and not lyr.out_gate and lyr.residual_mix is None
                     and lyr.b_o is None and lyr.b_gate_up is None and lyr.b_down is None
                     for lyr in w.layers) and not w.layer_norm and w.gated
@@ -1162,6 +1163,8 @@ class Runner:
                     attn = (attn.view(*gate.shape, -1) * gate[..., None]).view(attn.shape)
                 else:
                     attn = attn * gate
+            if lyr.ln_attn_sub is not None:  # (BitNet's)
+                attn = self._rms(attn.contiguous(), lyr.ln_attn_sub)
             attn = lin(attn, lyr.w_o, lyr.b_o)
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
@@ -1183,7 +1186,7 @@ class Runner:
                 shortcut = self._experts(x, lyr.shortcut, lin, invariant)
             if lyr.moe is None:
                 y = self._mlp(x, lyr.w_gate_up, lyr.w_down, lin, invariant, lyr.b_gate_up,
-                              lyr.b_down, act=lyr.act)
+                              lyr.b_down, act=lyr.act, sub_norm=lyr.ln_mlp_sub)
             else:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
@@ -1202,11 +1205,13 @@ class Runner:
     def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, lin,
              invariant: bool, b_gate_up: torch.Tensor | None = None,
              b_down: torch.Tensor | None = None,
-             swiglu: tuple[float, float] | None = None, act=None) -> torch.Tensor:
+             swiglu: tuple[float, float] | None = None, act=None,
+             sub_norm: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP: down(act(gate x) * up x), gate and up one product; or, where the
         family's is not gated (`gated`), down(act(up x)); `act`: the layer's own activation
         (`Layer.act`), else the model's; `swiglu` (alpha, limit): GPT-OSS's
-        experts' clamped SwiGLU (`Experts.swiglu`). In the invariant pass activations run
+        experts' clamped SwiGLU (`Experts.swiglu`); `sub_norm`: BitNet's RMSNorm on the
+        product's input before down. In the invariant pass activations run
         through `rowwise` (`_each`), but SiLU over the gate's slice: a slice's rows cannot
         merge into one run, so each row's run is the one a row alone gets, vector code and
         tail alike (exact GELU's is not: torch takes its vector code for contiguous input
@@ -1231,6 +1236,8 @@ class Runner:
             i = gu.shape[1] // 2
             a = self._each(act or self.act, gu[:, :i],
                            invariant and (act is not None or not self.silu)) * gu[:, i:]
+        if sub_norm is not None:
+            a = self._rms(a.contiguous(), sub_norm)
         return lin(a, w_down, b_down)
 
     @staticmethod
