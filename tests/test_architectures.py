@@ -386,6 +386,16 @@ ARCHS = {
                                      sliding_window=WINDOW, swiglu_limit=2.0,
                                      layer_types=["sliding_attention", "full_attention",
                                                   "sliding_attention"])),
+    # Granite 4.0 whose layers are all attention (Granite 4.0 Micro's kind): Granite's
+    # multipliers, its shared MLP; with RoPE, and with experts and no positions (NoPE)
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        layer_types=["attention"] * 3, num_local_experts=0, shared_intermediate_size=96,
+        position_embedding_type="rope", embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.09, logits_scaling=3.0)),
+    "granitemoehybrid-moe": ("GraniteMoeHybridConfig", dict(
+        layer_types=["attention"] * 3, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=96, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.09, logits_scaling=3.0)),
     # BitNet b1.58 (its plain-weight checkpoints): norms inside both branches, ReLU²
     "bitnet": ("BitNetConfig", {}),
     # LongCat-Flash: two of its layers (four of the runner's), each two latent attentions and
@@ -598,7 +608,7 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
-       "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element"}
+       "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element", "granitemoehybrid-moe"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -744,7 +754,8 @@ def test_family_config(arch):
                                     "llama4": "llama4_text",  # (its causal LM's config)
                                     "bloom-6": "bloom", "mpt-6": "mpt",
                                     "llama-biases": "llama",
-                                    "laguna-element": "laguna"}.get(name, name)
+                                    "laguna-element": "laguna",
+                                    "granitemoehybrid-moe": "granitemoehybrid"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -807,7 +818,7 @@ def test_family_config(arch):
                                       and not name.startswith(("mixtral", "deepseek_v2",
                                                                "hunyuan", "flint")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
-                                            "granitemoe_swa", "deepseek_v2", "deepseek_v2-greedy",
+                                            "granitemoe_swa", "granitemoehybrid-moe", "deepseek_v2", "deepseek_v2-greedy",
                                             "dbrx", "aria_text", "aria"))
         assert r._fused_w is None and e.softmax_after_topk == name.startswith((
             "gpt_oss", "granitemoe", "cohere2_moe", "aria"))
@@ -893,6 +904,14 @@ def test_family_config(arch):
             assert e.softmax_after_topk and e.swiglu == (1.702, 2.0) and len(e.down_b) == 4
             assert r.layers[0].sinks.shape == (4,) and r.attend_kernel is None
             assert windows == [WINDOW, None, WINDOW] and r.ropes[0][0].shape[-1] == r.head_dim
+    if name.startswith("granitemoehybrid"):  # Granite's multipliers; NoPE without "rope"
+        assert (r.scale, r.logit_divisor, float(r.embed_scale)) == (0.09, 3.0, 12.0)
+        cos, sin = r.ropes[0]
+        assert torch.equal(cos, torch.ones_like(cos)) == (name == "granitemoehybrid-moe")
+        assert [lyr.moe is not None for lyr in r.layers] == [name == "granitemoehybrid-moe"] * 3
+        src = hf.model.layers[0].shared_mlp
+        mlp = r.layers[0].w_gate_up if r.layers[0].moe is None else r.layers[0].moe.shared_gate_up
+        assert torch.equal(mlp, src.input_linear.weight)
     if name == "bitnet":  # a norm on the attention's output and one on the MLP's product's input
         assert all(lyr.ln_attn_sub.shape == (128,) and lyr.ln_mlp_sub.shape == (256,)
                    for lyr in r.layers) and r._fused_w is None
@@ -1587,6 +1606,20 @@ def test_cohere2_moe_with_its_sigmoid_router_is_refused():
     cfg = Cohere2MoeConfig(**{**COMMON, **over})
     with pytest.raises(ModelLoadError, match="Cohere 2 MoE's 'sigmoid' router"):
         Runner.from_hf(Cohere2MoeForCausalLM(cfg))
+
+
+def test_a_granite_hybrid_with_mamba_layers_is_refused():
+    """Granite 4.0's hybrids: a Mamba layer holds a state, not a KV cache; the layers are named."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    over = dict(ARCHS["granitemoehybrid"][1], layer_types=["attention", "linear_attention", "attention"],
+                mamba_n_heads=8, mamba_d_state=16)
+    hf = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**{**COMMON, **over}))
+    with pytest.raises(ModelLoadError, match=r"layers \[1\] are Mamba layers"):
+        Runner.from_hf(hf)
 
 
 def test_a_packed_bitnet_checkpoint_is_refused():

@@ -842,14 +842,57 @@ def _granite(hf, device) -> Weights:
         if clova and cfg.use_post_norm:
             lyr.ln_attn_out = _t(src.post_norm1.weight * m, device)
             lyr.ln_mlp_out = _t(src.post_norm2.weight * m, device)
-    if not (clova and cfg.use_post_norm):
-        _fold_residual(w, m)
+    return _granite_scales(w, cfg, fold=not (clova and cfg.use_post_norm), clova=clova)
+
+
+def _granite_scales(w: Weights, cfg, fold: bool = True, clova: bool = False) -> Weights:
+    """Granite's multipliers: the residual one folded into o_proj and down_proj
+    (`_fold_residual`, where `fold`), the attention's as its scale, the embedding's, and the
+    logits divided by `logits_scaling` (HyperCLOVAX's multiplied)."""
+    if fold:
+        _fold_residual(w, float(cfg.residual_multiplier))
     w.attn_scale = float(cfg.attention_multiplier)
     if float(cfg.embedding_multiplier) != 1.0:
         w.embed_scale, w.embed_scale_number = float(cfg.embedding_multiplier), True
     if float(cfg.logits_scaling) != 1.0:  # (HyperCLOVAX multiplies, Granite divides)
         setattr(w, "logit_scale" if clova else "logit_divisor", float(cfg.logits_scaling))
     return w
+
+
+def _granite_hybrid(hf, device) -> Weights:
+    """Granite 4.0 (`granitemoehybrid`) where every layer is attention (Granite 4.0 Micro's
+    kind): Granite's multipliers over Llama's block, whose MLP is its shared MLP (gate and up
+    in one product) beside, where it has experts, Granite-MoE's mixture (the top k's softmax
+    in float32); RoPE, or none where `position_embedding_type` is not "rope" (an identity
+    table). Its hybrids' Mamba layers hold a state, not a KV cache, and are refused."""
+    cfg, m = hf.config, hf.model
+    mamba = [i for i, lyr in enumerate(m.layers) if lyr.mamba is not None]
+    if mamba:
+        raise ModelLoadError(f"granitemoehybrid: layers {mamba} are Mamba layers (a state-space "
+                             "layer's state is not a KV cache to compress); only checkpoints "
+                             "whose layers are all attention are supported by the runner")
+    layers = []
+    for src in m.layers:
+        a, shared, sparse = src.self_attn, src.shared_mlp, src.block_sparse_moe
+        w_qkv, b_qkv = _attention(a, device)
+        gate_up, down = _t(shared.input_linear.weight, device), _t(shared.output_linear.weight, device)
+        moe = None
+        if sparse is not None:
+            moe = Experts(router=_t(sparse.router.weight, device),
+                          gate_up=[_t(t, device) for t in sparse.experts.gate_up_proj],
+                          down=[_t(t, device) for t in sparse.experts.down_proj],
+                          top_k=int(sparse.router.top_k), norm_topk=False, weights_in_dtype=True,
+                          softmax_after_topk=True, router_float32=True,
+                          shared_gate_up=gate_up, shared_down=down)
+        layers.append(Layer(ln_attn_in=_t(src.input_layernorm.weight, device), w_qkv=w_qkv,
+                            b_qkv=b_qkv, w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
+                            ln_mlp_in=_t(src.post_attention_layernorm.weight, device),
+                            w_gate_up=None if moe else gate_up, w_down=None if moe else down,
+                            moe=moe))
+    n, dtype = max_positions(cfg), m.embed_tokens.weight.dtype
+    ropes = [_rope_table(m.rotary_emb, n, dtype, device) if m.rotary_emb is not None
+             else _identity_rope(n, head_dim(cfg), dtype, device)]
+    return _granite_scales(_common(hf, device, layers, ropes=ropes), cfg)
 
 
 # vision-language checkpoints whose language model the runner serves on text prompts;
@@ -2117,6 +2160,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "afmoe": _afmoe,
     "beam": _beam,
     "gpt_oss": _gpt_oss,
+    "granitemoehybrid": _granite_hybrid,  # Granite 4.0 whose layers are all attention
     "bitnet": _bitnet,  # norms inside the branches, ReLU² (plain-weight checkpoints)
     "longcat_flash": _longcat,  # two latent attentions a layer, a shortcut mixture
     "laguna": _laguna,  # a query head count a layer, a softplus output gate
