@@ -490,6 +490,13 @@ ARCHS["llama4"] = ("Llama4Config", dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         image_size=28, patch_size=14, vision_output_dim=16, projector_input_dim=16,
         projector_output_dim=16)))
+# Llama 3.2 Vision (`mllama`): Llama's blocks with Llama 3's RoPE scaling and a cross-attention
+# layer (1), which transformers skips on text prompts and the runner does not take
+ARCHS["mllama"] = ("MllamaConfig", dict(
+    text_config=dict(ARCHS["llama-rope-llama3"][1], cross_attention_layers=[1]),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_global_layers=1, attention_heads=2, image_size=32, patch_size=16,
+                       vision_output_dim=64, intermediate_layers_indices=[0])))
 # the class that builds a checkpoint where the loader's is another (Llama 4's causal LM loads
 # a checkpoint that its image-text-to-text model saved)
 BUILD_CLASS = {"llama4": "Llama4ForConditionalGeneration"}
@@ -912,6 +919,10 @@ def test_family_config(arch):
         src = hf.model.layers[0].shared_mlp
         mlp = r.layers[0].w_gate_up if r.layers[0].moe is None else r.layers[0].moe.shared_gate_up
         assert torch.equal(mlp, src.input_linear.weight)
+    if name == "mllama":  # its self-attention layers only: the cache holds two of three
+        assert r.num_layers == 2 and lm.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4
+        lang = hf.model.language_model
+        assert torch.equal(r.layers[1].w_o, lang.layers[2].self_attn.o_proj.weight)
     if name == "bitnet":  # a norm on the attention's output and one on the MLP's product's input
         assert all(lyr.ln_attn_sub.shape == (128,) and lyr.ln_mlp_sub.shape == (256,)
                    for lyr in r.layers) and r._fused_w is None
@@ -1498,7 +1509,7 @@ def test_a_vision_language_checkpoints_logits(name, tmp_path):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl", "apertus1p5", "llama4"])
+@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_5_vl", "apertus1p5", "llama4", "mllama"])
 def test_model_info_of_a_vision_language_model(name, tmp_path):
     """The gateway's view of a vision-language checkpoint is its text model's: the context,
     vocabulary (the LM head's: Apertus 1.5's is pruned to 250), KV bytes a token and

@@ -903,7 +903,11 @@ VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwe
                    "llava_onevision", "vipllava", "video_llava", "internvl", "aya_vision",
                    "cohere2_vision", "idefics2", "idefics3", "smolvlm", "deepseek_vl", "got_ocr2",
                    "video_llama_3", "ovis2", "lighton_ocr", "qianfan_ocr", "exaone4_5",
-                   "hyperclovax_vision_v2", "qwen3_vl_moe", "kimi_k25", "ovis2_5", "janus")
+                   "hyperclovax_vision_v2", "qwen3_vl_moe", "kimi_k25", "ovis2_5", "janus",
+                   "mllama")
+# ... of those, the ones whose causal-LM class does not load their checkpoints (Mllama's takes
+# its text config), so they load as image-text-to-text too (`loader.transformers_class`)
+VISION_LANGUAGE_ONLY = ("mllama",)
 
 
 # vision-language checkpoints whose logits are lm_head(h) though their language model scales
@@ -1544,6 +1548,18 @@ def _mimo(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, softmax_in_dtype=True)
 
 
+def _mllama_text(hf, device) -> Weights:
+    """Llama 3.2 Vision's language model (`mllama`) on text prompts: Llama's blocks (its RoPE
+    scaling too). Its cross-attention layers, which transformers skips where no image was
+    given, are not taken: the runner's layers and cache are the others. Its embedding's 8 extra
+    rows (image tokens) are never produced by its LM head."""
+    m = hf.model
+    keep = [lyr for i, lyr in enumerate(m.layers) if i not in hf.config.cross_attention_layers]
+    text = SimpleNamespace(layers=keep, rotary_emb=m.rotary_emb, embed_tokens=m.embed_tokens,
+                           norm=m.norm)
+    return _llama(SimpleNamespace(config=hf.config, model=text, lm_head=hf.lm_head), device)
+
+
 def _bitnet(hf, device) -> Weights:
     """BitNet b1.58's checkpoints with plain weights (its bf16 ones): Llama's block with an
     RMSNorm on the attention's output before o_proj and one on the MLP's act(gate) * up
@@ -2161,6 +2177,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "beam": _beam,
     "gpt_oss": _gpt_oss,
     "granitemoehybrid": _granite_hybrid,  # Granite 4.0 whose layers are all attention
+    "mllama_text_model": _mllama_text,  # Llama 3.2 Vision's, without its cross-attention layers
     "bitnet": _bitnet,  # norms inside the branches, ReLU² (plain-weight checkpoints)
     "longcat_flash": _longcat,  # two latent attentions a layer, a shortcut mixture
     "laguna": _laguna,  # a query head count a layer, a softplus output gate

@@ -228,7 +228,9 @@ def _kv_bytes_per_token(cfg, dtype: str) -> int:
     from vericache.model.families import head_dim, kv_heads
 
     size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads(cfg) * head_dim(cfg) * size
+    # (Mllama's cross-attention layers hold no cache on text prompts: the runner skips them)
+    layers = cfg.num_hidden_layers - len(getattr(cfg, "cross_attention_layers", None) or ())
+    return 2 * layers * kv_heads(cfg) * head_dim(cfg) * size
 
 
 def transformers_class(model_type: str):
@@ -238,9 +240,10 @@ def transformers_class(model_type: str):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from vericache.model.families import VISION_LANGUAGE
+    from vericache.model.families import VISION_LANGUAGE, VISION_LANGUAGE_ONLY
 
-    if model_type in VISION_LANGUAGE and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type in VISION_LANGUAGE and (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                                          or model_type in VISION_LANGUAGE_ONLY):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 

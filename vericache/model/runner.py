@@ -163,7 +163,7 @@ def _softcap(x: torch.Tensor, c: float) -> torch.Tensor:
 
 class Runner:
     def __init__(self, cfg, w: Weights):
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers = len(w.layers)  # (Mllama's cross-attention layers are not taken)
         self.num_heads = q_heads(cfg)
         self.num_kv_heads = kv_heads(cfg)
         self.head_dim = w.head_dim
