@@ -396,6 +396,14 @@ ARCHS = {
         layer_types=["attention"] * 3, num_local_experts=4, num_experts_per_tok=2,
         shared_intermediate_size=96, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.09, logits_scaling=3.0)),
+    # Phi-4-multimodal: Phi-3's block (partial rotary) beside tiny image and audio towers
+    "phi4_multimodal": ("Phi4MultimodalConfig", dict(
+        rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.5, rope_type="default"),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                          nemo_conv_channels=16, depthwise_seperable_out_channel=32,
+                          ext_pw_out_channel=32))),
     # BitNet b1.58 (its plain-weight checkpoints): norms inside both branches, ReLU²
     "bitnet": ("BitNetConfig", {}),
     # LongCat-Flash: two of its layers (four of the runner's), each two latent attentions and
@@ -919,6 +927,8 @@ def test_family_config(arch):
         src = hf.model.layers[0].shared_mlp
         mlp = r.layers[0].w_gate_up if r.layers[0].moe is None else r.layers[0].moe.shared_gate_up
         assert torch.equal(mlp, src.input_linear.weight)
+    if name == "phi4_multimodal":  # Phi-3's block: partial rotary, the fused native pass
+        assert r.ropes[0][0].shape[-1] == r.head_dim // 2 and r._fused_w is not None
     if name == "mllama":  # its self-attention layers only: the cache holds two of three
         assert r.num_layers == 2 and lm.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4
         lang = hf.model.language_model

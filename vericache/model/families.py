@@ -2195,6 +2195,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "flex_olmo": _olmo2,
     "exaone4": _exaone4,
     "phi3": _phi3,
+    "phi4_multimodal": _phi3,  # Phi-4-multimodal: Phi-3's block (its image and audio towers not taken)
     "gemma": _gemma,
     "cohere": _cohere,
     "cohere2": _cohere,
