@@ -505,6 +505,12 @@ ARCHS["mllama"] = ("MllamaConfig", dict(
     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_global_layers=1, attention_heads=2, image_size=32, patch_size=16,
                        vision_output_dim=64, intermediate_layers_indices=[0])))
+# Emu3: Llama's block beside a tiny image tokenizer (its visual tokens' ids in the vocabulary)
+ARCHS["emu3"] = ("Emu3Config", dict(
+    text_config=dict(model_type="emu3_text_model"), vq_config=dict(
+        codebook_size=16, embed_dim=4, base_channels=32, channel_multiplier=[1, 1],
+        num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1),
+    vocabulary_map={f"<|visual token {i:06d}|>": 200 + i for i in range(16)}))
 # the class that builds a checkpoint where the loader's is another (Llama 4's causal LM loads
 # a checkpoint that its image-text-to-text model saved)
 BUILD_CLASS = {"llama4": "Llama4ForConditionalGeneration"}

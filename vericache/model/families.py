@@ -904,10 +904,11 @@ VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwe
                    "cohere2_vision", "idefics2", "idefics3", "smolvlm", "deepseek_vl", "got_ocr2",
                    "video_llama_3", "ovis2", "lighton_ocr", "qianfan_ocr", "exaone4_5",
                    "hyperclovax_vision_v2", "qwen3_vl_moe", "kimi_k25", "ovis2_5", "janus",
-                   "mllama")
-# ... of those, the ones whose causal-LM class does not load their checkpoints (Mllama's takes
-# its text config), so they load as image-text-to-text too (`loader.transformers_class`)
-VISION_LANGUAGE_ONLY = ("mllama",)
+                   "mllama", "emu3")
+# ... of those, the ones whose causal-LM class does not load their checkpoints (Mllama's and
+# Emu3's take their text config), so they load as image-text-to-text too
+# (`loader.transformers_class`)
+VISION_LANGUAGE_ONLY = ("mllama", "emu3")
 
 
 # vision-language checkpoints whose logits are lm_head(h) though their language model scales
@@ -2177,6 +2178,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "beam": _beam,
     "gpt_oss": _gpt_oss,
     "granitemoehybrid": _granite_hybrid,  # Granite 4.0 whose layers are all attention
+    "emu3_text_model": _llama,  # Emu3's language model: Llama's block
     "mllama_text_model": _mllama_text,  # Llama 3.2 Vision's, without its cross-attention layers
     "bitnet": _bitnet,  # norms inside the branches, ReLU² (plain-weight checkpoints)
     "longcat_flash": _longcat,  # two latent attentions a layer, a shortcut mixture
