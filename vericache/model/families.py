@@ -616,7 +616,8 @@ def _gate_up(mlp, device, attr: str = "weight") -> torch.Tensor | None:
 _TOP_K_FLOAT32 = ("mixtral",)
 # families whose router takes the top k of its float32 logits, then their softmax (Cohere 2
 # MoE's takes them in its logits' dtype: the same choice, the float32 softmax of the same values)
-_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa", "cohere2_moe")
+_TOP_K_THEN_SOFTMAX = ("granitemoe", "granitemoeshared", "granitemoe_swa", "cohere2_moe",
+                       "granitemoehybrid")
 # ... and those whose softmax of the top k logits is in the logits' dtype (Aria's)
 _TOP_K_THEN_SOFTMAX_IN_DTYPE = ("aria_text",)
 # families whose router's scores are the sigmoid of its float32 logits, with no bias and no
@@ -739,14 +740,17 @@ def _complex_pairs(cfg, dtype: torch.dtype) -> bool:
     return cfg.model_type == "deepseek_v2" and dtype != torch.float32
 
 
-def _block(lyr, device, cfg=None, **kw) -> Layer:
+def _block(lyr, device, cfg=None, qkv=None, **kw) -> Layer:
     """A decoder layer's projections in the runner's layout (fused QKV and gate/up, from
     separate q/k/v and gate/up projections; a latent attention's, `_mla`; a sparse MoE
-    block's experts, `_experts`, which needs the `cfg`); the family's norms, window and the
-    rest in `kw`."""
+    block's experts, `_experts`, which needs the `cfg`); `qkv`: the first product's weight
+    and bias where the family lays them out itself; the family's norms, window and the rest
+    in `kw`."""
     a = lyr.self_attn
     mlp = lyr.mlp if hasattr(lyr, "mlp") else lyr.block_sparse_moe  # (Granite-MoE's name)
-    if hasattr(a, "kv_a_proj_with_mqa"):
+    if qkv is not None:
+        w_qkv, bias = qkv
+    elif hasattr(a, "kv_a_proj_with_mqa"):
         w_qkv, bias, kw["mla"] = _mla(cfg, a, device)
         kw["rope_pairs"] = _complex_pairs(cfg, w_qkv.dtype)
     elif hasattr(a, "q_gate_proj") or hasattr(a, "gate_proj"):  # an output gate (`out_gate`)
@@ -877,13 +881,9 @@ def _granite_hybrid(hf, device) -> Weights:
         w_qkv, b_qkv = _attention(a, device)
         gate_up, down = _t(shared.input_linear.weight, device), _t(shared.output_linear.weight, device)
         moe = None
-        if sparse is not None:
-            moe = Experts(router=_t(sparse.router.weight, device),
-                          gate_up=[_t(t, device) for t in sparse.experts.gate_up_proj],
-                          down=[_t(t, device) for t in sparse.experts.down_proj],
-                          top_k=int(sparse.router.top_k), norm_topk=False, weights_in_dtype=True,
-                          softmax_after_topk=True, router_float32=True,
-                          shared_gate_up=gate_up, shared_down=down)
+        if sparse is not None:  # (its shared MLP is the layer's, as Granite-MoE-Shared's)
+            moe = _experts(cfg, sparse, device)
+            moe.shared_gate_up, moe.shared_down = gate_up, down
         layers.append(Layer(ln_attn_in=_t(src.input_layernorm.weight, device), w_qkv=w_qkv,
                             b_qkv=b_qkv, w_o=_t(a.o_proj.weight, device), b_o=_bias(a.o_proj, device),
                             ln_mlp_in=_t(src.post_attention_layernorm.weight, device),
@@ -1538,14 +1538,13 @@ def _mimo(hf, device) -> Weights:
         if a.q_proj.bias is not None:
             b_qkv = _t(torch.cat([a.q_proj.bias, heads(a.k_proj.bias, d),
                                   heads(a.v_proj.bias, vd)]), device)
-        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
-                       ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
-                       window=_window(cfg, i), rope=rope[i],
-                       sinks=None if a.sinks is None else _t(a.sinks, device),
-                       v_dim=vd if vd != d else None,
-                       v_scale=float(a.v_scale) if a.v_scale != 1.0 else None)
-        layer.w_qkv, layer.b_qkv = _t(w_qkv, device), b_qkv
-        layers.append(layer)
+        layers.append(_block(lyr, device, cfg, qkv=(_t(w_qkv, device), b_qkv),
+                             ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                             ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                             window=_window(cfg, i), rope=rope[i],
+                             sinks=None if a.sinks is None else _t(a.sinks, device),
+                             v_dim=vd if vd != d else None,
+                             v_scale=float(a.v_scale) if a.v_scale != 1.0 else None))
     return _common(hf, device, layers, ropes=ropes, softmax_in_dtype=True)
 
 
@@ -1642,12 +1641,12 @@ def _laguna(hf, device) -> Weights:
                                   gate.new_zeros(gate.shape[0])]), device)
         qk_norm = _t(torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hkv, -1)]),
                      device)
-        layer = _block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+        layer = _block(lyr, device, cfg, qkv=(_t(torch.cat(projs), device), b_qkv),
+                       ln_attn_in=_t(lyr.input_layernorm.weight, device),
                        ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
                        qk_norm=qk_norm, window=_window(cfg, i), rope=rope[i], out_gate=True,
                        gate_softplus=True, gate_heads=per_head,
                        q_heads=None if n == hq else _t(real, device))
-        layer.w_qkv, layer.b_qkv = _t(torch.cat(projs), device), b_qkv
         e = layer.moe
         if e is not None:  # (`_experts` read DeepSeek-V3's router; Laguna's arithmetic)
             e.norm_eps, e.weights_in_dtype, e.choice_sorted = 0.0, True, True
