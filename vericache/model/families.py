@@ -319,6 +319,12 @@ class Layer:
     # product in the model's dtype; None: h + branch
     residual_mix: tuple[float, float, float, float] | None = None
 
+    @property
+    def value_width(self) -> int | None:
+        """A head's value width where it is narrower than the cache's (latent attention's
+        `MLA.v`, else `v_dim`); None: the cache's."""
+        return self.mla.v if self.mla is not None else self.v_dim
+
     def mats(self) -> list[torch.Tensor]:
         """Every product's matrix: qkv (and the latent attention's), output, then the MLP's
         (gate/up and down, or the experts') and a shortcut mixture's."""
@@ -1506,6 +1512,14 @@ def _gpt_oss(hf, device) -> Weights:
     return _common(hf, device, layers, ropes=ropes, norm_upcast=True)
 
 
+def _heads_as(t: torch.Tensor, width: int, d: int, rep: int) -> torch.Tensor:
+    """A projection's rows (or bias) [heads width, ...], each head padded with zeros to d and
+    held `rep` times in place: [heads rep d, ...] (`_mimo`)."""
+    t = t.reshape(-1, width, *t.shape[1:])
+    t = torch.cat([t, t.new_zeros(t.shape[0], d - width, *t.shape[2:])], 1)
+    return t.repeat_interleave(rep, 0).reshape(-1, *t.shape[2:])
+
+
 def _mimo(hf, device) -> Weights:
     """MiMo-V2-Flash: Llama's pre-norm block, sliding layers with attention sinks (GPT-OSS's,
     `sinks`) and twice the full layers' K/V heads, a value narrower than the key (`v_dim`)
@@ -1523,21 +1537,12 @@ def _mimo(hf, device) -> Weights:
         a = lyr.self_attn
         vd = a.v_head_dim
         rep = hkv // (a.k_proj.out_features // d)  # 2 on full layers, 1 on sliding ones
-
-        def heads(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
-            """k's or v's rows (or bias) [Hkv_layer width, ...], each head padded to d and
-            repeated `rep` times: [Hkv d, ...]"""
-            if t is None:
-                return None
-            t = t.reshape(-1, width, *t.shape[1:])
-            t = torch.cat([t, t.new_zeros(t.shape[0], d - width, *t.shape[2:])], 1)
-            return t.repeat_interleave(rep, 0).reshape(hkv * d, *t.shape[2:])
-
-        w_qkv = torch.cat([a.q_proj.weight, heads(a.k_proj.weight, d), heads(a.v_proj.weight, vd)])
+        w_qkv = torch.cat([a.q_proj.weight, _heads_as(a.k_proj.weight, d, d, rep),
+                           _heads_as(a.v_proj.weight, vd, d, rep)])
         b_qkv = None
         if a.q_proj.bias is not None:
-            b_qkv = _t(torch.cat([a.q_proj.bias, heads(a.k_proj.bias, d),
-                                  heads(a.v_proj.bias, vd)]), device)
+            b_qkv = _t(torch.cat([a.q_proj.bias, _heads_as(a.k_proj.bias, d, d, rep),
+                                  _heads_as(a.v_proj.bias, vd, d, rep)]), device)
         layers.append(_block(lyr, device, cfg, qkv=(_t(w_qkv, device), b_qkv),
                              ln_attn_in=_t(lyr.input_layernorm.weight, device),
                              ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),

@@ -892,7 +892,7 @@ class Runner:
         # (a drafter's narrower cache: widened to the queries' dtype for SDPA; latent
         # attention's and MiMo-V2-Flash's values without their padding, as transformers' SDPA
         # call takes them)
-        mv = lyr.mla.v if lyr.mla is not None else lyr.v_dim or qp.shape[-1]
+        mv = lyr.value_width or qp.shape[-1]
         out = self._sdpa(qp, ck[:, :, lo: p.hi].to(qp.dtype),
                          cv[:, :, lo: p.hi, :mv].to(qp.dtype), mask, lyr.sinks, bias)
         return out if mv == qp.shape[-1] else F.pad(out, (0, qp.shape[-1] - mv))
@@ -1147,7 +1147,7 @@ class Runner:
                 for i in explicit:  # the votes only: their plans gave the rows
                     self._votes_explicit(items[i], li, lyr, q, starts[i], lens[i], pasts[i],
                                          masks[i])
-            vd = lyr.mla.v if lyr.mla is not None else lyr.v_dim
+            vd = lyr.value_width
             if vd is not None:  # each head's value, without the padding
                 attn = attn.view(-1, hq, d)[..., :vd].reshape(-1, hq * vd)
             if lyr.q_heads is not None:  # the layer's own heads (Laguna's), not the padding
