@@ -128,6 +128,19 @@ ARCHS = {
     "cohere2": ("Cohere2Config", dict(logit_scale=0.5, layer_norm_eps=1e-5, sliding_window=WINDOW,
                                       layer_types=["sliding_attention", "full_attention",
                                                    "sliding_attention"])),
+    # Cohere Compass's language model: Cohere 2's block, RoPE over halves with a table a layer
+    # type, none on a type whose parameters are None (here the full layer's); and with RoPE on
+    # both types (their own thetas) and no logit scale
+    "cohere_compass_text": ("CohereCompassTextConfig", dict(
+        logit_scale=0.5, layer_norm_eps=1e-5, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": None})),
+    "cohere_compass_text-rope": ("CohereCompassTextConfig", dict(
+        layer_norm_eps=1e-5, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
     # mixtures of experts: 4 experts, 2 a token (`Experts`); Mixtral's weights stay float32,
     # the others' are cast; Qwen2-MoE adds a gated shared expert and renormalises none;
     # Qwen3-MoE's layer 1 is a dense MLP (`mlp_only_layers`)
@@ -208,6 +221,11 @@ ARCHS = {
     # attention on a LayerNorm of its own (or after it)
     "gpt_neox": ("GPTNeoXConfig", {}),
     "gpt_neox-sequential": ("GPTNeoXConfig", dict(use_parallel_residual=False)),
+    # GPT-NeoX Japanese: the sequential block, one bias (the last layer's attention output),
+    # RoPE on half a head
+    "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(
+        intermediate_multiple_size=2, layer_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     # latent attention (`MLA`): q through a low-rank norm (or one product), each head's key and
     # value from a normed latent beside one rotated k_pe (interleaved pairs, or halves), a value
     # narrower than the key, YaRN's mscale in the scale; DeepSeek-V3's experts after a dense
@@ -596,6 +614,11 @@ VL_LOGITS = {
                   vq_config=dict(embed_dim=8, num_embeddings=32, latent_channels=32,
                                  base_channels=32, channel_multiplier=[1, 1], num_res_blocks=1,
                                  num_patches=2, projection_dim=16, image_token_embed_dim=16)),
+    # Cohere Compass (North Vision): its language model, with the deepstack tower unused on text
+    "cohere_compass": dict(text_config=dict(ARCHS["cohere_compass_text"][1],
+                                            model_type="cohere_compass_text"),
+                           vision_config=dict(_VISION, deepstack_visual_indexes=[0],
+                                              num_position_embeddings=16)),
     # Kimi K2.5: DeepSeek-V3 inside
     "kimi_k25": dict(text_config=dict(ARCHS["deepseek_v3"][1], model_type="deepseek_v3"),
                      vision_config=dict(_SMALL, pos_emb_height=4, pos_emb_width=4),
@@ -638,7 +661,8 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
            "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5),
            "mimo_v2_flash": ((2, 1), 2.5), "laguna": (None, 2.5), "laguna-element": (None, 1.0)}
-WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "starcoder2", "exaone4", "gpt_oss",
+WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "cohere_compass_text",
+            "cohere_compass_text-rope", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
@@ -776,7 +800,8 @@ def test_family_config(arch):
                                     "bloom-6": "bloom", "mpt-6": "mpt",
                                     "llama-biases": "llama",
                                     "laguna-element": "laguna",
-                                    "granitemoehybrid-moe": "granitemoehybrid"}.get(name, name)
+                                    "granitemoehybrid-moe": "granitemoehybrid",
+                                    "cohere_compass_text-rope": "cohere_compass_text"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -1004,9 +1029,20 @@ def test_family_config(arch):
     if name.startswith("cohere"):  # one LayerNorm before both branches; no fused pass
         assert all(lyr.parallel and lyr.ln_mlp_in is None for lyr in r.layers)
         assert r.layer_norm == (name != "cohere2_moe-rms")  # (its RMSNorms)
-        assert r.logit_scale == 0.5 and r._fused_w is None
+        assert r.logit_scale == (None if name == "cohere_compass_text-rope" else 0.5)
+        assert r._fused_w is None
         if name == "cohere2":  # RoPE on the sliding layers only
             assert windows == [WINDOW, None, WINDOW] and [lyr.rope for lyr in r.layers] == [0, 1, 0]
+    if name.startswith("cohere_compass_text"):  # Cohere 2's block; RoPE over halves, a table a type
+        assert all(lyr.parallel and lyr.ln_mlp_in is None and not lyr.rope_pairs
+                   for lyr in r.layers)
+        assert r.layer_norm and windows == [WINDOW, None, WINDOW]
+        ropes = [lyr.rope for lyr in r.layers]
+        assert ropes[0] == ropes[2] != ropes[1] and len(r.ropes) == 2
+        cos = r.ropes[ropes[1]][0]
+        nope = torch.equal(cos, torch.ones_like(cos))  # (the identity table)
+        assert nope == (name == "cohere_compass_text")
+        assert r.logit_scale == (0.5 if name == "cohere_compass_text" else None)
     if name in QWEN_VL:  # the multimodal RoPE of text positions: one RoPE's table, bit for bit
         d, theta = r.head_dim, hf.config.get_text_config().rope_parameters["rope_theta"]
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -1033,10 +1069,16 @@ def test_family_config(arch):
             assert torch.equal(r.pos_embed, table[2: 2 + 512])
         if name == "opt":  # the table's rows from the offset on
             assert torch.equal(r.pos_embed, hf.model.decoder.embed_positions.weight[2:])
-    if name.startswith("gpt_neox"):  # RoPE on a quarter of each head
-        assert r.ropes[0][0].shape[-1] == r.head_dim // 4 and r.pos_embed is None
+    if name.startswith("gpt_neox"):  # RoPE on a quarter of each head (Japanese's: half)
+        quarter = 2 if name == "gpt_neox_japanese" else 4
+        assert r.ropes[0][0].shape[-1] == r.head_dim // quarter and r.pos_embed is None
         assert all(lyr.parallel == (name == "gpt_neox") and lyr.ln_mlp_in is not None
                    for lyr in r.layers)
+    if name == "gpt_neox_japanese":  # one bias, the last layer's output's; no others
+        assert [lyr.b_o is None for lyr in r.layers] == [True, True, False]
+        assert torch.equal(r.layers[2].b_o, hf.gpt_neox_japanese.layers[2].attention.dense_bias)
+        assert all(lyr.b_qkv is None and lyr.b_down is None for lyr in r.layers)
+        assert lm.runner.lm_head is not lm.runner.embed  # its own head, `embed_out`
     # q/k LayerNorms: StableLM's a head, Persimmon's one for every head, with a bias
     assert all(lyr.qk_layer_norm == (name in ("stablelm-qk", "persimmon", "fuyu")) for lyr in r.layers)
     if name == "stablelm-qk":

@@ -423,7 +423,8 @@ class Weights:
 
 # families whose attention has one K/V head a query head (no num_key_value_heads)
 _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
-               "persimmon", "biogpt", "xglm", "ctrl", "bloom", "mpt", "openai-gpt")
+               "persimmon", "biogpt", "xglm", "ctrl", "bloom", "mpt", "openai-gpt",
+               "gpt_neox_japanese")
 
 
 def kv_heads(cfg) -> int:
@@ -773,9 +774,14 @@ def _block(lyr, device, cfg=None, qkv=None, **kw) -> Layer:
 
 
 def _embed_and_head(hf, embed: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The embedding table and the LM head's weight: the same tensor where they are tied."""
+    """The embedding table and the LM head's weight: the same tensor where they are tied.
+    (The head is `lm_head`, or what the model names its output embeddings: GPT-NeoX
+    Japanese's `embed_out`.)"""
     embed = _t(embed, device)
-    return embed, embed if hf.config.tie_word_embeddings else _t(hf.lm_head.weight, device)
+    if hf.config.tie_word_embeddings:
+        return embed, embed
+    head = hf.lm_head if hasattr(hf, "lm_head") else hf.get_output_embeddings()
+    return embed, _t(head.weight, device)
 
 
 def _common(hf, device, layers: list[Layer], norm: torch.Tensor | None = None,
@@ -910,7 +916,7 @@ VISION_LANGUAGE = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwe
                    "cohere2_vision", "idefics2", "idefics3", "smolvlm", "deepseek_vl", "got_ocr2",
                    "video_llama_3", "ovis2", "lighton_ocr", "qianfan_ocr", "exaone4_5",
                    "hyperclovax_vision_v2", "qwen3_vl_moe", "kimi_k25", "ovis2_5", "janus",
-                   "mllama", "emu3")
+                   "mllama", "emu3", "cohere_compass")
 # ... of those, the ones whose causal-LM class does not load their checkpoints (Mllama's and
 # Emu3's take their text config), so they load as image-text-to-text too
 # (`loader.transformers_class`)
@@ -1064,6 +1070,30 @@ def _cohere(hf, device) -> Weights:
             if lyr.moe is not None:
                 lyr.moe.scale, lyr.moe.shared_down = 0.5, lyr.moe.shared_down * 0.5
     return w
+
+
+def _cohere_compass(hf, device) -> Weights:
+    """Cohere Compass's language model (North): Cohere 2's parallel block on one LayerNorm
+    without a bias, sliding on the layers `layer_types` marks, logits times `logit_scale`
+    where it is set; RoPE over halves (not Cohere's interleaved pairs), in the model's dtype,
+    a table a layer type that has parameters and none on a type whose parameters are None
+    (`_without_rope`). Its multimodal RoPE gives a text token one position on all three
+    axes, so its rotary module's table at positions 0..n-1 is the plain RoPE."""
+    cfg, m = hf.config, hf.model
+    rp = cfg.rope_parameters or {}
+    kinds = sorted(t for t in set(cfg.layer_types) if rp.get(t) is not None)
+    nope = [i for i, t in enumerate(cfg.layer_types) if rp.get(t) is None]
+    n, dtype = max_positions(cfg), m.embed_tokens.weight.dtype
+    ropes = ([_rope_table(m.rotary_emb, n, dtype, device, t) for t in kinds] if kinds
+             else [_identity_rope(n, head_dim(cfg), dtype, device)])  # (no layer has RoPE)
+    layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                     ln_mlp_in=None, parallel=True, window=_window(cfg, i),
+                     rope=kinds.index(t) if t in kinds else 0)
+              for i, (lyr, t) in enumerate(zip(m.layers, cfg.layer_types))]
+    scale = None if cfg.logit_scale is None else float(cfg.logit_scale)
+    w = _common(hf, device, layers, ropes=ropes, logit_scale=scale, layer_norm=True,
+                eps=cfg.layer_norm_eps)
+    return _without_rope(w, nope if kinds else [])
 
 
 def _starcoder2(hf, device) -> Weights:
@@ -2054,10 +2084,13 @@ def _gpt_neox(hf, device) -> Weights:
     and the MLP both read the layer's input, each through its own LayerNorm (`parallel`
     with `ln_mlp_in`). Persimmon: the sequential block (its own module names; ReLU²) with,
     where `qk_layernorm`, one LayerNorm (weight and bias) over each of q's heads and one over
-    each of k's, before RoPE (`Layer.qk_layer_norm`)."""
+    each of k's, before RoPE (`Layer.qk_layer_norm`). GPT-NeoX Japanese: the sequential
+    block without biases but the last layer's `dense_bias` on its attention's output, the
+    softmax in the model's dtype (`Weights.softmax_in_dtype`)."""
     cfg = hf.config
-    neox = cfg.model_type == "gpt_neox"
-    m = hf.gpt_neox if neox else hf.model
+    japanese = cfg.model_type == "gpt_neox_japanese"
+    neox = cfg.model_type == "gpt_neox" or japanese
+    m = hf.gpt_neox if cfg.model_type == "gpt_neox" else hf.gpt_neox_japanese if japanese else hf.model
     d, heads = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
     layers = []
     for lyr in m.layers:
@@ -2072,7 +2105,9 @@ def _gpt_neox(hf, device) -> Weights:
             ln_attn_in_b=_bias(lyr.input_layernorm, device),
             w_qkv=_heads_interleaved(_t(a.query_key_value.weight, device), heads, d),
             b_qkv=_heads_interleaved(_bias(a.query_key_value, device), heads, d),
-            w_o=_t(a.dense.weight, device), b_o=_bias(a.dense, device),
+            w_o=_t(a.dense.weight, device),
+            b_o=_t(a.dense_bias, device) if getattr(a, "dense_bias", None) is not None
+            else _bias(a.dense, device),
             ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
             ln_mlp_in_b=_bias(lyr.post_attention_layernorm, device),
             parallel=bool(getattr(cfg, "use_parallel_residual", False)), branches_first=True,
@@ -2083,7 +2118,7 @@ def _gpt_neox(hf, device) -> Weights:
     final = m.final_layer_norm if neox else m.final_layernorm
     ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
     return Weights(layers, embed, _t(final.weight, device), lm_head, ropes, d,
-                   activation=cfg.hidden_act, layer_norm=True,
+                   activation=cfg.hidden_act, layer_norm=True, softmax_in_dtype=japanese,
                    norm_b=_bias(final, device), eps=cfg.layer_norm_eps, gated=False)
 
 
@@ -2206,6 +2241,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere": _cohere,
     "cohere2": _cohere,
     "cohere2_moe": _cohere,
+    "cohere_compass_text": _cohere_compass,  # Cohere 2's block, RoPE over halves a layer type
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)
@@ -2224,6 +2260,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "dbrx": _dbrx,
     "gpt_neox": _gpt_neox,
     "persimmon": _gpt_neox,  # GPT-NeoX's sequential block with q/k LayerNorms
+    "gpt_neox_japanese": _gpt_neox,  # the sequential block, one output bias (the last layer's)
     "seed_oss": _llama,  # Llama's block with biases
     "hunyuan_v1_dense": _hunyuan,  # q/k norms after RoPE
     "hunyuan_v1_moe": _hunyuan,
