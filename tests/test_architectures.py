@@ -141,6 +141,12 @@ ARCHS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    # JetMoE: a mixture of attention heads (each row's 2 of 4 experts give its queries, one a
+    # K/V head, and take their output back) and of MLP experts, each with an output bias; the
+    # final norm's eps the config's, the layers' 1e-6
+    "jetmoe": ("JetMoeConfig", dict(num_key_value_heads=2, kv_channels=32, num_local_experts=4,
+                                    num_experts_per_tok=2, intermediate_size=64,
+                                    rms_norm_eps=0.05)),
     # mixtures of experts: 4 experts, 2 a token (`Experts`); Mixtral's weights stay float32,
     # the others' are cast; Qwen2-MoE adds a gated shared expert and renormalises none;
     # Qwen3-MoE's layer 1 is a dense MLP (`mlp_only_layers`)
@@ -652,7 +658,8 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "ernie4_5_moe", "minicpm5_moe", "afmoe", "hunyuan_v1_moe", "deepseek_v2", "deepseek_v2-greedy",
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
-       "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element", "granitemoehybrid-moe"}
+       "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element", "granitemoehybrid-moe",
+       "jetmoe"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
@@ -845,6 +852,16 @@ def test_family_config(arch):
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         if name == "smollm3-sliding":
             assert windows == [WINDOW, None, WINDOW]
+    if name == "jetmoe":  # the attention's experts: 2 a row of 4, each its queries for 2 K/V heads
+        assert (r.num_heads, r.num_kv_heads, r.head_dim) == (4, 2, 32)
+        src = hf.model.layers[1].self_attention
+        a = r.layers[1].moa
+        assert all(lyr.w_o is None and lyr.moa is not None for lyr in r.layers)
+        assert (len(a.gate_up), a.top_k) == (4, 2) and a.gate_up[3].shape == (64, 128)
+        assert torch.equal(a.down[2], src.experts.output_linear.weight[2])
+        assert torch.equal(a.out_b, src.experts.bias)
+        assert torch.equal(r.layers[1].w_qkv, src.kv_proj.weight)
+        assert (r.eps, r.final_eps) == (1e-6, 0.05)
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
@@ -865,18 +882,20 @@ def test_family_config(arch):
                                                                "hunyuan", "flint")))
         assert e.norm_topk == (name not in ("qwen2_moe", "gpt_oss", "granitemoe", "granitemoeshared",
                                             "granitemoe_swa", "granitemoehybrid-moe", "deepseek_v2", "deepseek_v2-greedy",
-                                            "dbrx", "aria_text", "aria"))
+                                            "dbrx", "aria_text", "aria", "jetmoe"))
         assert r._fused_w is None and e.softmax_after_topk == name.startswith((
-            "gpt_oss", "granitemoe", "cohere2_moe", "aria"))
-        # the top k's softmax in float32 (Granite-MoE's, Cohere 2 MoE's), or in their dtype
-        assert e.router_float32 == name.startswith(("granitemoe", "cohere2_moe"))
+            "gpt_oss", "granitemoe", "cohere2_moe", "aria", "jetmoe"))
+        # the top k's softmax in float32 (Granite-MoE's, Cohere 2 MoE's, JetMoE's), or in their
+        # dtype
+        assert e.router_float32 == name.startswith(("granitemoe", "cohere2_moe", "jetmoe"))
+        assert (e.out_b is not None) == (name == "jetmoe")
         if name.startswith("aria"):  # experts stored [E, H, 2I]: the runner's [2I, H]
             src = (hf.model.language_model if name == "aria" else hf.model).layers[-1].mlp.experts
             assert torch.equal(e.gate_up[1], src.gate_up_proj[1].t()) and e.gate_up[1].shape == (512, 128)
         assert (e.shared_down is not None) == (name not in ("mixtral", "mixtral-sliding", "qwen3_moe",
                                                             "olmoe", "gpt_oss", "granitemoe",
                                                             "minimax_m2", "flex_olmo", "phimoe",
-                                                            "dbrx", "mellum", "beam",
+                                                            "dbrx", "mellum", "beam", "jetmoe",
                                                             "mimo_v2_flash"))
         assert (e.shared_gate is not None) == (name == "qwen2_moe")
         assert e.scores == ("sigmoid" if name in SIGMOID or name == "flint" else "softmax"
@@ -1501,7 +1520,8 @@ def test_the_served_context_is_capped(tmp_path, monkeypatch):
 BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon", "codegen",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
-                "solar_open", "llama4_text", "mimo_v2_flash", "laguna", "longcat_flash"]
+                "solar_open", "llama4_text", "mimo_v2_flash", "laguna", "longcat_flash",
+                "openai-gpt", "gpt_neox_japanese", "jetmoe", "cohere_compass_text"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]
@@ -1650,17 +1670,27 @@ def test_dynamic_rope_is_refused(tmp_path):
         Runner.from_hf(LlamaForCausalLM(cfg))
 
 
-def test_ctrl_with_another_final_eps_is_refused():
-    """CTRL's layers' norms take eps 1e-6 whatever its config says, its final norm the config's:
-    the runner has one eps, so a config with another is refused by name."""
+def test_ctrl_with_another_final_eps():
+    """CTRL's layers' norms take eps 1e-6 whatever its config says, its final norm the config's
+    (`Weights.final_eps`): with a large one the runner's logits are still transformers'."""
     from transformers import CTRLConfig, CTRLLMHeadModel
 
-    from vericache.errors import ModelLoadError
     from vericache.model.runner import Runner
 
-    cfg = CTRLConfig(**{**COMMON, "num_hidden_layers": 1}, dff=64, layer_norm_epsilon=1e-5)
-    with pytest.raises(ModelLoadError, match="CTRL with layer_norm_epsilon"):
-        Runner.from_hf(CTRLLMHeadModel(cfg))
+    cfg = CTRLConfig(**{**COMMON, "num_hidden_layers": 1}, dff=64, layer_norm_epsilon=0.5)
+    torch.manual_seed(0)
+    hf = CTRLLMHeadModel(cfg).eval()
+    r = Runner.from_hf(hf)
+    assert (r.eps, r.final_eps) == (1e-6, 0.5)
+    ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        got = r.step(ids.tolist(), 0, r.new_cache(12), logits="all")[0]
+        r.final_eps = None  # the layers' eps for the final norm too: other logits
+        other = r.step(ids.tolist(), 0, r.new_cache(12), logits="all")[0]
+    scale = max(1.0, float(ref.abs().max()))
+    assert float((got - ref).abs().max()) <= 1e-5 * scale
+    assert float((other - ref).abs().max()) > 1e-3 * scale
 
 
 def test_cohere2_moe_with_its_sigmoid_router_is_refused():

@@ -132,6 +132,8 @@ class Experts:
     # LongCat-Flash's zero-computation experts: the router scores len(gate_up) + this many, and
     # a row that chooses one of these adds its input times the weight (`Runner._experts`)
     zero_experts: int = 0
+    # JetMoE's: a bias [H] added to the experts' summed output
+    out_b: torch.Tensor | None = None
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -298,6 +300,13 @@ class Layer:
     # heads whose q rows are zeros), their places [Hq_layer]; the output takes these heads'
     # only, so o_proj reads the layer's own heads
     q_heads: torch.Tensor | None = None
+    # JetMoE's mixture of attention heads: its router picks a row's top_k experts; expert e's
+    # query projection (`gate_up[e]`, [Hkv D, H]) gives the row's queries of that slot, one a
+    # K/V head, and its output projection (`down[e]`, [H, Hkv D]) takes that slot's heads'
+    # output back, weighted and summed in the experts' order, plus `out_b`. `w_qkv` is then
+    # the K/V product alone and `w_o` None; the runner's query heads are Hkv x top_k, a K/V
+    # head's group its slots (`Runner._moa_queries`, `_moa_output`)
+    moa: Experts | None = None
     # Laguna's output gate: softplus(g) in float32, then cast (else sigmoid(g)); one a head,
     # broadcast over its width (`gate_heads`), or one an element
     gate_softplus: bool = False
@@ -331,7 +340,8 @@ class Layer:
         mlp = [self.w_gate_up, self.w_down] if self.moe is None else self.moe.mats()
         if self.shortcut is not None:
             mlp += self.shortcut.mats()
-        return [self.w_qkv, *([] if self.mla is None else self.mla.mats()), self.w_o, *mlp]
+        attn = [self.w_o] if self.moa is None else self.moa.mats()
+        return [self.w_qkv, *([] if self.mla is None else self.mla.mats()), *attn, *mlp]
 
 
 @dataclass
@@ -375,6 +385,9 @@ class Weights:
     # less its maximum, softmax in the model's dtype (GPT-OSS's sinks path, with or without
     # a sink)
     softmax_in_dtype: bool = False
+    # GPT-NeoX Japanese's eager attention: the scores baddbmm(0, q, k^T, alpha=scale) and
+    # their softmax (no maximum taken off first) in the model's dtype
+    scores_baddbmm: bool = False
     # OPT, XGLM: q scaled by the attention's scale in the model's dtype (after its bias), the
     # attention then unscaled (their order; in bfloat16 the rounding differs)
     q_prescaled: bool = False
@@ -397,6 +410,9 @@ class Weights:
     norm_b: torch.Tensor | None = None  # the final LayerNorm's bias
     lm_head_b: torch.Tensor | None = None  # [V] (Phi's)
     eps: float | None = None  # the norms' epsilon (None: the config's rms_norm_eps)
+    # the final norm's, where it is not the layers' (JetMoE's layers take 1e-6 whatever the
+    # config says, its final norm the config's; CTRL's the other way round); None: `eps`
+    final_eps: float | None = None
     gated: bool = True  # the MLP: down(act(gate x) * up x); False: down(act(up x)) (StarCoder 2)
     # learned absolute positions (GPT-2, OPT): row p added to the embedding of position p
     # (after `embed_scale`); such a model's RoPE table is the identity (`_identity_rope`)
@@ -649,7 +665,8 @@ def _experts(cfg, mlp, device) -> Experts:
         raise ModelLoadError(f"{cfg.model_type}: experts with biases are not supported by the "
                              "runner")
     # Aria's experts hold [E, H, 2I] and [E, I, H] (the runner's [2I, H] and [H, I] transposed)
-    flip = (lambda w: w.t()) if getattr(ex, "is_transposed", False) else (lambda w: w)
+    flip = ((lambda w: _in_out(w, device)) if getattr(ex, "is_transposed", False)
+            else (lambda w: _t(w, device)))
     shared = next((getattr(mlp, n) for n in ("shared_expert", "shared_experts", "shared_mlp")
                    if getattr(mlp, n, None) is not None), None)
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
@@ -687,8 +704,8 @@ def _experts(cfg, mlp, device) -> Experts:
             scale=float(scale))
     return Experts(
         router=_t(weight, device).float() if cfg.model_type in _ROUTER_FLOAT32 else _t(weight, device),
-        gate_up=[_t(flip(w), device) for w in ex.gate_up_proj],
-        down=[_t(flip(w), device) for w in ex.down_proj],
+        gate_up=[flip(w) for w in ex.gate_up_proj],
+        down=[flip(w) for w in ex.down_proj],
         top_k=int(router.top_k),
         norm_topk=bool(getattr(router, "norm_topk_prob", not after and method is None)),
         softmax_after_topk=after, router_float32=cfg.model_type in _TOP_K_THEN_SOFTMAX,
@@ -1072,6 +1089,37 @@ def _cohere(hf, device) -> Weights:
     return w
 
 
+def _jetmoe(hf, device) -> Weights:
+    """JetMoE: Llama's pre-norm block, with a mixture of attention heads (`Layer.moa`: each
+    row's top_k experts give its queries, one a K/V head, and take their output back; K/V
+    from the shared kv_proj) and a mixture of experts for the MLP, both routed by the top k
+    float32 logits' softmax, cast to the model's dtype, each with a bias on its summed output
+    (`Experts.out_b`). Its layers' RMSNorms take eps 1e-6 whatever the config says, its final
+    norm the config's (`Weights.final_eps`)."""
+    cfg, m = hf.config, hf.model
+
+    def mixture(mod) -> Experts:  # (the experts' [E, out, in] tensors, an expert a view)
+        return Experts(router=_t(mod.router.layer.weight, device),
+                       gate_up=[_t(w, device) for w in mod.input_linear.weight],
+                       down=[_t(w, device) for w in mod.output_linear.weight],
+                       top_k=cfg.num_experts_per_tok, norm_topk=False, weights_in_dtype=True,
+                       softmax_after_topk=True, router_float32=True, out_b=_t(mod.bias, device))
+
+    eps = {float(n.variance_epsilon) for lyr in m.layers
+           for n in (lyr.input_layernorm, lyr.post_attention_layernorm)}
+    if len(eps) != 1:
+        raise ModelLoadError(f"JetMoE whose layers' norms take different epsilons {sorted(eps)} "
+                             "is not supported by the runner")
+    layers = [Layer(ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                    w_qkv=_t(lyr.self_attention.kv_proj.weight, device), b_qkv=None, w_o=None,
+                    ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
+                    w_gate_up=None, w_down=None, moe=mixture(lyr.mlp),
+                    moa=mixture(lyr.self_attention.experts))
+              for lyr in m.layers]
+    return _common(hf, device, layers, activation=cfg.activation_function, eps=eps.pop(),
+                   final_eps=float(m.norm.variance_epsilon))
+
+
 def _cohere_compass(hf, device) -> Weights:
     """Cohere Compass's language model (North): Cohere 2's parallel block on one LayerNorm
     without a bias, sliding on the layers `layer_types` marks, logits times `logit_scale`
@@ -1356,8 +1404,8 @@ def _llama4(hf, device) -> Weights:
             sh = ff.shared_expert
             ffn = dict(w_gate_up=None, w_down=None, moe=Experts(
                 router=_t(ff.router.weight, device),
-                gate_up=[_t(w.t(), device) for w in ff.experts.gate_up_proj],
-                down=[_t(w.t(), device) for w in ff.experts.down_proj],
+                gate_up=[_in_out(w, device) for w in ff.experts.gate_up_proj],
+                down=[_in_out(w, device) for w in ff.experts.down_proj],
                 top_k=int(ff.router.top_k), norm_topk=False, weights_in_dtype=True,
                 shared_gate_up=_gate_up(sh, device), shared_down=_t(sh.down_proj.weight, device),
                 scores="top_k_sigmoid", scale_input=True))
@@ -1525,9 +1573,9 @@ def _gpt_oss(hf, device) -> Weights:
         order = _halves_order(2 * n, 2 * n)  # gate's columns, then up's
         experts = Experts(
             router=_t(mlp.router.weight, device), router_b=_bias(mlp.router, device),
-            gate_up=[_t(w.t()[order], device) for w in ex.gate_up_proj],
+            gate_up=[_in_out(w[:, order], device) for w in ex.gate_up_proj],
             gate_up_b=[_t(b[order], device) for b in ex.gate_up_proj_bias],
-            down=[_t(w.t(), device) for w in ex.down_proj],
+            down=[_in_out(w, device) for w in ex.down_proj],
             down_b=[_t(b, device) for b in ex.down_proj_bias],
             top_k=int(mlp.router.top_k), norm_topk=False, weights_in_dtype=True,
             softmax_after_topk=True, swiglu=(float(ex.alpha), float(ex.limit)))
@@ -1707,9 +1755,20 @@ def _heads_interleaved(t: torch.Tensor | None, heads: int, d: int) -> torch.Tens
     return t.reshape(heads, 3, d, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
 
 
+def _in_out(w: torch.Tensor, device) -> torch.Tensor:
+    """A product's weight that the checkpoint holds [in, out] (transformers computes x W:
+    Conv1D's, transposed experts') as the runner's [out, in]: in float32 contiguous (the
+    native kernels read it so); in other dtypes a view of the [in, out] layout, so torch's
+    product takes transformers' path with its bits (on AVX2 a bfloat16 product of many rows
+    gives other bits over the other layout)."""
+    if w.dtype == torch.float32:
+        return _t(w.t(), device)
+    return _t(w, device).t()
+
+
 def _conv1d(mod, device) -> torch.Tensor:
     """A Conv1D's weight (x W + b, W [in, out]: GPT-2's, GPT-1's) as the runner's [out, in]."""
-    return _t(mod.weight.t(), device)
+    return _in_out(mod.weight, device)
 
 
 def _gpt2(hf, device) -> Weights:
@@ -1979,7 +2038,7 @@ def _dbrx(hf, device) -> Weights:
         w1, v1, w2 = (t.view(split) for t in (g.w1, g.v1, g.w2))
         experts = Experts(router=_t(ffn.router.layer.weight, device),
                           gate_up=[_t(torch.cat([w1[e], v1[e]]), device) for e in range(split[0])],
-                          down=[_t(w2[e].t(), device) for e in range(split[0])],
+                          down=[_in_out(w2[e], device) for e in range(split[0])],
                           top_k=int(fc.moe_top_k), norm_topk=False, weights_in_dtype=True,
                           norm_p=float(fc.moe_normalize_expert_weights))
         layers.append(Layer(ln_attn_in=_t(nan.norm_1.weight, device), w_qkv=_t(nan.attn.Wqkv.weight, device),
@@ -2049,13 +2108,12 @@ def _ctrl(hf, device) -> Weights:
     """CTRL: pre-norm blocks with LayerNorms (weights and biases), q/k/v and the output with
     biases, an MLP not gated (ReLU), the embedding scaled by sqrt(hidden), a sinusoidal
     position table (`pos_embed`, no offset) and the LM head's bias. Its layers' norms have
-    eps 1e-6 whatever the config says; a final norm with another is refused (the runner has
-    one eps)."""
+    eps 1e-6 whatever the config says, its final norm the config's (`Weights.final_eps`)."""
     cfg, m = hf.config, hf.transformer
     eps = {float(b.layernorm1.eps) for b in m.h} | {float(b.layernorm2.eps) for b in m.h}
-    if eps != {float(m.layernorm.eps)}:
-        raise ModelLoadError(f"CTRL with layer_norm_epsilon {m.layernorm.eps} (its layers' "
-                             "norms take 1e-6) is not supported by the runner")
+    if len(eps) != 1:
+        raise ModelLoadError(f"CTRL whose layers' norms take different epsilons {sorted(eps)} "
+                             "is not supported by the runner")
     layers = []
     for b in m.h:
         a, up, down = b.multi_head_attention, b.ffn[0], b.ffn[2]
@@ -2071,7 +2129,8 @@ def _ctrl(hf, device) -> Weights:
     d, n = cfg.n_embd // cfg.n_head, max_positions(cfg)
     return Weights(layers, embed, _t(m.layernorm.weight, device), lm_head,
                    [_identity_rope(n, d, embed.dtype, device)], d, activation="relu",
-                   layer_norm=True, norm_b=_bias(m.layernorm, device), eps=float(m.layernorm.eps),
+                   layer_norm=True, norm_b=_bias(m.layernorm, device), eps=eps.pop(),
+                   final_eps=float(m.layernorm.eps),
                    gated=False, pos_embed=_t(m.pos_encoding[:n].to(embed.dtype), device),
                    embed_scale=math.sqrt(cfg.n_embd), embed_scale_number=True,
                    lm_head_b=_bias(hf.lm_head, device))
@@ -2085,8 +2144,9 @@ def _gpt_neox(hf, device) -> Weights:
     with `ln_mlp_in`). Persimmon: the sequential block (its own module names; ReLU²) with,
     where `qk_layernorm`, one LayerNorm (weight and bias) over each of q's heads and one over
     each of k's, before RoPE (`Layer.qk_layer_norm`). GPT-NeoX Japanese: the sequential
-    block without biases but the last layer's `dense_bias` on its attention's output, the
-    softmax in the model's dtype (`Weights.softmax_in_dtype`)."""
+    block without biases but the last layer's `dense_bias`, added to its attention's output
+    after the product (`bias_after`), its scores and their softmax in the model's dtype
+    (`Weights.scores_baddbmm`)."""
     cfg = hf.config
     japanese = cfg.model_type == "gpt_neox_japanese"
     neox = cfg.model_type == "gpt_neox" or japanese
@@ -2118,7 +2178,9 @@ def _gpt_neox(hf, device) -> Weights:
     final = m.final_layer_norm if neox else m.final_layernorm
     ropes = [_rope_table(m.rotary_emb, max_positions(cfg), embed.dtype, device)]
     return Weights(layers, embed, _t(final.weight, device), lm_head, ropes, d,
-                   activation=cfg.hidden_act, layer_norm=True, softmax_in_dtype=japanese,
+                   activation=cfg.hidden_act, layer_norm=True, scores_baddbmm=japanese,
+                   bias_after=japanese,
+                   attn_scale=1.0 / math.sqrt(d) if japanese else None,
                    norm_b=_bias(final, device), eps=cfg.layer_norm_eps, gated=False)
 
 
@@ -2241,7 +2303,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere": _cohere,
     "cohere2": _cohere,
     "cohere2_moe": _cohere,
-    "cohere_compass_text": _cohere_compass,  # Cohere 2's block, RoPE over halves a layer type
+    "cohere_compass_text": _cohere_compass,
+    "jetmoe": _jetmoe,  # a mixture of attention heads (`Layer.moa`) and of MLP experts  # Cohere 2's block, RoPE over halves a layer type
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)

@@ -174,6 +174,7 @@ class Runner:
                                   if lyr.w_gate_up is not None), 0)
         self.vocab_size = w.lm_head.shape[0]
         self.eps = cfg.rms_norm_eps if w.eps is None else w.eps
+        self.final_eps = w.final_eps  # the final norm's own (None: `eps`)
         self.layer_norm = w.layer_norm  # LayerNorms for the layers' and final norms
         self.torch_layer_norm = w.torch_layer_norm  # ... and they are torch's own
         self.norm_b = w.norm_b
@@ -196,6 +197,7 @@ class Runner:
         self.sinks_lse = w.sinks_lse
         # (MiMo-V2-Flash's softmax in its dtype: outside float32, where it shows)
         self.softmax_in_dtype = w.softmax_in_dtype and self.dtype != torch.float32
+        self.scores_baddbmm = w.scores_baddbmm and self.dtype != torch.float32
         self.glu_float32 = w.glu_float32
         self.attn_divisor = self.head_dim ** 0.5 if w.attn_divide else None
         if w.q_prescaled:
@@ -259,6 +261,7 @@ class Runner:
         # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, a mixture of
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
+                    and lyr.moa is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
                     and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
@@ -357,28 +360,30 @@ class Runner:
             return (xf * w).to(x.dtype)
         return w * xf.to(x.dtype)  # Llama: normalise in fp32, scale in the model dtype
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor,
-              b: torch.Tensor | None = None) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+              eps: float | None = None) -> torch.Tensor:
         """A layer's or the final norm: `_rms`, or where the family's norms are LayerNorms
-        (`layer_norm`), `_layer_norm`."""
-        return self._layer_norm(x, w, b) if self.layer_norm else self._rms(x, w)
+        (`layer_norm`), `_layer_norm`; `eps`: the norm's own (else the model's)."""
+        return self._layer_norm(x, w, b, eps) if self.layer_norm else self._rms(x, w, eps)
 
-    def _layer_norm(self, x: torch.Tensor, w: torch.Tensor,
-                    b: torch.Tensor | None = None) -> torch.Tensor:
+    def _layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                    eps: float | None = None) -> torch.Tensor:
         """A LayerNorm over the last dim: torch's (F.layer_norm, in the model's dtype or over a
         float32 copy) where the checkpoint's norms are (`Weights.torch_layer_norm`) and w is
         one vector; else in Cohere's order: centred, scaled by the variance's rsqrt and by w
         (plus b, StarCoder 2's), in float32, then cast; w and b [x.shape[-1]], or
-        broadcastable (per-head q/k LayerNorms, `Layer.qk_layer_norm`)."""
+        broadcastable (per-head q/k LayerNorms, `Layer.qk_layer_norm`); `eps`: the norm's
+        own (else the model's)."""
+        eps = self.eps if eps is None else eps
         if self.torch_layer_norm == "float32" and w.dim() == 1:
             return F.layer_norm(x.float(), (x.shape[-1],), w.float(),
-                                None if b is None else b.float(), self.eps).to(x.dtype)
+                                None if b is None else b.float(), eps).to(x.dtype)
         if self.torch_layer_norm and w.dim() == 1:
-            return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+            return F.layer_norm(x, (x.shape[-1],), w, b, eps)
         xf = x.float()
         xc = xf - xf.mean(-1, keepdim=True)
         var = xc.pow(2).mean(-1, keepdim=True)
-        y = w.float() * (xc * torch.rsqrt(var + self.eps))
+        y = w.float() * (xc * torch.rsqrt(var + eps))
         return (y if b is None else y + b.float()).to(x.dtype)
 
     def _qk_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -952,13 +957,14 @@ class Runner:
         `attn_float32` (Flint's, GPT-Neo's, and GPT-J's and CodeGen's where loaded eager),
         those scores and that softmax in float32, the weights cast back; with `attn_eager`
         (GPT-1's, XGLM's), the explicit path as it is (GPT-1's scores divided by sqrt(D),
-        `attn_divisor`); with ALiBi's `bias` (`_alibi`), the scaled scores plus it (float32,
+        `attn_divisor`); with `scores_baddbmm` (GPT-NeoX Japanese's) the scores in one
+        baddbmm and their softmax in the model's dtype; with ALiBi's `bias` (`_alibi`), the scaled scores plus it (float32,
         MPT's order; BLOOM's: bias + scale q k^T in one baddbmm, in the model's dtype),
         softmax in float32, the weights cast back; Falcon's bias is SDPA's mask, as
         transformers passes it. A row that sees no key (a padding row) gives zeros, not NaN
         (Falcon's: finite values, discarded)."""
         explicit = (self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
-                    or self.softmax_in_dtype)
+                    or self.softmax_in_dtype or self.scores_baddbmm)
         if not explicit:
             if bias is None and mask is None and self.group > 1 and self.narrow:
                 # (transformers' call without a mask, outside float32, where its order shows:
@@ -983,6 +989,12 @@ class Runner:
             s = torch.baddbmm(bias.expand(*lead, rows, n).reshape(-1, rows, n),
                               q.reshape(-1, rows, d), kt, alpha=self.scale).view(*lead, rows, n)
             bias = None
+        elif self.scores_baddbmm:  # (GPT-NeoX Japanese's)
+            *lead, rows, d = q.shape
+            n = k.shape[-2]
+            kt = k.transpose(-1, -2).expand(*lead, d, n).reshape(-1, d, n)
+            s = torch.baddbmm(q.new_zeros(kt.shape[0], rows, n), q.reshape(-1, rows, d), kt,
+                              alpha=self.scale).view(*lead, rows, n)
         else:
             s = torch.matmul(q, k.transpose(-1, -2))
             s = s * self.scale if self.attn_divisor is None else s / self.attn_divisor
@@ -997,6 +1009,9 @@ class Runner:
             g = sinks.shape[0] // hkv
             col = sinks.to(s.dtype).view(hkv, g, 1, 1).expand(hkv, g, rows // g, 1)
             col = col.reshape(hkv, rows, 1).expand(*s.shape[:-1], 1)
+        if self.scores_baddbmm:
+            w = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+            return torch.matmul(w.to(v.dtype), v)
         if (sinks is None and not self.softmax_in_dtype) or self.sinks_lse:
             w = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num_(0.0).to(v.dtype)
             out = torch.matmul(w, v)
@@ -1093,6 +1108,9 @@ class Runner:
             x = (h if lyr.ln_attn_in is None or lyr.post_norms
                  else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b))
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
+            if lyr.moa is not None:  # (JetMoE's: the queries its experts give, then K/V)
+                q_moa, route = self._moa_queries(x, lyr.moa, lin)
+                qkv = torch.cat([q_moa, qkv], 1)
             if lyr.clip_qkv is not None:
                 qkv = qkv.clamp(-lyr.clip_qkv, lyr.clip_qkv)
             if lyr.mla is not None:
@@ -1165,7 +1183,8 @@ class Runner:
                     attn = attn * gate
             if lyr.ln_attn_sub is not None:  # (BitNet's)
                 attn = self._rms(attn.contiguous(), lyr.ln_attn_sub)
-            attn = lin(attn, lyr.w_o, lyr.b_o)
+            attn = (lin(attn, lyr.w_o, lyr.b_o) if lyr.moa is None
+                    else self._moa_output(attn, lyr.moa, route, lin))
             if lyr.ln_attn_out is not None:
                 attn = self._norm(attn, lyr.ln_attn_out)
             if lyr.parallel and lyr.ln_mlp_in is not None:  # GPT-NeoX: the input, its own norm
@@ -1298,6 +1317,8 @@ class Runner:
             out = slots.sum(dim=1).to(x.dtype)
         if e.scale_after:
             out = out * e.scale
+        if e.out_b is not None:  # (JetMoE's)
+            out = out + e.out_b
         if identity is not None:
             out = out + identity.to(out.dtype)
         if e.shared_down is not None:
@@ -1307,6 +1328,32 @@ class Runner:
                 shared = rowwise(torch.sigmoid, lin(x, e.shared_gate)) * shared
             out = out + shared
         return out
+
+    def _moa_queries(self, x: torch.Tensor, e: Experts, lin) -> tuple[torch.Tensor, tuple]:
+        """A mixture of attention heads' queries (`Layer.moa`, JetMoE's) [T, Hq D]: each row's
+        top_k experts' query products over the rows that chose them, laid out a K/V head's
+        group at a time (head h's slots 0..top_k-1), and the route (weights, experts)."""
+        top, idx = e.route(lin(x.to(e.router.dtype), e.router, e.router_b), x.dtype)
+        hkv, d = self.num_kv_heads, self.head_dim
+        q = x.new_empty(*idx.shape, hkv * d)  # [T, top_k, Hkv D]
+        for expert in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == expert)
+            q[rows, slot] = lin(x[rows], e.gate_up[expert])
+        return q.view(-1, e.top_k, hkv, d).transpose(1, 2).reshape(q.shape[0], -1), (top, idx)
+
+    def _moa_output(self, attn: torch.Tensor, e: Experts, route: tuple, lin) -> torch.Tensor:
+        """A mixture of attention heads' output: each slot's heads' output [T, Hkv D] through
+        its expert's output product, times the row's weight, added in the experts' order
+        (as transformers' index_add over the rows sorted by expert), plus the bias."""
+        top, idx = route
+        hkv, d = self.num_kv_heads, self.head_dim
+        slots = attn.view(-1, hkv, e.top_k, d).transpose(1, 2)  # [T, top_k, Hkv, D]
+        out = attn.new_zeros(attn.shape[0], e.down[0].shape[0])
+        for expert in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == expert)
+            y = lin(slots[rows, slot].reshape(rows.shape[0], -1), e.down[expert])
+            out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
+        return out if e.out_b is None else out + e.out_b
 
     def _fused(self, p: "_Plan", h: torch.Tensor, ropes: list, drafts: bool = False) -> None:
         """Every layer of a fast pass in one native call (`kernels.Linear.layers`), on h
@@ -1419,7 +1466,7 @@ class Runner:
             return [None] * len(items)
         hs = h[torch.cat(rows).to(self.device)]
         if self.norm is not None:  # (GPT-1's layers end in their own norm)
-            hs = self._norm(hs, self.norm, self.norm_b)
+            hs = self._norm(hs, self.norm, self.norm_b, self.final_eps)
         logits = lin(hs, self.lm_head, self.lm_head_b)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
