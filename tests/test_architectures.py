@@ -141,6 +141,16 @@ ARCHS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    # ModernBERT-decoder: a LayerNorm on the embedding, none before the first layer's attention,
+    # biases everywhere, sliding layers with their own RoPE, a prediction head (dense, GELU,
+    # LayerNorm) before the LM head and its bias (its own init, scaled from initializer_range:
+    # at 0.1 greedy output repeats one token within 8, so 0.3)
+    "modernbert-decoder": ("ModernBertDecoderConfig", dict(
+        initializer_range=0.3, norm_eps=1e-5, norm_bias=True, attention_bias=True, mlp_bias=True,
+        local_attention=2 * WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                 "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     # JetMoE: a mixture of attention heads (each row's 2 of 4 experts give its queries, one a
     # K/V head, and take their output back) and of MLP experts, each with an output bias; the
     # final norm's eps the config's, the layers' 1e-6
@@ -228,9 +238,9 @@ ARCHS = {
     "gpt_neox": ("GPTNeoXConfig", {}),
     "gpt_neox-sequential": ("GPTNeoXConfig", dict(use_parallel_residual=False)),
     # GPT-NeoX Japanese: the sequential block, one bias (the last layer's attention output),
-    # RoPE on half a head
+    # RoPE on half a head (at initializer_range 0.1 greedy output is one token: 0.5)
     "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(
-        intermediate_multiple_size=2, layer_norm_eps=1e-5,
+        initializer_range=0.5, intermediate_multiple_size=2, layer_norm_eps=1e-5,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     # latent attention (`MLA`): q through a low-rank norm (or one product), each head's key and
     # value from a normed latent beside one rotated k_pe (interleaved pairs, or halves), a value
@@ -669,6 +679,7 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5),
            "mimo_v2_flash": ((2, 1), 2.5), "laguna": (None, 2.5), "laguna-element": (None, 1.0)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "cohere_compass_text",
+            "modernbert-decoder",
             "cohere_compass_text-rope", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
@@ -1640,7 +1651,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
-    """A LLaVA checkpoint whose language model is JetMoE's (a mixture of attention heads):
+    """A LLaVA checkpoint whose language model is DiffLlama's (differential attention):
     refused, naming both."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
@@ -1648,13 +1659,13 @@ def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_p
     from vericache.model.loader import load_model
 
     torch.manual_seed(0)
-    text = dict(model_type="jetmoe", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, kv_channels=16)
+    text = dict(model_type="diffllama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
     cfg = LlavaConfig(text_config=text, vision_config=ARCHS["llava"][1]["vision_config"])
     LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError,
-                       match="llava's language model 'jetmoe' is not supported"):
+                       match="llava's language model 'diffllama' is not supported"):
         load_model(str(tmp_path))
 
 

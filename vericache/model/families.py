@@ -426,6 +426,13 @@ class Weights:
     # (BLOOM's a LayerNorm with its bias)
     embed_norm: torch.Tensor | None = None  # [H]
     embed_norm_b: torch.Tensor | None = None  # [H]
+    # ModernBERT-decoder's prediction head, between the final norm and the LM head: a dense
+    # product (with its bias where it has one), an activation, a norm (the model's kind)
+    head_dense: torch.Tensor | None = None  # [H, H]
+    head_dense_b: torch.Tensor | None = None  # [H]
+    head_activation: str | None = None
+    head_norm: torch.Tensor | None = None  # [H]
+    head_norm_b: torch.Tensor | None = None  # [H]
     # ALiBi (BLOOM, MPT, Falcon's ALiBi checkpoints): each query head's slope [Hq], float32; a
     # score gets slope (key's position - row's position) (`Runner._alibi`); such a model's
     # RoPE table is the identity
@@ -440,7 +447,7 @@ class Weights:
 # families whose attention has one K/V head a query head (no num_key_value_heads)
 _MULTI_HEAD = ("gpt2", "opt", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "codegen",
                "persimmon", "biogpt", "xglm", "ctrl", "bloom", "mpt", "openai-gpt",
-               "gpt_neox_japanese")
+               "gpt_neox_japanese", "modernbert-decoder")
 
 
 def kv_heads(cfg) -> int:
@@ -792,12 +799,14 @@ def _block(lyr, device, cfg=None, qkv=None, **kw) -> Layer:
 
 def _embed_and_head(hf, embed: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The embedding table and the LM head's weight: the same tensor where they are tied.
-    (The head is `lm_head`, or what the model names its output embeddings: GPT-NeoX
-    Japanese's `embed_out`.)"""
+    (The head is `lm_head`, or where that is not a product, what the model names its output
+    embeddings: GPT-NeoX Japanese's `embed_out`, ModernBERT-decoder's `decoder`.)"""
     embed = _t(embed, device)
     if hf.config.tie_word_embeddings:
         return embed, embed
-    head = hf.lm_head if hasattr(hf, "lm_head") else hf.get_output_embeddings()
+    head = getattr(hf, "lm_head", None)
+    if not hasattr(head, "weight"):
+        head = hf.get_output_embeddings()
     return embed, _t(head.weight, device)
 
 
@@ -1087,6 +1096,41 @@ def _cohere(hf, device) -> Weights:
             if lyr.moe is not None:
                 lyr.moe.scale, lyr.moe.shared_down = 0.5, lyr.moe.shared_down * 0.5
     return w
+
+
+def _modernbert_decoder(hf, device) -> Weights:
+    """ModernBERT-decoder (Ettin's decoders): a LayerNorm on the embedding (`embed_norm`),
+    pre-norm blocks of LayerNorms (biases where `norm_bias`; none before the first layer's
+    attention), q/k/v and the output with biases where `attention_bias`, a gated MLP whose
+    first half is activated (Wi) with biases where `mlp_bias`, sliding on the layers
+    `layer_types` marks with a RoPE table a layer type; after the final norm a prediction
+    head (dense, activation, LayerNorm: `Weights.head_dense`) before the LM head (`decoder`,
+    with its bias where `decoder_bias`)."""
+    cfg, m = hf.config, hf.model
+    kinds, dtype = sorted(set(cfg.layer_types)), m.embeddings.tok_embeddings.weight.dtype
+    ropes = [_rope_table(m.rotary_emb, max_positions(cfg), dtype, device, t) for t in kinds]
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a, mlp = lyr.attn, lyr.mlp
+        first = isinstance(lyr.attn_norm, torch.nn.Identity)  # (the first layer's)
+        w_qkv, b_qkv = _attention(a, device)
+        layers.append(Layer(
+            ln_attn_in=None if first else _t(lyr.attn_norm.weight, device),
+            ln_attn_in_b=None if first else _bias(lyr.attn_norm, device),
+            w_qkv=w_qkv, b_qkv=b_qkv, w_o=_t(a.Wo.weight, device), b_o=_bias(a.Wo, device),
+            ln_mlp_in=_t(lyr.mlp_norm.weight, device), ln_mlp_in_b=_bias(lyr.mlp_norm, device),
+            w_gate_up=_t(mlp.Wi.weight, device), b_gate_up=_bias(mlp.Wi, device),
+            w_down=_t(mlp.Wo.weight, device), b_down=_bias(mlp.Wo, device),
+            window=_window(cfg, i), rope=kinds.index(cfg.layer_types[i])))
+    emb, head = m.embeddings, hf.lm_head
+    embed, lm_head = _embed_and_head(hf, emb.tok_embeddings.weight, device)
+    return Weights(layers, embed, _t(m.final_norm.weight, device), lm_head, ropes, head_dim(cfg),
+                   activation=cfg.hidden_activation, layer_norm=True, eps=cfg.norm_eps,
+                   norm_b=_bias(m.final_norm, device), lm_head_b=_bias(hf.decoder, device),
+                   embed_norm=_t(emb.norm.weight, device), embed_norm_b=_bias(emb.norm, device),
+                   head_dense=_t(head.dense.weight, device), head_dense_b=_bias(head.dense, device),
+                   head_activation=cfg.classifier_activation,
+                   head_norm=_t(head.norm.weight, device), head_norm_b=_bias(head.norm, device))
 
 
 def _jetmoe(hf, device) -> Weights:
@@ -2304,7 +2348,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere2": _cohere,
     "cohere2_moe": _cohere,
     "cohere_compass_text": _cohere_compass,
-    "jetmoe": _jetmoe,  # a mixture of attention heads (`Layer.moa`) and of MLP experts  # Cohere 2's block, RoPE over halves a layer type
+    "jetmoe": _jetmoe,
+    "modernbert-decoder": _modernbert_decoder,  # a prediction head before the LM head  # a mixture of attention heads (`Layer.moa`) and of MLP experts  # Cohere 2's block, RoPE over halves a layer type
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)

@@ -182,6 +182,10 @@ class Runner:
         self.embed, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.pos_embed = w.pos_embed
         self.embed_norm, self.embed_norm_b = w.embed_norm, w.embed_norm_b
+        # ModernBERT-decoder's prediction head (dense, activation, norm) before the LM head
+        self.head_dense, self.head_dense_b = w.head_dense, w.head_dense_b
+        self.head_act = None if w.head_dense is None else _activation(w.head_activation)
+        self.head_norm, self.head_norm_b = w.head_norm, w.head_norm_b
         self.q_scale, self.q_scale_from = w.q_scale, w.q_scale_from
         self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
@@ -524,8 +528,10 @@ class Runner:
         return {p: q for p, q in found.items() if q is not None}
 
     def _layer_mats(self) -> list[torch.Tensor]:
-        """Every layer's product matrices (`Layer.mats`), layer by layer."""
-        return [w for lyr in self.layers for w in lyr.mats()]
+        """Every layer's product matrices (`Layer.mats`), layer by layer; then the prediction
+        head's dense product where the model has one (ModernBERT-decoder's)."""
+        head = [] if self.head_dense is None else [self.head_dense]
+        return [w for lyr in self.layers for w in lyr.mats()] + head
 
     def _fused_with(self, copies: dict) -> dict:
         """`_fused_w` with the products' pointers to `copies` (by the float32 matrix's
@@ -1467,6 +1473,9 @@ class Runner:
         hs = h[torch.cat(rows).to(self.device)]
         if self.norm is not None:  # (GPT-1's layers end in their own norm)
             hs = self._norm(hs, self.norm, self.norm_b, self.final_eps)
+        if self.head_dense is not None:  # (ModernBERT-decoder's prediction head)
+            hs = self.head_act(lin(hs, self.head_dense, self.head_dense_b))
+            hs = self._norm(hs, self.head_norm, self.head_norm_b)
         logits = lin(hs, self.lm_head, self.lm_head_b)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
