@@ -151,6 +151,10 @@ ARCHS = {
                                                  "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # DiffLlama: differential attention (each query head's scores weigh its K/V head's pair's
+    # two values: heads 0 and 2, 1 and 3), the halves' difference RMS-normed
+    "diffllama": ("DiffLlamaConfig", dict(num_attention_heads=8, num_key_value_heads=4,
+                                          head_dim=32, lambda_std_dev=0.3)),
     # JetMoE: a mixture of attention heads (each row's 2 of 4 experts give its queries, one a
     # K/V head, and take their output back) and of MLP experts, each with an output bias; the
     # final norm's eps the config's, the layers' 1e-6
@@ -863,6 +867,20 @@ def test_family_config(arch):
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         if name == "smollm3-sliding":
             assert windows == [WINDOW, None, WINDOW]
+    if name == "diffllama":  # a head in the cache: its key padded to 2D, its pair's two values
+        assert (r.num_heads, r.num_kv_heads, r.head_dim, r.scale) == (8, 4, 64, 32 ** -0.5)
+        a, w = hf.model.layers[1].self_attn, r.layers[1].w_qkv.view(-1, 64, 128)  # [heads, 2D, H]
+        assert torch.equal(w[1, :32], a.q_proj.weight[32:64]) and not w[:12, 32:].any()
+        assert torch.equal(w[8 + 3, :32], a.k_proj.weight[96:128])
+        v = a.v_proj.weight.view(4, 32, 128)  # K/V head 3's values: heads 1 and 3
+        assert torch.equal(w[12 + 3], torch.cat([v[1], v[3]]))
+        assert all(lyr.diff is not None for lyr in r.layers) and r._fused_w is None
+        assert r.layers[2].diff[1] == pytest.approx(0.8 - 0.6 * math.exp(-0.6))
+    if name == "modernbert-decoder":  # torch's LayerNorms; a prediction head before the LM head
+        assert r.layer_norm and r.torch_layer_norm == "dtype" and r.embed_norm_b is not None
+        assert r.layers[0].ln_attn_in is None and r.layers[1].ln_attn_in is not None
+        assert torch.equal(r.head_dense, hf.lm_head.dense.weight) and r.head_norm is not None
+        assert torch.equal(r.lm_head, hf.decoder.weight) and r.lm_head_b is not None
     if name == "jetmoe":  # the attention's experts: 2 a row of 4, each its queries for 2 K/V heads
         assert (r.num_heads, r.num_kv_heads, r.head_dim) == (4, 2, 32)
         src = hf.model.layers[1].self_attention
@@ -1532,7 +1550,8 @@ BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon",
                 "mixtral", "qwen2_moe", "granite", "gpt_oss", "stablelm-qk", "olmo", "cohere",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
                 "solar_open", "llama4_text", "mimo_v2_flash", "laguna", "longcat_flash",
-                "openai-gpt", "gpt_neox_japanese", "jetmoe", "cohere_compass_text"]
+                "openai-gpt", "gpt_neox_japanese", "jetmoe", "cohere_compass_text",
+                "modernbert-decoder", "diffllama"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]

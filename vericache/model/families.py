@@ -300,6 +300,10 @@ class Layer:
     # heads whose q rows are zeros), their places [Hq_layer]; the output takes these heads'
     # only, so o_proj reads the layer's own heads
     q_heads: torch.Tensor | None = None
+    # DiffLlama's differential attention (λ, λ_init): the first half of the query heads'
+    # output less λ times the second half's, each head RMS-normed (no weight) over its width,
+    # times 1 - λ_init; λ a 0-dim tensor in the model's dtype (`_diffllama`)
+    diff: tuple[torch.Tensor, float] | None = None
     # JetMoE's mixture of attention heads: its router picks a row's top_k experts; expert e's
     # query projection (`gate_up[e]`, [Hkv D, H]) gives the row's queries of that slot, one a
     # K/V head, and its output projection (`down[e]`, [H, Hkv D]) takes that slot's heads'
@@ -481,7 +485,8 @@ def head_dim(cfg) -> int:
     """A head's width in the cache (latent attention's: its key's, nope + pe, `MLA`)."""
     if getattr(cfg, "kv_lora_rank", None):
         return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * d if cfg.model_type == "diffllama" else d  # (`_diffllama`: its two values a head)
 
 
 
@@ -1098,17 +1103,61 @@ def _cohere(hf, device) -> Weights:
     return w
 
 
+def _diffllama(hf, device) -> Weights:
+    """DiffLlama: Llama's block with differential attention. Each query head's scores (over
+    its K/V head's keys, GQA as Llama's) weigh two values, the K/V head's pair's (heads g mod
+    Hkv/2 and that + Hkv/2, transformers' two calls over the value's halves), so the cache
+    holds a head as 2D: the key padded with zeros (q too: the scores are the D-wide ones,
+    scaled by D^-0.5) and the two values side by side, each row of the first product laid out
+    so (twice the model's K/V bytes). Then `Layer.diff`: the first half of the heads' 2D-wide
+    output less λ times the second half's, RMS-normed, times 1 - λ_init."""
+    from transformers.models.diffllama.modeling_diffllama import lambda_init_fn
+
+    cfg, m = hf.config, hf.model
+    hq, hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+    d, dtype = D // 2, m.embed_tokens.weight.dtype
+    half = hkv // 2
+    pair = [(g % half, g % half + half) for g in range(hkv)]  # each K/V head's two values
+
+    def laid(t: torch.Tensor | None) -> torch.Tensor | None:  # q, k padded; v's pairs
+        if t is None:
+            return None
+        q, k, v = t.split([hq * d, hkv * d, hkv * d])
+        q, k, v = (x.reshape(-1, d, *t.shape[1:]) for x in (q, k, v))
+        pad = torch.cat([q, torch.zeros_like(q)], 1), torch.cat([k, torch.zeros_like(k)], 1)
+        return torch.cat([pad[0].reshape(-1, *t.shape[1:]), pad[1].reshape(-1, *t.shape[1:]),
+                          torch.cat([torch.cat([v[a], v[b]]) for a, b in pair])])
+
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a = lyr.self_attn
+        w_qkv, b_qkv = (_t(laid(t), device) if t is not None else None
+                        for t in _attention(a, device))
+        layer = _block(lyr, device, cfg, qkv=(w_qkv, b_qkv),
+                       ln_attn_in=_t(lyr.input_layernorm.weight, device),
+                       ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device))
+        lam1, lam2 = (torch.exp(torch.sum(x * y, dim=-1, dtype=torch.float32)).to(dtype)
+                      for x, y in ((a.lambda_q1, a.lambda_k1), (a.lambda_q2, a.lambda_k2)))
+        init = lambda_init_fn(i)
+        layer.diff = (_t(lam1 - lam2 + init, device), init)
+        layers.append(layer)
+    return _common(hf, device, layers, attn_scale=d ** -0.5)
+
+
 def _modernbert_decoder(hf, device) -> Weights:
     """ModernBERT-decoder (Ettin's decoders): a LayerNorm on the embedding (`embed_norm`),
     pre-norm blocks of LayerNorms (biases where `norm_bias`; none before the first layer's
     attention), q/k/v and the output with biases where `attention_bias`, a gated MLP whose
     first half is activated (Wi) with biases where `mlp_bias`, sliding on the layers
-    `layer_types` marks with a RoPE table a layer type; after the final norm a prediction
+    `layer_types` marks with a RoPE table a layer type (RoPE in float32, as transformers
+    computes it); after the final norm a prediction
     head (dense, activation, LayerNorm: `Weights.head_dense`) before the LM head (`decoder`,
     with its bias where `decoder_bias`)."""
     cfg, m = hf.config, hf.model
     kinds, dtype = sorted(set(cfg.layer_types)), m.embeddings.tok_embeddings.weight.dtype
-    ropes = [_rope_table(m.rotary_emb, max_positions(cfg), dtype, device, t) for t in kinds]
+    # (its RoPE in float32, over the model dtype's table: a float32 table, `Runner._rope`)
+    ropes = [tuple(t.float() for t in _rope_table(m.rotary_emb, max_positions(cfg), dtype,
+                                                   device, kind)) for kind in kinds]
     layers = []
     for i, lyr in enumerate(m.layers):
         a, mlp = lyr.attn, lyr.mlp
@@ -2349,6 +2398,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere2_moe": _cohere,
     "cohere_compass_text": _cohere_compass,
     "jetmoe": _jetmoe,
+    "diffllama": _diffllama,  # differential attention (`Layer.diff`)
     "modernbert-decoder": _modernbert_decoder,  # a prediction head before the LM head  # a mixture of attention heads (`Layer.moa`) and of MLP experts  # Cohere 2's block, RoPE over halves a layer type
     "starcoder2": _starcoder2,
     "phi": _phi,
@@ -2450,6 +2500,8 @@ def _torch_layer_norms(hf) -> bool:
     """Whether every norm of the checkpoint's language model is torch's nn.LayerNorm (its
     class exactly: Cohere's, OLMo's and per-head norms compute their own way)."""
     lm = hf.get_decoder() if hasattr(hf, "get_decoder") else hf
+    if lm is hf.get_output_embeddings():  # (ModernBERT-decoder's LM head is its `decoder`)
+        lm = hf
     norms = [mod for mod in lm.modules()  # (leaves: DBRX's blocks are "NormAttentionNorm"s)
              if "norm" in type(mod).__name__.lower() and not any(mod.children())]
     return bool(norms) and all(type(mod) is torch.nn.LayerNorm for mod in norms)

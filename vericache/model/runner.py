@@ -265,7 +265,7 @@ class Runner:
         # block it runs, Gemma's extra norms and GeGLU, OLMo's post-norms, a mixture of
         # experts, or a kernel is missing)
         plain = all(lyr.ln_attn_out is None and lyr.ln_mlp_out is None and lyr.moe is None
-                    and lyr.moa is None
+                    and lyr.moa is None and lyr.diff is None
                     and lyr.qk_norm_wide is None and not lyr.parallel and lyr.mla is None
                     and not lyr.qk_norm_after_rope and not lyr.qk_layer_norm
                     and lyr.clip_qkv is None and lyr.act is None and not lyr.post_norms
@@ -1174,6 +1174,11 @@ class Runner:
             vd = lyr.value_width
             if vd is not None:  # each head's value, without the padding
                 attn = attn.view(-1, hq, d)[..., :vd].reshape(-1, hq * vd)
+            if lyr.diff is not None:  # (DiffLlama's: each head's two values' output, 2D)
+                lam, init = lyr.diff
+                o = attn.view(-1, hq, d)
+                o = o[:, : hq // 2] - lam * o[:, hq // 2:]
+                attn = ((1 - init) * F.rms_norm(o, (d,), eps=self.eps)).reshape(o.shape[0], -1)
             if lyr.q_heads is not None:  # the layer's own heads (Laguna's), not the padding
                 attn = attn.view(attn.shape[0], hq, -1)[:, lyr.q_heads].reshape(attn.shape[0], -1)
             if lyr.out_gate:  # sigmoid(g), g the first product's last rows (+ Beam's bias)
