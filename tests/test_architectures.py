@@ -1700,6 +1700,21 @@ def test_dynamic_rope_is_refused(tmp_path):
         Runner.from_hf(LlamaForCausalLM(cfg))
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "qwen2_moe", "jetmoe",
+                                  "modernbert-decoder"])
+def test_weight_bytes_are_the_checkpoints(name, tmp_path):
+    """`Runner.weight_bytes` (what the benchmarks count as the weights' memory) holds every
+    parameter of the checkpoint once: the experts' (the attention's too), the LM head's
+    and prediction head's, the norms' biases."""
+    from vericache.model.loader import load_model
+
+    build(name, tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32")
+    hf = auto_class(name).from_pretrained(str(tmp_path), dtype=torch.float32)
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in hf.parameters()}
+    assert lm.runner.weight_bytes() == sum(params.values())
+
+
 def test_ctrl_with_another_final_eps():
     """CTRL's layers' norms take eps 1e-6 whatever its config says, its final norm the config's
     (`Weights.final_eps`): with a large one the runner's logits are still transformers'."""

@@ -157,6 +157,18 @@ def _activation(name: str):
 
 
 
+def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors a layer holds: its fields', and those of the lists, tuples and dataclasses
+    (`Experts`, `MLA`) among them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for x in vars(obj).values() for t in _tensors(x)]
+    return []
+
+
 def _softcap(x: torch.Tensor, c: float) -> torch.Tensor:
     """Gemma's soft-cap, c * tanh(x / c), in transformers' order."""
     return torch.tanh(x / c) * c
@@ -545,15 +557,19 @@ class Runner:
                                ("w_down", "w_down"))}}
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights: the embedding, final norm and LM head, and each layer's tensors
-        (each tensor once: a tied LM head counts once)."""
+        """Bytes of the weights: the embedding, the norms and biases around the layers, the
+        prediction head's and the LM head, and each layer's tensors, those of its mixtures
+        of experts and latent attention too (each tensor once: a tied LM head counts once)."""
         seen, n = set(), 0
-        tensors = [t for t in (self.embed, self.norm, self.lm_head) if t is not None]
+        tensors = [self.embed, self.norm, self.norm_b, self.lm_head, self.lm_head_b,
+                   self.embed_norm, self.embed_norm_b, self.pos_embed, self.head_dense,
+                   self.head_dense_b, self.head_norm, self.head_norm_b]
+        tensors = [t for t in tensors if t is not None]
         for lyr in self.layers:
-            tensors += [t for t in vars(lyr).values() if isinstance(t, torch.Tensor)]
+            tensors += _tensors(lyr)
         for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            if (t.data_ptr(), t.numel()) not in seen:
+                seen.add((t.data_ptr(), t.numel()))
                 n += t.numel() * t.element_size()
         return n
 
