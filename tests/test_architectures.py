@@ -257,6 +257,23 @@ ARCHS = {
         num_key_value_heads=4, rope_interleave=True, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
             mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))),
+    # DeepSeek-V3.2: DeepSeek-V3's block with a sparse attention's indexer, which keeps every
+    # key up to its top k (300 here): served up to there
+    "deepseek_v32": ("DeepseekV32Config", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=24,
+        num_key_value_heads=4, index_topk=300, index_n_heads=2, index_head_dim=32,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=1.0,
+                             beta_fast=32.0, beta_slow=1.0))),
+    # GLM-MoE-DSA (GLM-5): the same, its later layers sharing an earlier one's indexer
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=24,
+        head_dim=16, num_key_value_heads=4, index_topk=300, index_n_heads=2, index_head_dim=32,
+        indexer_types=["full", "shared", "full"])),
     # the same attention: GLM-4.7-Flash, Youtu (dense), MiniCPM3 (dense, halves RoPE, its
     # embedding, branch and logit scales)
     "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(
@@ -664,7 +681,7 @@ def auto_class(name: str):
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm", "ctrl",
             "openai-gpt"}
-MLA_ARCHS = {"deepseek_v3", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
+MLA_ARCHS = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
              "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1", "longcat_flash"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
@@ -673,10 +690,10 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
        "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element", "granitemoehybrid-moe",
-       "jetmoe"}
+       "jetmoe", "deepseek_v32", "glm_moe_dsa"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
-           "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
+           "deepseek_v3": ((2, 1), 2.5), "deepseek_v32": ((2, 1), 2.5), "glm_moe_dsa": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
@@ -867,6 +884,8 @@ def test_family_config(arch):
         assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
         if name == "smollm3-sliding":
             assert windows == [WINDOW, None, WINDOW]
+    if name in ("deepseek_v32", "glm_moe_dsa"):  # up to the indexer's top k: every key kept
+        assert lm.max_context == r.max_positions == 300 < hf.config.max_position_embeddings
     if name == "diffllama":  # a head in the cache: its key padded to 2D, its pair's two values
         assert (r.num_heads, r.num_kv_heads, r.head_dim, r.scale) == (8, 4, 64, 32 ** -0.5)
         a, w = hf.model.layers[1].self_attn, r.layers[1].w_qkv.view(-1, 64, 128)  # [heads, 2D, H]
@@ -893,7 +912,7 @@ def test_family_config(arch):
         assert (r.eps, r.final_eps) == (1e-6, 0.05)
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
-        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "exaone_moe", "deepseek",
+        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "glm_moe_dsa", "exaone_moe", "deepseek",
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
                                                                "mellum", "flint", "cohere2_moe",
@@ -902,7 +921,7 @@ def test_family_config(arch):
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
-            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "mistral3-mistral4", "minicpm5_moe",
+            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral3-mistral4", "minicpm5_moe",
                           "deepseek_v2", "sarvam_moe", "beam", "mimo_v2_flash", "laguna")
             else 4, 4 if name == "beam" else 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
@@ -1149,7 +1168,7 @@ def test_family_config(arch):
         assert r.attn_softcap == 2.0 and windows == [WINDOW, None, WINDOW, None]
     if name in MLA_ARCHS:  # latent attention: every head its own key, pe first
         m = r.layers[0].mla
-        v = {"deepseek_v3": 24, "glm4_moe_lite": 64}.get(name, 32)
+        v = {"deepseek_v3": 24, "deepseek_v32": 24, "glm_moe_dsa": 24, "glm4_moe_lite": 64}.get(name, 32)
         assert (r.num_kv_heads, r.head_dim, m.v, m.rank, m.pe) == (4, 64, v, 32, 16)
         assert (m.q_b is None) == (name in ("deepseek_v3-q", "deepseek_v2-greedy", "sarvam_mla"))
         assert r.ropes[0][0].shape[-1] == 16
@@ -1157,7 +1176,7 @@ def test_family_config(arch):
         a = model.layers[0].self_attn
         a = a[0] if name == "longcat_flash" else a  # (its layer's first of two)
         assert r.scale == a.scaling and r._fused_w is None
-        if name in ("deepseek_v3", "mistral3-mistral4"):  # YaRN's mscale in the scale
+        if name in ("deepseek_v3", "deepseek_v32", "mistral3-mistral4"):  # YaRN's mscale in the scale
             assert r.scale != 64 ** -0.5
         assert (r.q_scale is not None) == (name == "mistral3-mistral4")
         if name == "minicpm3":  # embedding, branch and logit scales

@@ -516,14 +516,23 @@ def context_cap() -> int:
     return n
 
 
+# sparse attention whose indexer keeps each query's `index_topk` best keys (DeepSeek-V3.2's
+# DSA): up to that many positions it keeps every key, so the attention is the dense one its
+# block computes without the indexer; served up to there (`max_positions`), the indexer unused
+_DENSE_UP_TO_TOPK = ("deepseek_v32", "glm_moe_dsa")
+
+
 def max_positions(cfg) -> int:
     """The context the runner serves: the model's, at most `context_cap()`. Static RoPE types
     only: dynamic NTK is refused; longrope is exact only up to its original context (past it
     transformers switches every position to the long factors), so the context is capped there.
     ALiBi's have no table: MPT's is its max_seq_len, BLOOM's the 2048 it was trained on
-    (`seq_length`)."""
+    (`seq_length`). A sparse-attention model's context is capped at its indexer's top k
+    (`_DENSE_UP_TO_TOPK`)."""
     n = (cfg.max_seq_len if cfg.model_type == "mpt" else getattr(cfg, "seq_length", 2048)
          if cfg.model_type == "bloom" else cfg.max_position_embeddings)
+    if cfg.model_type in _DENSE_UP_TO_TOPK:
+        n = min(n, cfg.index_topk)
     for params in _rope_params(cfg).values():
         rope_type = params.get("rope_type", "default")
         # (HunYuan's "dynamic" with a fixed `alpha` is NTK-alpha, static: transformers runs it so)
@@ -745,7 +754,10 @@ def _mla(cfg, a, device) -> tuple[torch.Tensor, torch.Tensor | None, MLA]:
     # transformers reorders them before rotating; DeepSeek-V2's (complex numbers) too in
     # float32, else left for the runner to multiply in place (`_complex_pairs`)
     kv_a = a.kv_a_proj_with_mqa
-    interleave = getattr(cfg, "rope_interleave", cfg.model_type in ("deepseek_v2", "longcat_flash"))
+    # (DeepSeek-V3.2's and GLM-MoE-DSA's attention rotates interleaved pairs always: their
+    # configs have no field)
+    interleave = getattr(cfg, "rope_interleave", cfg.model_type in (
+        "deepseek_v2", "longcat_flash", *_DENSE_UP_TO_TOPK))
     halves = interleave and not _complex_pairs(cfg, kv_a.weight.dtype)
     pairs = _halves_order(pe, pe) if halves else torch.arange(pe)
     head = torch.cat([torch.arange(nope), nope + pairs])  # a head's q: nope, then pe
@@ -2360,6 +2372,8 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "minimax_m2": _olmoe,  # OLMoE's q/k norms over whole projections; a sigmoid router
     "glm4_moe": _llama,  # DeepSeek-V3's router (`Experts.sigmoid`), shared experts
     "deepseek_v3": _deepseek,  # latent attention (`MLA`)
+    "deepseek_v32": _deepseek,  # DeepSeek-V3's, up to its indexer's top k (`_DENSE_UP_TO_TOPK`)
+    "glm_moe_dsa": _deepseek,  # GLM-5: the same
     "glm4_moe_lite": _deepseek,
     "youtu": _deepseek,
     "minicpm3": _deepseek,
