@@ -852,7 +852,7 @@ def test_weight_blocks_can_be_turned_off_and_a_bad_value_is_refused(monkeypatch)
     from vericache.model.runner import Runner
 
     r = Runner.__new__(Runner)
-    r.layers, r.lm_head = [], None
+    r.layers, r.lm_head, r.head_dense = [], None, None
     monkeypatch.setenv("VERICACHE_WEIGHT_BLOCKS", "off")
     assert r._find_blocks() == {}
     monkeypatch.setenv("VERICACHE_WEIGHT_BLOCKS", "yes")
