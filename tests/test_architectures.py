@@ -2108,7 +2108,7 @@ def test_alibi_votes_are_transformers_attention(name, vote_from, tmp_path):
                             "arcee", "ernie4_5", "llama-gelu", "gpt2", "opt", "gpt_neox",
                             "nanochat", "olmo", "apertus", "gptj", "hyperclovax", "granite_swa",
                             "falcon", "llama4_text", "bloom", "mpt", "openai-gpt",
-                            "longcat_flash", "bitnet"])
+                            "longcat_flash", "bitnet", "modernbert-decoder", "diffllama"])
 def test_bitwise_beside_the_fused_pass(name, tmp_path):
     """Families whose layers the fused native pass does not run. A mixture of experts gathers each
     expert's rows into one product, so which rows share a pass decides which rows share an

@@ -169,6 +169,14 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def _chosen(idx: torch.Tensor):
+    """A mixture's routing [T, top_k] by expert, ascending (the order transformers adds the
+    experts' outputs in): (expert, its rows, their slots); a negative choice is none."""
+    for expert in torch.unique(idx).tolist():
+        if expert >= 0:
+            yield (expert, *torch.where(idx == expert))
+
+
 def _softcap(x: torch.Tensor, c: float) -> torch.Tensor:
     """Gemma's soft-cap, c * tanh(x / c), in transformers' order."""
     return torch.tanh(x / c) * c
@@ -1246,7 +1254,7 @@ class Runner:
                 h = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
         for it, L in zip(items, lens):
             it.cache.length += L
-        return self._logits(items, lens, h, lin)
+        return self._logits(items, lens, h, lin, invariant)
 
     def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, lin,
              invariant: bool, b_gate_up: torch.Tensor | None = None,
@@ -1327,10 +1335,7 @@ class Runner:
         slots = (x.new_zeros(*idx.shape, x.shape[1], dtype=torch.promote_types(x.dtype, top.dtype))
                  if e.sum_slots else None)
         elin = lin if slots is None else self._then_bias(lin)  # (grouped: biases added after)
-        for expert in torch.unique(idx).tolist():  # ascending: each row's sum in expert order
-            if expert < 0:
-                continue
-            rows, slot = torch.where(idx == expert)
+        for expert, rows, slot in _chosen(idx):  # each row's sum in expert order
             weight = top[rows, slot, None]
             y = self._mlp((x[rows] * weight).to(x.dtype) if e.scale_input else x[rows],
                           e.gate_up[expert], e.down[expert], elin, invariant,
@@ -1363,8 +1368,7 @@ class Runner:
         top, idx = e.route(lin(x.to(e.router.dtype), e.router, e.router_b), x.dtype)
         hkv, d = self.num_kv_heads, self.head_dim
         q = x.new_empty(*idx.shape, hkv * d)  # [T, top_k, Hkv D]
-        for expert in torch.unique(idx).tolist():
-            rows, slot = torch.where(idx == expert)
+        for expert, rows, slot in _chosen(idx):
             q[rows, slot] = lin(x[rows], e.gate_up[expert])
         return q.view(-1, e.top_k, hkv, d).transpose(1, 2).reshape(q.shape[0], -1), (top, idx)
 
@@ -1376,8 +1380,7 @@ class Runner:
         hkv, d = self.num_kv_heads, self.head_dim
         slots = attn.view(-1, hkv, e.top_k, d).transpose(1, 2)  # [T, top_k, Hkv, D]
         out = attn.new_zeros(attn.shape[0], e.down[0].shape[0])
-        for expert in torch.unique(idx).tolist():
-            rows, slot = torch.where(idx == expert)
+        for expert, rows, slot in _chosen(idx):
             y = lin(slots[rows, slot].reshape(rows.shape[0], -1), e.down[expert])
             out.index_add_(0, rows, (y * top[rows, slot, None]).to(out.dtype))
         return out if e.out_b is None else out + e.out_b
@@ -1476,8 +1479,10 @@ class Runner:
         bias = None if self.alibi is None else self._item_alibi(it, li, lo, past + L, it.positions)
         self._votes(q[s0: s0 + L], ck[:, lo: past + L], mask, votes[:, lo:], it.vote_from, bias)
 
-    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin):
-        """Logits (fp32) only for the rows asked for; `lin` the pass's products."""
+    def _logits(self, items: list[SeqBatchItem], lens: list[int], h: torch.Tensor, lin,
+                invariant: bool = False):
+        """Logits (fp32) only for the rows asked for; `lin` the pass's products (`invariant`:
+        the invariant pass's, whose activations run row by row, `_each`)."""
         rows, spans, start = [], [], 0
         for it, L in zip(items, lens):
             if it.logits == "all":
@@ -1495,7 +1500,7 @@ class Runner:
         if self.norm is not None:  # (GPT-1's layers end in their own norm)
             hs = self._norm(hs, self.norm, self.norm_b, self.final_eps)
         if self.head_dense is not None:  # (ModernBERT-decoder's prediction head)
-            hs = self.head_act(lin(hs, self.head_dense, self.head_dense_b))
+            hs = self._each(self.head_act, lin(hs, self.head_dense, self.head_dense_b), invariant)
             hs = self._norm(hs, self.head_norm, self.head_norm_b)
         logits = lin(hs, self.lm_head, self.lm_head_b)
         if self.logit_divisor:
