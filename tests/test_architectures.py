@@ -1689,21 +1689,21 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_vision_language_model_of_an_unsupported_language_model_is_refused(tmp_path):
-    """A LLaVA checkpoint whose language model is DiffLlama's (differential attention):
-    refused, naming both."""
+    """A LLaVA checkpoint whose language model is Doge's (a bias on each key computed from its
+    value): refused, naming both."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     from vericache.errors import ModelLoadError
     from vericache.model.loader import load_model
 
     torch.manual_seed(0)
-    text = dict(model_type="diffllama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    text = dict(model_type="doge", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     cfg = LlavaConfig(text_config=text, vision_config=ARCHS["llava"][1]["vision_config"])
     LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError,
-                       match="llava's language model 'diffllama' is not supported"):
+                       match="llava's language model 'doge' is not supported"):
         load_model(str(tmp_path))
 
 
