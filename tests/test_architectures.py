@@ -681,7 +681,8 @@ def auto_class(name: str):
 QWEN_VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 ABSOLUTE = {"gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "gpt_neo", "biogpt", "xglm", "ctrl",
             "openai-gpt"}
-MLA_ARCHS = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v3-q", "glm4_moe_lite", "youtu", "minicpm3", "mistral3-mistral4",
+MLA_ARCHS = {"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v3-q", "glm4_moe_lite",
+             "youtu", "minicpm3", "mistral3-mistral4",
              "deepseek_v2", "deepseek_v2-greedy", "sarvam_mla", "axk1", "longcat_flash"}
 MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
        "granitemoeshared", "glm4_moe", "dots1", "solar_open", "exaone_moe", "minimax_m2",
@@ -693,7 +694,8 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "jetmoe", "deepseek_v32", "glm_moe_dsa"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
-           "deepseek_v3": ((2, 1), 2.5), "deepseek_v32": ((2, 1), 2.5), "glm_moe_dsa": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
+           "deepseek_v32": ((2, 1), 2.5), "glm_moe_dsa": ((2, 1), 2.5),
+           "deepseek_v3": ((2, 1), 2.5), "deepseek_v3-q": (None, 2.5), "glm4_moe_lite": (None, 1.8),
            "minicpm5_moe": ((2, 1), 2.0), "afmoe": (None, 1.5),
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
@@ -840,7 +842,8 @@ def test_family_config(arch):
                                     "llama-biases": "llama",
                                     "laguna-element": "laguna",
                                     "granitemoehybrid-moe": "granitemoehybrid",
-                                    "cohere_compass_text-rope": "cohere_compass_text"}.get(name, name)
+                                    "cohere_compass_text-rope":
+                                        "cohere_compass_text"}.get(name, name)
     r = lm.runner
     windows = [lyr.window for lyr in r.layers]
     if name in WINDOWED:
@@ -912,7 +915,8 @@ def test_family_config(arch):
         assert (r.eps, r.final_eps) == (1e-6, 0.05)
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
-        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "glm_moe_dsa", "exaone_moe", "deepseek",
+        assert moe == ([False, True, True] if name.startswith(("glm4_moe", "glm_moe_dsa",
+                                                               "exaone_moe", "deepseek",
                                                                "ernie4_5_moe", "minicpm5_moe", "afmoe",
                                                                "sarvam", "param2moe", "hy_v3",
                                                                "mellum", "flint", "cohere2_moe",
@@ -921,7 +925,8 @@ def test_family_config(arch):
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
-            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral3-mistral4", "minicpm5_moe",
+            8 if name in ("glm4_moe", "solar_open", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
+                          "mistral3-mistral4", "minicpm5_moe",
                           "deepseek_v2", "sarvam_moe", "beam", "mimo_v2_flash", "laguna")
             else 4, 4 if name == "beam" else 2)
         # (float32 weights: Mixtral's, DeepSeek-V2's, and HunYuan's from its float32 router)
@@ -1168,7 +1173,8 @@ def test_family_config(arch):
         assert r.attn_softcap == 2.0 and windows == [WINDOW, None, WINDOW, None]
     if name in MLA_ARCHS:  # latent attention: every head its own key, pe first
         m = r.layers[0].mla
-        v = {"deepseek_v3": 24, "deepseek_v32": 24, "glm_moe_dsa": 24, "glm4_moe_lite": 64}.get(name, 32)
+        v = {"deepseek_v3": 24, "deepseek_v32": 24, "glm_moe_dsa": 24,
+             "glm4_moe_lite": 64}.get(name, 32)
         assert (r.num_kv_heads, r.head_dim, m.v, m.rank, m.pe) == (4, 64, v, 32, 16)
         assert (m.q_b is None) == (name in ("deepseek_v3-q", "deepseek_v2-greedy", "sarvam_mla"))
         assert r.ropes[0][0].shape[-1] == 16
@@ -1176,7 +1182,8 @@ def test_family_config(arch):
         a = model.layers[0].self_attn
         a = a[0] if name == "longcat_flash" else a  # (its layer's first of two)
         assert r.scale == a.scaling and r._fused_w is None
-        if name in ("deepseek_v3", "deepseek_v32", "mistral3-mistral4"):  # YaRN's mscale in the scale
+        # YaRN's mscale in the scale
+        if name in ("deepseek_v3", "deepseek_v32", "mistral3-mistral4"):
             assert r.scale != 64 ** -0.5
         assert (r.q_scale is not None) == (name == "mistral3-mistral4")
         if name == "minicpm3":  # embedding, branch and logit scales

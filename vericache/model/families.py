@@ -1162,9 +1162,9 @@ def _modernbert_decoder(hf, device) -> Weights:
     attention), q/k/v and the output with biases where `attention_bias`, a gated MLP whose
     first half is activated (Wi) with biases where `mlp_bias`, sliding on the layers
     `layer_types` marks with a RoPE table a layer type (RoPE in float32, as transformers
-    computes it); after the final norm a prediction
-    head (dense, activation, LayerNorm: `Weights.head_dense`) before the LM head (`decoder`,
-    with its bias where `decoder_bias`)."""
+    computes it); after the final norm a prediction head (dense, activation, LayerNorm:
+    `Weights.head_dense`) before the LM head (`decoder`, with its bias where
+    `decoder_bias`)."""
     cfg, m = hf.config, hf.model
     kinds, dtype = sorted(set(cfg.layer_types)), m.embeddings.tok_embeddings.weight.dtype
     # (its RoPE in float32, over the model dtype's table: a float32 table, `Runner._rope`)
@@ -2255,7 +2255,8 @@ def _gpt_neox(hf, device) -> Weights:
     cfg = hf.config
     japanese = cfg.model_type == "gpt_neox_japanese"
     neox = cfg.model_type == "gpt_neox" or japanese
-    m = hf.gpt_neox if cfg.model_type == "gpt_neox" else hf.gpt_neox_japanese if japanese else hf.model
+    m = (hf.gpt_neox if cfg.model_type == "gpt_neox" else hf.gpt_neox_japanese if japanese
+         else hf.model)
     d, heads = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads
     layers = []
     for lyr in m.layers:
@@ -2410,10 +2411,10 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "cohere": _cohere,
     "cohere2": _cohere,
     "cohere2_moe": _cohere,
-    "cohere_compass_text": _cohere_compass,
-    "jetmoe": _jetmoe,
+    "cohere_compass_text": _cohere_compass,  # Cohere 2's block, RoPE over halves a layer type
+    "jetmoe": _jetmoe,  # a mixture of attention heads (`Layer.moa`) and of MLP experts
     "diffllama": _diffllama,  # differential attention (`Layer.diff`)
-    "modernbert-decoder": _modernbert_decoder,  # a prediction head before the LM head  # a mixture of attention heads (`Layer.moa`) and of MLP experts  # Cohere 2's block, RoPE over halves a layer type
+    "modernbert-decoder": _modernbert_decoder,  # a prediction head before the LM head
     "starcoder2": _starcoder2,
     "phi": _phi,
     "gpt2": _gpt2,  # learned absolute positions (`pos_embed`)

@@ -988,11 +988,11 @@ class Runner:
         those scores and that softmax in float32, the weights cast back; with `attn_eager`
         (GPT-1's, XGLM's), the explicit path as it is (GPT-1's scores divided by sqrt(D),
         `attn_divisor`); with `scores_baddbmm` (GPT-NeoX Japanese's) the scores in one
-        baddbmm and their softmax in the model's dtype; with ALiBi's `bias` (`_alibi`), the scaled scores plus it (float32,
-        MPT's order; BLOOM's: bias + scale q k^T in one baddbmm, in the model's dtype),
-        softmax in float32, the weights cast back; Falcon's bias is SDPA's mask, as
-        transformers passes it. A row that sees no key (a padding row) gives zeros, not NaN
-        (Falcon's: finite values, discarded)."""
+        baddbmm and their softmax in the model's dtype; with ALiBi's `bias` (`_alibi`), the
+        scaled scores plus it (float32, MPT's order; BLOOM's: bias + scale q k^T in one
+        baddbmm, in the model's dtype), softmax in float32, the weights cast back; Falcon's
+        bias is SDPA's mask, as transformers passes it. A row that sees no key (a padding
+        row) gives zeros, not NaN (Falcon's: finite values, discarded)."""
         explicit = (self.attn_softcap or sinks is not None or self.attn_float32 or self.attn_eager
                     or self.softmax_in_dtype or self.scores_baddbmm)
         if not explicit:
