@@ -558,14 +558,23 @@ def _rope_table(rotary, n: int, dtype: torch.dtype, device, layer_type: str | No
     return _t(cos[0], device), _t(sin[0], device)
 
 
-def _ropes(cfg, m, device, per_kind: bool) -> tuple[list, list[int]]:
-    """The RoPE tables and each layer's index into them: one table a layer type where
-    `per_kind` (Gemma 3's and OLMo 3's sliding layers have their own), else one for all."""
-    kinds = sorted(set(cfg.layer_types)) if per_kind else [None]
-    n, dtype = max_positions(cfg), m.embed_tokens.weight.dtype
+def _ropes(cfg, m, device, per_kind: bool,
+           dtype: torch.dtype | None = None) -> tuple[list, list[int], list[int]]:
+    """The RoPE tables, each layer's index into them and the layers without RoPE: one table a
+    layer type where `per_kind` (Gemma 3's and OLMo 3's sliding layers have their own), else
+    one for all. A layer type whose parameters the config gives as None (Beam's, Cohere
+    Compass's) has no table: its layers read table 0 until `_without_rope` gives them the identity; where no
+    type has any, the one table is the identity. `dtype`: the tables' (the embedding's)."""
+    types = cfg.layer_types if per_kind else [None] * len(m.layers)
+    params = (cfg.rope_parameters or {}) if per_kind else {}
+    kinds = sorted(t for t in set(types) if t not in params or params[t] is not None)
+    n = max_positions(cfg)
+    dtype = m.embed_tokens.weight.dtype if dtype is None else dtype
+    if not kinds:
+        return [_identity_rope(n, head_dim(cfg), dtype, device)], [0] * len(types), []
     ropes = [_rope_table(m.rotary_emb, n, dtype, device, kind) for kind in kinds]
-    index = [kinds.index(t) for t in cfg.layer_types] if per_kind else [0] * len(m.layers)
-    return ropes, index
+    index = [kinds.index(t) if t in kinds else 0 for t in types]
+    return ropes, index, [i for i, t in enumerate(types) if t not in kinds]
 
 
 def _window(cfg, layer_idx: int) -> int | None:
@@ -847,7 +856,7 @@ def _llama(hf, device) -> Weights:
     all of the MLPs (`Experts`)."""
     cfg = hf.config
     # a RoPE table a layer type where the config gives each its own (Mellum's)
-    ropes, rope = _ropes(cfg, hf.model, device, per_kind="" not in _rope_params(cfg))
+    ropes, rope, _ = _ropes(cfg, hf.model, device, per_kind="" not in _rope_params(cfg))
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
                      ln_mlp_in=_t(lyr.post_attention_layernorm.weight, device),
                      qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i),
@@ -1007,7 +1016,7 @@ def _olmo2(hf, device) -> Weights:
     def f32(w):
         return _t(w.float(), device)
 
-    ropes, rope = _ropes(cfg, m, device, per_kind=cfg.model_type == "olmo3")
+    ropes, rope, _ = _ropes(cfg, m, device, per_kind=cfg.model_type == "olmo3")
     layers = [_block(lyr, device, cfg, ln_attn_in=None, ln_mlp_in=None,
                      ln_attn_out=f32(lyr.post_attention_layernorm.weight),
                      ln_mlp_out=f32(lyr.post_feedforward_layernorm.weight),
@@ -1166,10 +1175,10 @@ def _modernbert_decoder(hf, device) -> Weights:
     `Weights.head_dense`) before the LM head (`decoder`, with its bias where
     `decoder_bias`)."""
     cfg, m = hf.config, hf.model
-    kinds, dtype = sorted(set(cfg.layer_types)), m.embeddings.tok_embeddings.weight.dtype
+    ropes, rope, _ = _ropes(cfg, m, device, per_kind=True,
+                            dtype=m.embeddings.tok_embeddings.weight.dtype)
     # (its RoPE in float32, over the model dtype's table: a float32 table, `Runner._rope`)
-    ropes = [tuple(t.float() for t in _rope_table(m.rotary_emb, max_positions(cfg), dtype,
-                                                   device, kind)) for kind in kinds]
+    ropes = [tuple(t.float() for t in table) for table in ropes]
     layers = []
     for i, lyr in enumerate(m.layers):
         a, mlp = lyr.attn, lyr.mlp
@@ -1182,7 +1191,7 @@ def _modernbert_decoder(hf, device) -> Weights:
             ln_mlp_in=_t(lyr.mlp_norm.weight, device), ln_mlp_in_b=_bias(lyr.mlp_norm, device),
             w_gate_up=_t(mlp.Wi.weight, device), b_gate_up=_bias(mlp.Wi, device),
             w_down=_t(mlp.Wo.weight, device), b_down=_bias(mlp.Wo, device),
-            window=_window(cfg, i), rope=kinds.index(cfg.layer_types[i])))
+            window=_window(cfg, i), rope=rope[i]))
     emb, head = m.embeddings, hf.lm_head
     embed, lm_head = _embed_and_head(hf, emb.tok_embeddings.weight, device)
     return Weights(layers, embed, _t(m.final_norm.weight, device), lm_head, ropes, head_dim(cfg),
@@ -1233,20 +1242,14 @@ def _cohere_compass(hf, device) -> Weights:
     (`_without_rope`). Its multimodal RoPE gives a text token one position on all three
     axes, so its rotary module's table at positions 0..n-1 is the plain RoPE."""
     cfg, m = hf.config, hf.model
-    rp = cfg.rope_parameters or {}
-    kinds = sorted(t for t in set(cfg.layer_types) if rp.get(t) is not None)
-    nope = [i for i, t in enumerate(cfg.layer_types) if rp.get(t) is None]
-    n, dtype = max_positions(cfg), m.embed_tokens.weight.dtype
-    ropes = ([_rope_table(m.rotary_emb, n, dtype, device, t) for t in kinds] if kinds
-             else [_identity_rope(n, head_dim(cfg), dtype, device)])  # (no layer has RoPE)
+    ropes, rope, nope = _ropes(cfg, m, device, per_kind=True)
     layers = [_block(lyr, device, cfg, ln_attn_in=_t(lyr.input_layernorm.weight, device),
-                     ln_mlp_in=None, parallel=True, window=_window(cfg, i),
-                     rope=kinds.index(t) if t in kinds else 0)
-              for i, (lyr, t) in enumerate(zip(m.layers, cfg.layer_types))]
+                     ln_mlp_in=None, parallel=True, window=_window(cfg, i), rope=rope[i])
+              for i, lyr in enumerate(m.layers)]
     scale = None if cfg.logit_scale is None else float(cfg.logit_scale)
     w = _common(hf, device, layers, ropes=ropes, logit_scale=scale, layer_norm=True,
                 eps=cfg.layer_norm_eps)
-    return _without_rope(w, nope if kinds else [])
+    return _without_rope(w, nope)
 
 
 def _starcoder2(hf, device) -> Weights:
@@ -1621,11 +1624,8 @@ def _beam(hf, device) -> Weights:
     here, `Experts.scale`); the logits soft-capped."""
     cfg, m = hf.config, hf.model
     hq, d = cfg.num_attention_heads, head_dim(cfg)
-    rp = cfg.rope_parameters
-    nope = [i for i, t in enumerate(cfg.layer_types) if rp.get(t) is None]
-    kinds = sorted(t for t in set(cfg.layer_types) if rp.get(t) is not None)
+    ropes, rope, nope = _ropes(cfg, m, device, per_kind=True)
     n = max_positions(cfg)
-    ropes = [_rope_table(m.rotary_emb, n, m.embed_tokens.weight.dtype, device, t) for t in kinds]
     layers = []
     for i, lyr in enumerate(m.layers):
         a = lyr.self_attn
@@ -1634,8 +1634,7 @@ def _beam(hf, device) -> Weights:
                        ln_mlp_in=_t(lyr.pre_feedforward_layernorm.weight, device),
                        ln_mlp_out=_t(lyr.post_feedforward_layernorm.weight, device),
                        qk_norm=_qk_norm(cfg, a, device), window=_window(cfg, i),
-                       rope=kinds.index(cfg.layer_types[i]) if i not in nope else 0,
-                       q_scaled=i in nope)
+                       rope=rope[i], q_scaled=i in nope)
         layer.out_gate_b = _t(a.gate_bias.repeat_interleave(d), device)
         ia, im = 2 * (i + 1), 2 * (i + 1) + 1
         layer.residual_mix = (1 / math.sqrt(ia), math.sqrt((ia - 1) / ia),
@@ -1714,7 +1713,7 @@ def _mimo(hf, device) -> Weights:
     the same sum), each value padded with zeros to the key's width."""
     cfg, m = hf.config, hf.model
     hkv, d = kv_heads(cfg), head_dim(cfg)
-    ropes, rope = _ropes(cfg, m, device, per_kind="" not in _rope_params(cfg))
+    ropes, rope, _ = _ropes(cfg, m, device, per_kind="" not in _rope_params(cfg))
     layers = []
     for i, lyr in enumerate(m.layers):
         a = lyr.self_attn
@@ -1810,7 +1809,7 @@ def _laguna(hf, device) -> Weights:
     cfg, m = hf.config, hf.model
     hq, hkv, d = q_heads(cfg), kv_heads(cfg), head_dim(cfg)
     group = hq // hkv
-    ropes, rope = _ropes(cfg, m, device, per_kind="" not in _rope_params(cfg))
+    ropes, rope, _ = _ropes(cfg, m, device, per_kind="" not in _rope_params(cfg))
     per_head = cfg.gating is True or cfg.gating == "per-head"
     layers = []
     for i, lyr in enumerate(m.layers):
@@ -2341,7 +2340,7 @@ def _gemma3(hf, device) -> Weights:
     def g(norm):
         return None if norm is None else _gemma_norm(norm.weight, device)
 
-    ropes, rope = _ropes(cfg, m, device, per_kind=not gemma2)
+    ropes, rope, _ = _ropes(cfg, m, device, per_kind=not gemma2)
     layers = [_block(lyr, device, ln_attn_in=g(lyr.input_layernorm),
                      ln_attn_out=g(getattr(lyr, "post_attention_layernorm", None)),
                      ln_mlp_in=g(lyr.pre_feedforward_layernorm),
