@@ -267,6 +267,47 @@ def test_blocks_of_gives_quantized_weights_back_exactly(bits):
     assert blocks_of(nudged) is None  # one weight one ulp off: not exact, so not kept
 
 
+def _edited(w: torch.Tensor, row: int, cols: slice, value: float) -> torch.Tensor:
+    w = w.clone()
+    w[row, cols] = value
+    return w
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_blocks_of_is_torchs(linear, bits):
+    """`vc_blocks_of` (what a model load runs) finds the form `blocks_of_torch` finds, the
+    same q, d and m, or none where it finds none: quantized blocks, a block of zeros, of
+    negative zeros, of one value, of subnormal-scale values, of values too wide for a
+    float16 scale, a NaN or an infinity among them, one weight an ulp off."""
+    from vericache.model.qweights import blocks_of, blocks_of_torch
+
+    w = _quantized(70, 576, bits, seed=40 + bits)
+    nudged = w.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(1.0))
+    wide = w.clone()
+    wide[4, :32] = torch.randn(32, generator=torch.Generator().manual_seed(2)) * 1e5
+    cases = {"quantized": w, "nudged": nudged, "wide": wide,
+             "zeros": _edited(w, 1, slice(0, 32), 0.0),
+             "negative zeros": _edited(w, 1, slice(0, 32), -0.0),
+             "one value": _edited(w, 1, slice(32, 64), 0.5),
+             "tiny": _edited(w, 4, slice(0, 32), 1e-30),
+             "NaN": _edited(w, 2, slice(7, 8), float("nan")),
+             "NaN first": _edited(w, 2, slice(0, 1), float("nan")),
+             "inf": _edited(w, 2, slice(7, 8), float("inf")),
+             "random": torch.randn(70, 576), "integers": torch.randint(0, 16, (64, 64)).float()}
+    found = {}
+    for name, m in cases.items():
+        a, b = blocks_of(m), blocks_of_torch(m)
+        found[name] = None if a is None else a.bits
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.bits == b.bits and torch.equal(a.q, b.q) and torch.equal(a.d, b.d), name
+            assert (a.m is None) == (b.m is None) and (a.m is None or torch.equal(a.m, b.m)), name
+    # (the cases cover both outcomes: the form found, and refused)
+    assert found["quantized"] == found["zeros"] == bits
+    assert found["nudged"] is found["NaN"] is found["inf"] is found["random"] is None
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_linear_over_blocks_equals_a_float64_product_and_rows_are_invariant(linear, bits):
     """`vc_linear_qw`: x times the blocks' weights, with and without bias, 1 to 33 rows and a

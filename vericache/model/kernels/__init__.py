@@ -280,6 +280,9 @@ class Linear:
         self._layers = lib.vc_layers_f32
         self._layers.argtypes = [ctypes.POINTER(Pass)]
         self._layers.restype = ctypes.c_int
+        self._blocks_of = lib.vc_blocks_of
+        self._blocks_of.argtypes = [p, i, i, i, p, p, p]
+        self._blocks_of.restype = ctypes.c_int
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gu[:, :I]) * gu[:, I:] for a contiguous float32 gu [T, 2I] (the gated MLP),
@@ -295,6 +298,20 @@ class Linear:
         """Run a pass's decoder layers (`vc_layers_f32`) on p.h in place."""
         if self._layers(ctypes.byref(p)):
             raise MemoryError("layers: out of memory for its buffers")
+
+    def blocks_of(self, w: torch.Tensor, bits: int):
+        """`vc_blocks_of`: (q, d, m) of w (contiguous float32 [n, k], k % 32 == 0) in blocks
+        of `bits` (4: q uint8 [n, k / 2] packed, m float32 [n, k / 32]; 8: q int8 [n, k], m
+        None), d float32 [n, k / 32]; None where some block is not of that form."""
+        n, k = w.shape
+        if w.dtype != torch.float32 or not w.is_contiguous() or k % 32 or bits not in (4, 8):
+            raise ValueError("blocks_of: contiguous float32 [n, k], k a multiple of 32; bits 4 or 8")
+        q = torch.empty(n, k * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8)
+        d = torch.empty(n, k // 32)
+        m = torch.empty(n, k // 32) if bits == 4 else None
+        ok = self._blocks_of(w.data_ptr(), n, k, bits, q.data_ptr(), d.data_ptr(),
+                             None if m is None else m.data_ptr())
+        return (q, d, m) if ok else None
 
     def rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of a contiguous float32 x, scaled by w [x.shape[-1]]."""

@@ -1095,3 +1095,60 @@ int vc_layers_f32(const struct vc_pass *p) {
     free(x); free(qkv); free(qp); free(op); free(attn); free(o); free(gu); free(a);
     return err;
 }
+
+/* The block form of a float32 matrix w [n, k] (k a multiple of QB), as
+ * `vericache.model.qweights.blocks_of_torch` finds it, in one pass instead of a dozen of
+ * torch's: bits 4 (Q4_1's form: per block, lo = its least weight, d = half((hi - lo) / 15),
+ * q = round((w - lo) / d) in 0..15, packed as `vc_linear_qw` reads them, m = lo) or bits 8
+ * (Q8_0's: d = half(max |w| / 127), q = round(w / d) in -128..127, no offset), kept only where
+ * d * q (+ m) gives every weight back bit for bit. A d of 0 divides by 1. Returns 1 with q, d
+ * (and m, bits 4) filled, 0 at the first block that is not of that form (what was filled is
+ * then meaningless). d * q + m is rounded twice, as torch's two operations: not contracted
+ * into one fused multiply-add (the function's own optimize attribute); round() is rint's
+ * ties-to-even, as torch.round. */
+static inline float f16_round(float x) { return (float)(_Float16)x; }
+
+static inline uint32_t bits_of(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+__attribute__((optimize("fp-contract=off")))
+int vc_blocks_of(const float *w, int64_t n, int64_t k, int64_t bits, uint8_t *q, float *d,
+                 float *m) {
+    const int64_t nb = n * (k / QB);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *x = w + b * QB;
+        float lo = x[0], hi = x[0], amax = fabsf(x[0]);
+        for (int i = 1; i < QB; i++) { /* NaN: torch's amin/amax give NaN, and so fails */
+            if (x[i] != x[i]) return 0;
+            lo = x[i] < lo ? x[i] : lo;
+            hi = x[i] > hi ? x[i] : hi;
+            amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        }
+        if (x[0] != x[0]) return 0;
+        const float db = bits == 4 ? f16_round((hi - lo) / 15.0f) : f16_round(amax / 127.0f);
+        if (db != db) return 0; /* (torch.equal(d, d.half().float()) fails on NaN) */
+        const float safe = db == 0.0f ? 1.0f : db;
+        uint8_t qi[QB];
+        for (int i = 0; i < QB; i++) {
+            const float r = rintf(bits == 4 ? (x[i] - lo) / safe : x[i] / safe);
+            if (bits == 4 ? !(r >= 0.0f && r <= 15.0f) : !(r >= -128.0f && r <= 127.0f))
+                return 0;
+            float back = db * r;
+            if (bits == 4) back = back + lo;
+            if (bits_of(back) != bits_of(x[i])) return 0;
+            qi[i] = (uint8_t)(int8_t)r;
+        }
+        d[b] = db;
+        if (bits == 4) {
+            m[b] = lo;
+            for (int c = 0; c < QB / 2; c++)
+                q[b * (QB / 2) + c] = (uint8_t)(qi[c] | (qi[c + QB / 2] << 4));
+        } else {
+            memcpy(q + b * QB, qi, QB);
+        }
+    }
+    return 1;
+}
