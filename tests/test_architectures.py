@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 N_NEW = 40
 N_VERICACHE = 24  # a vericache case's tokens (`full`'s first): with a random model's few
@@ -300,6 +301,15 @@ ARCHS = {
     # Beam: sandwich norms, a gated attention with a bias a head, RoPE on the sliding layers
     # only (q scaled by position on the others), depth-scaled residual sums, a grouped sigmoid
     # router after a dense layer, soft-capped logits
+    # Ergo: Gemma 2's four norms, per-head q/k norms, global layers without RoPE and with q and
+    # k scaled, a learned residual gate a dimension on each branch, a dense ReLU² MLP, then a
+    # sigmoid router over ReLU² experts each normed by its own weight, a shared expert normed
+    "ergo": ("ErgoConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_intermediate_size=64,
+        first_dense_intermediate_size=256, sliding_window=WINDOW, global_attention_scale=2.0,
+        moe_routed_scaling_factor=1.7, layer_types=["sliding_attention", "full_attention",
+                                                    "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"])),
     "beam": ("BeamConfig", dict(
         head_dim=32, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, n_group=2,
         topk_group=2, routed_scaling_factor=2.5, sliding_window=WINDOW, attention_bias=True,
@@ -691,7 +701,7 @@ MOE = {"mixtral", "mixtral-sliding", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss
        "phimoe", "granitemoe_swa", "sarvam_moe", "param2moe", "sarvam_mla", "dbrx", "hy_v3",
        "mellum", "flint", "cohere2_moe", "cohere2_moe-rms", "kolibri1", "aria_text", "aria",
        "axk1", "beam", "mimo_v2_flash", "laguna", "laguna-element", "granitemoehybrid-moe",
-       "jetmoe", "deepseek_v32", "glm_moe_dsa"}
+       "jetmoe", "deepseek_v32", "glm_moe_dsa", "ergo"}
 # DeepSeek-V3's router (`Experts.sigmoid`): its groups, each expert's weight's scale
 SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (None, 1.0),
            "deepseek_v32": ((2, 1), 2.5), "glm_moe_dsa": ((2, 1), 2.5),
@@ -700,14 +710,15 @@ SIGMOID = {"glm4_moe": ((2, 1), 2.5), "solar_open": ((2, 1), 1.5), "dots1": (Non
            "exaone_moe": (None, 2.5), "minimax_m2": (None, 1.0), "sarvam_moe": ((2, 1), 2.5),
            "param2moe": (None, 2.5), "sarvam_mla": (None, 2.5), "hy_v3": (None, 2.5),
            "kolibri1": (None, 1.0), "axk1": (None, 2.5), "beam": ((2, 2), 2.5),
-           "mimo_v2_flash": ((2, 1), 2.5), "laguna": (None, 2.5), "laguna-element": (None, 1.0)}
+           "mimo_v2_flash": ((2, 1), 2.5), "laguna": (None, 2.5), "laguna-element": (None, 1.0),
+           "ergo": (None, 1.7)}
 WINDOWED = {"mistral-sliding", "mixtral-sliding", "cohere2", "cohere_compass_text",
             "modernbert-decoder",
             "cohere_compass_text-rope", "starcoder2", "exaone4", "gpt_oss",
             "dots1", "exaone_moe", "afmoe", "cwm", "granite_swa", "granitemoe_swa", "mellum",
             "qwen2-sliding", "ministral", "smollm3-sliding", "phi3", "olmo3", "gemma2",
             "gemma3_text", "gemma3", "vaultgemma", "flint", "cohere2_moe", "cohere2_moe-rms",
-            "gpt_neo", "kolibri1", "beam", "mimo_v2_flash", "laguna"}
+            "gpt_neo", "kolibri1", "beam", "mimo_v2_flash", "laguna", "ergo"}
 CHUNKED = {"llama4_text", "llama4"}  # chunked attention (`families.Chunk`)
 ALIBI = {"bloom", "bloom-6", "mpt", "mpt-6", "falcon-rw"}
 # smaller exact tails than the defaults, so an 80-token prompt has compressed chunks
@@ -795,8 +806,9 @@ def _save_randomised(hf, folder) -> None:
     DeepSeek-V3's router bias randomised further) with a word-level tokenizer."""
     with torch.no_grad():
         for pname, p in hf.named_parameters():
-            if "norm" in pname or pname.endswith((".bias", "_bias", ".sinks", ".alpha_p",
-                                                  ".alpha_n")):  # (xIELU's, Apertus's)
+            if "norm" in pname or "residual_gate" in pname or pname.endswith((
+                    ".bias", "_bias", ".sinks", ".alpha_p", ".alpha_n")):  # (xIELU's, Apertus's;
+                # Ergo's residual gates, zeros as initialised)
                 p.copy_(p + 0.3 * torch.randn_like(p))
         for bname, b in hf.named_buffers():  # DeepSeek-V3's router bias is a buffer
             if bname.endswith("e_score_correction_bias"):
@@ -913,6 +925,22 @@ def test_family_config(arch):
         assert torch.equal(a.out_b, src.experts.bias)
         assert torch.equal(r.layers[1].w_qkv, src.kv_proj.weight)
         assert (r.eps, r.final_eps) == (1e-6, 0.05)
+    if name == "ergo":  # gates a dimension; q and k scaled on the global layer; normed experts
+        src = hf.model.layers[1]
+        s = src.attention_residual_gate.weight.sigmoid()
+        mix = r.layers[1].residual_mix
+        assert torch.equal(mix[0], s) and not torch.equal(mix[0], mix[2])
+        assert torch.allclose(mix[1], torch.sqrt(1 + s) * torch.exp(-0.5 * F.softplus(
+            src.attention_residual_gate.weight)))
+        assert [lyr.rope for lyr in r.layers] == [0, 1, 0] and not r.gated
+        # (RoPE over interleaved pairs: a head's rows, and its norm's weights, evens then odds)
+        order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])
+        assert torch.allclose(r.layers[1].qk_norm[0], src.self_attn.q_norm.weight[order] * 2 ** 0.5)
+        assert torch.equal(r.layers[0].qk_norm[0], hf.model.layers[0].self_attn.q_norm.weight[order])
+        e = r.layers[1].moe
+        assert torch.equal(e.out_norm, src.mlp.experts.post_expert_norm.weight) and e.sum_slots
+        assert torch.equal(e.shared_norm, src.mlp.shared_experts.norm.weight)
+        assert torch.equal(e.gate_up[3], src.mlp.experts.up_proj[3].t())
     if name in MOE:  # a mixture of experts for every MLP but Qwen3-MoE's layer 1, GLM-4.5's
         moe = [lyr.moe is not None for lyr in r.layers]  # and EXAONE-MoE's layer 0
         assert moe == ([False, True, True] if name.startswith(("glm4_moe", "glm_moe_dsa",
@@ -921,7 +949,7 @@ def test_family_config(arch):
                                                                "sarvam", "param2moe", "hy_v3",
                                                                "mellum", "flint", "cohere2_moe",
                                                                "axk1", "beam", "mimo_v2_flash",
-                                                               "laguna"))
+                                                               "laguna", "ergo"))
                        else [True, False, True] if name == "qwen3_moe" else [True] * 3)
         e = r.layers[-1].moe
         assert (len(e.gate_up), e.top_k) == (
@@ -1776,6 +1804,19 @@ def test_cohere2_moe_with_its_sigmoid_router_is_refused():
     cfg = Cohere2MoeConfig(**{**COMMON, **over})
     with pytest.raises(ModelLoadError, match="Cohere 2 MoE's 'sigmoid' router"):
         Runner.from_hf(Cohere2MoeForCausalLM(cfg))
+
+
+def test_ergo_in_bfloat16_is_refused_by_name():
+    """Ergo in a narrow dtype keeps its residual stream and norms float32 beside bfloat16
+    products, which the runner does not follow: refused with the dtype it serves."""
+    from transformers import ErgoConfig, ErgoForCausalLM
+
+    from vericache.errors import ModelLoadError
+    from vericache.model.runner import Runner
+
+    hf = ErgoForCausalLM(ErgoConfig(**{**COMMON, **ARCHS["ergo"][1]})).to(torch.bfloat16)
+    with pytest.raises(ModelLoadError, match="Ergo is served in float32 only"):
+        Runner.from_hf(hf)
 
 
 def test_a_granite_hybrid_with_mamba_layers_is_refused():

@@ -134,6 +134,12 @@ class Experts:
     zero_experts: int = 0
     # JetMoE's: a bias [H] added to the experts' summed output
     out_b: torch.Tensor | None = None
+    # Ergo's: each chosen expert's output RMS-normed in float32 (eps `out_norm_eps`) and scaled
+    # by that expert's row of `out_norm` [E, H] before its weight; the shared expert's output
+    # RMS-normed by `shared_norm` [H] (the model's norm) before it is added
+    out_norm: torch.Tensor | None = None
+    out_norm_eps: float = 1e-6
+    shared_norm: torch.Tensor | None = None
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -644,7 +650,7 @@ def _qk_norm(cfg, a, device, offset: float | None = None) -> torch.Tensor | None
               for n, long in (("q_norm", "query"), ("k_norm", "key")))
     if qn is None:
         return None
-    ones = torch.ones(head_dim(cfg), dtype=a.q_proj.weight.dtype)
+    ones = torch.ones(head_dim(cfg), dtype=next(a.parameters()).dtype)
     q, k = (n.weight if getattr(n, "weight", None) is not None else ones for n in (qn, kn))
     if offset is not None:
         q, k = offset + q.float(), offset + k.float()
@@ -702,8 +708,10 @@ def _experts(cfg, mlp, device) -> Experts:
     gate = getattr(mlp, "shared_expert_gate", None)  # (Qwen2-MoE's; the others' are not gated)
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router  # (Granite-MoE's, AFMoE's name)
     weight = getattr(router, "weight", None)
-    if weight is None:  # AFMoE's router holds a gate; HunYuan's, `wg`, float32 as its weights
-        weight = (router.gate if hasattr(router, "gate") else router.wg).weight
+    if weight is None:  # AFMoE's router holds a gate; HunYuan's, `wg`, float32 as its weights;
+        # Ergo's, `linear` (float32 logits of a float32 weight)
+        weight = next(getattr(router, n) for n in ("gate", "wg", "linear")
+                      if hasattr(router, n)).weight
     after = cfg.model_type in (*_TOP_K_THEN_SOFTMAX, *_TOP_K_THEN_SOFTMAX_IN_DTYPE)
     # DeepSeek-V2's: softmax scores, the top k of all ("greedy") or of the best groups, a group
     # scored by its best; the weights not normalised, times routed_scaling_factor, float32
@@ -734,7 +742,8 @@ def _experts(cfg, mlp, device) -> Experts:
             scale=float(scale))
     return Experts(
         router=_t(weight, device).float() if cfg.model_type in _ROUTER_FLOAT32 else _t(weight, device),
-        gate_up=[flip(w) for w in ex.gate_up_proj],
+        # (experts not gated, Ergo's: their up projections, `Weights.gated` False)
+        gate_up=[flip(w) for w in (ex.gate_up_proj if hasattr(ex, "gate_up_proj") else ex.up_proj)],
         down=[flip(w) for w in ex.down_proj],
         top_k=int(router.top_k),
         norm_topk=bool(getattr(router, "norm_topk_prob", not after and method is None)),
@@ -1076,6 +1085,8 @@ def _interleaved_rope(layers: list[Layer], cfg, rot: int) -> None:
 
     for layer in layers:
         layer.w_qkv, layer.b_qkv = reorder(layer.w_qkv), reorder(layer.b_qkv)
+        if layer.qk_norm is not None:  # per-head q/k norms' weights follow their rows (Ergo's)
+            layer.qk_norm = layer.qk_norm[:, order.to(layer.qk_norm.device)].contiguous()
 
 
 def _cohere(hf, device) -> Weights:
@@ -1611,6 +1622,63 @@ def _afmoe(hf, device) -> Weights:
     if cfg.mup_enabled:
         w.embed_scale, w.embed_scale_number = cfg.hidden_size ** 0.5, True
     return _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
+
+
+def _ergo(hf, device) -> Weights:
+    """Ergo: Gemma 2's four norms a layer, all in float32 (`norm_upcast`), per-head q/k norms,
+    a fused q/k/v product, its sliding layers with RoPE over interleaved pairs (float32, its
+    table in pairs: `_interleaved_rope`) and its global ones without; there,
+    where the config sets `global_attention_scale`, q and k times its square root, folded
+    into the q/k norms' weights (RoPE is the identity on those layers, so the product is
+    transformers' up to its rounding). Each branch joins the residual through a learned gate a
+    dimension: sigmoid(w) times the branch plus sqrt(1 + sigmoid(w)) exp(-softplus(w) / 2)
+    times the residual, in float32 (`Layer.residual_mix`, its four vectors). A dense ReLU² MLP
+    on the first layers, then DeepSeek-V3's sigmoid router over float32 logits (no groups) and
+    ReLU² experts held [in, out], each expert's output RMS-normed by its own weight
+    (`Experts.out_norm`) and the weighted outputs summed over the row's slots; a shared
+    expert normed after its product (`Experts.shared_norm`)."""
+    cfg, m = hf.config, hf.model
+    if m.layers[0].self_attn.qkv_proj.weight.dtype != torch.float32:
+        raise ModelLoadError("Ergo is served in float32 only (--dtype float32): in other dtypes "
+                             "its residual stream and norms stay float32 beside narrow "
+                             "products, which the runner does not follow")
+    ropes, rope, nope = _ropes(cfg, m, device, per_kind=True)
+
+    def f32(norm) -> torch.Tensor:
+        return _t(norm.weight.float(), device)
+
+    def gate(g) -> tuple[torch.Tensor, torch.Tensor]:  # (transformers' arithmetic, once)
+        w = g.weight.detach().float()
+        s = w.sigmoid()
+        return _t(s, device), _t(torch.sqrt(1.0 + s) * torch.exp(-0.5 * torch.nn.functional.softplus(w)), device)
+
+    layers = []
+    for i, lyr in enumerate(m.layers):
+        a = lyr.self_attn
+        qk = _qk_norm(cfg, a, device)
+        if a.qk_scale is not None:
+            qk = qk * a.qk_scale.to(qk.dtype)
+        layer = _block(lyr, device, cfg, qkv=(_t(a.qkv_proj.weight, device), None),
+                       ln_attn_in=f32(lyr.input_layernorm),
+                       ln_attn_out=f32(lyr.post_attention_layernorm),
+                       ln_mlp_in=f32(lyr.pre_feedforward_layernorm),
+                       ln_mlp_out=f32(lyr.post_feedforward_layernorm), qk_norm=qk,
+                       window=_window(cfg, i), rope=rope[i])
+        layer.residual_mix = (*gate(lyr.attention_residual_gate),
+                              *gate(lyr.feedforward_residual_gate))
+        if layer.moe is not None:
+            e, ex = layer.moe, lyr.mlp.experts
+            e.out_norm = _t(ex.post_expert_norm.weight.float(), device)
+            e.out_norm_eps = float(ex.post_expert_norm.eps)
+            e.shared_norm = f32(lyr.mlp.shared_experts.norm)
+            e.sum_slots = True  # (its experts' forward sums the slots, whatever implementation)
+        layers.append(layer)
+    # RoPE over interleaved pairs, from a table in pairs (c0, c0, c1, c1, ...): in halves here
+    ropes = [tuple(torch.cat([t[..., 0::2], t[..., 0::2]], -1) for t in table) for table in ropes]
+    _interleaved_rope(layers, cfg, head_dim(cfg))
+    w = _common(hf, device, layers, ropes=ropes, norm=f32(m.norm), norm_upcast=True,
+                activation="relu2", gated=False)
+    return _without_rope(w, nope)
 
 
 def _beam(hf, device) -> Weights:
@@ -2384,6 +2452,7 @@ FAMILIES: dict[str, Callable[..., Weights]] = {
     "minicpm5_moe": _llama,  # an output gate (`Layer.out_gate`) in q_gate_proj
     "afmoe": _afmoe,
     "beam": _beam,
+    "ergo": _ergo,  # residual gates a dimension, experts normed each by its own weight
     "gpt_oss": _gpt_oss,
     "granitemoehybrid": _granite_hybrid,  # Granite 4.0 whose layers are all attention
     "emu3_text_model": _llama,  # Emu3's language model: Llama's block
@@ -2497,8 +2566,8 @@ def _experts_implementation(hf, w: Weights) -> None:
     theirs = [mod for mod in hf.modules() if hasattr(mod, "is_concatenated")]
     if ours and len(ours) == len(theirs):
         for e, mod in zip(ours, theirs):
-            e.sum_slots = (not e.scale_input and mod.config._experts_implementation
-                           in ("grouped_mm", "batched_mm"))
+            e.sum_slots = e.sum_slots or (not e.scale_input and mod.config._experts_implementation
+                                          in ("grouped_mm", "batched_mm"))
 
 
 def _pair_tables(w: Weights) -> None:

@@ -1341,6 +1341,9 @@ class Runner:
                           e.gate_up[expert], e.down[expert], elin, invariant,
                           None if e.gate_up_b is None else e.gate_up_b[expert],
                           None if e.down_b is None else e.down_b[expert], e.swiglu)
+            if e.out_norm is not None:  # (Ergo's: each expert's output normed by its own weight)
+                y = (F.rms_norm(y.float(), (y.shape[-1],), eps=e.out_norm_eps)
+                     * e.out_norm[expert]).to(x.dtype)
             if slots is not None:
                 slots[rows, slot] = y * weight
             else:
@@ -1356,6 +1359,8 @@ class Runner:
         if e.shared_down is not None:
             shared = self._mlp(x, e.shared_gate_up, e.shared_down, lin, invariant,
                                e.shared_gate_up_b, e.shared_down_b)
+            if e.shared_norm is not None:  # (Ergo's)
+                shared = self._rms(shared.contiguous(), e.shared_norm)
             if e.shared_gate is not None:
                 shared = rowwise(torch.sigmoid, lin(x, e.shared_gate)) * shared
             out = out + shared
