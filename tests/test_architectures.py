@@ -935,8 +935,9 @@ def test_family_config(arch):
         assert [lyr.rope for lyr in r.layers] == [0, 1, 0] and not r.gated
         # (RoPE over interleaved pairs: a head's rows, and its norm's weights, evens then odds)
         order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])
-        assert torch.allclose(r.layers[1].qk_norm[0], src.self_attn.q_norm.weight[order] * 2 ** 0.5)
-        assert torch.equal(r.layers[0].qk_norm[0], hf.model.layers[0].self_attn.q_norm.weight[order])
+        assert torch.equal(r.layers[1].qk_norm[0], src.self_attn.q_norm.weight[order])
+        assert torch.equal(r.layers[1].qk_scale, src.self_attn.qk_scale)
+        assert r.layers[0].qk_scale is None
         e = r.layers[1].moe
         assert torch.equal(e.out_norm, src.mlp.experts.post_expert_norm.weight) and e.sum_slots
         assert torch.equal(e.shared_norm, src.mlp.shared_experts.norm.weight)
@@ -1605,7 +1606,7 @@ BF16_BITWISE = ["llama", "gpt2", "opt", "phi", "falcon-rw", "xglm", "persimmon",
                 "ernie4_5", "deepseek_v3", "deepseek_v2", "granite_swa", "gptj", "beam",
                 "solar_open", "llama4_text", "mimo_v2_flash", "laguna", "longcat_flash",
                 "openai-gpt", "gpt_neox_japanese", "jetmoe", "cohere_compass_text",
-                "modernbert-decoder", "diffllama"]
+                "modernbert-decoder", "diffllama", "ergo"]
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "bfloat16") for n in BF16_BITWISE]
@@ -1625,8 +1626,9 @@ def test_bfloat16_logits_are_transformers_bits(name, dtype, tmp_path):
     ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     hf = auto_class(name).from_pretrained(str(tmp_path), dtype=getattr(torch, dtype)).eval()
     got, want, equal_steps, first = prefill_and_steps(lm, hf, ids, 12)
-    # (the runner hands its logits on in float32; Beam's soft-cap is float32 in both)
-    assert want.dtype == (torch.float32 if name == "beam" else getattr(torch, dtype))
+    # (the runner hands its logits on in float32; Beam's soft-cap is float32 in both, and
+    # Ergo's LM head)
+    assert want.dtype == (torch.float32 if name in ("beam", "ergo") else getattr(torch, dtype))
     assert torch.equal(got.float(), want.float()), (name, float((got - want.float()).abs().max()))
     assert (equal_steps, first) == (12, None)  # then twelve decode steps', against transformers'
     # (the prompt in one prefill pass, as transformers' generate takes it, then steps)
@@ -1804,19 +1806,6 @@ def test_cohere2_moe_with_its_sigmoid_router_is_refused():
     cfg = Cohere2MoeConfig(**{**COMMON, **over})
     with pytest.raises(ModelLoadError, match="Cohere 2 MoE's 'sigmoid' router"):
         Runner.from_hf(Cohere2MoeForCausalLM(cfg))
-
-
-def test_ergo_in_bfloat16_is_refused_by_name():
-    """Ergo in a narrow dtype keeps its residual stream and norms float32 beside bfloat16
-    products, which the runner does not follow: refused with the dtype it serves."""
-    from transformers import ErgoConfig, ErgoForCausalLM
-
-    from vericache.errors import ModelLoadError
-    from vericache.model.runner import Runner
-
-    hf = ErgoForCausalLM(ErgoConfig(**{**COMMON, **ARCHS["ergo"][1]})).to(torch.bfloat16)
-    with pytest.raises(ModelLoadError, match="Ergo is served in float32 only"):
-        Runner.from_hf(hf)
 
 
 def test_a_granite_hybrid_with_mamba_layers_is_refused():

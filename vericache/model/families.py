@@ -140,6 +140,8 @@ class Experts:
     out_norm: torch.Tensor | None = None
     out_norm_eps: float = 1e-6
     shared_norm: torch.Tensor | None = None
+    # Ergo's float32 weights rounded to the model's dtype first (float32 again after)
+    weights_rounded: bool = False
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, top_k] and their weights (float32, or `dtype` where
@@ -183,6 +185,8 @@ class Experts:
                          else total + self.norm_eps)
         if not self.scale_after:
             top = top * self.scale
+        if self.weights_rounded:
+            return top.to(dtype).float(), idx
         return (top.to(dtype) if self.weights_in_dtype else top), idx
 
     def mats(self) -> list[torch.Tensor]:
@@ -293,6 +297,8 @@ class Layer:
     # `v_dim` dims of each head are the value's (latent attention's: `MLA.v`)
     v_dim: int | None = None
     v_scale: float | None = None  # v times this after its product (MiMo-V2-Flash's)
+    # Ergo's global layers: q and k times this after RoPE, in the model's dtype
+    qk_scale: torch.Tensor | None = None
     # BitNet's RMSNorms inside the branches: on the attention's output before o_proj [Hq D],
     # and on act(gate) * up before down_proj [I]
     ln_attn_sub: torch.Tensor | None = None
@@ -374,6 +380,11 @@ class Weights:
     norm_upcast: bool = False  # Gemma: (x_norm * w) in fp32 then cast; else cast then scale
     final_softcap: float | None = None  # logits = c * tanh(logits / c)
     softcap_float32: bool = False  # Beam: that in float32 (Gemma's: in the model's dtype)
+    # Ergo's in a narrow dtype: the residual stream float32 (its embedding float32, the model's
+    # dtype its products'), each branch's normed input cast to the model's dtype, its output
+    # float32 before its post-norm, the final norm's output cast to the model's dtype before
+    # a float32 LM head; every norm torch's F.rms_norm
+    stream_float32: bool = False
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
     # Flint, GPT-Neo, GPT-J and CodeGen: the scores (Flint's sinks' logits too) and their
     # softmax in float32, the weights then cast to the model's dtype (their eager attention's
@@ -1628,20 +1639,18 @@ def _ergo(hf, device) -> Weights:
     """Ergo: Gemma 2's four norms a layer, all in float32 (`norm_upcast`), per-head q/k norms,
     a fused q/k/v product, its sliding layers with RoPE over interleaved pairs (float32, its
     table in pairs: `_interleaved_rope`) and its global ones without; there,
-    where the config sets `global_attention_scale`, q and k times its square root, folded
-    into the q/k norms' weights (RoPE is the identity on those layers, so the product is
-    transformers' up to its rounding). Each branch joins the residual through a learned gate a
+    where the config sets `global_attention_scale`, q and k times its square root
+    (`Layer.qk_scale`). Each branch joins the residual through a learned gate a
     dimension: sigmoid(w) times the branch plus sqrt(1 + sigmoid(w)) exp(-softplus(w) / 2)
     times the residual, in float32 (`Layer.residual_mix`, its four vectors). A dense ReLU² MLP
     on the first layers, then DeepSeek-V3's sigmoid router over float32 logits (no groups) and
     ReLU² experts held [in, out], each expert's output RMS-normed by its own weight
     (`Experts.out_norm`) and the weighted outputs summed over the row's slots; a shared
-    expert normed after its product (`Experts.shared_norm`)."""
+    expert normed after its product (`Experts.shared_norm`). In bfloat16 and float16 its
+    embedding, norms and residual stream stay float32 (`Weights.stream_float32`), its LM head
+    multiplies in float32, and its router rounds its weight and its weights to the model's
+    dtype (`Experts.weights_rounded`), as transformers' Ergo does."""
     cfg, m = hf.config, hf.model
-    if m.layers[0].self_attn.qkv_proj.weight.dtype != torch.float32:
-        raise ModelLoadError("Ergo is served in float32 only (--dtype float32): in other dtypes "
-                             "its residual stream and norms stay float32 beside narrow "
-                             "products, which the runner does not follow")
     ropes, rope, nope = _ropes(cfg, m, device, per_kind=True)
 
     def f32(norm) -> torch.Tensor:
@@ -1655,15 +1664,14 @@ def _ergo(hf, device) -> Weights:
     layers = []
     for i, lyr in enumerate(m.layers):
         a = lyr.self_attn
-        qk = _qk_norm(cfg, a, device)
-        if a.qk_scale is not None:
-            qk = qk * a.qk_scale.to(qk.dtype)
         layer = _block(lyr, device, cfg, qkv=(_t(a.qkv_proj.weight, device), None),
                        ln_attn_in=f32(lyr.input_layernorm),
                        ln_attn_out=f32(lyr.post_attention_layernorm),
                        ln_mlp_in=f32(lyr.pre_feedforward_layernorm),
-                       ln_mlp_out=f32(lyr.post_feedforward_layernorm), qk_norm=qk,
-                       window=_window(cfg, i), rope=rope[i])
+                       ln_mlp_out=f32(lyr.post_feedforward_layernorm),
+                       qk_norm=_qk_norm(cfg, a, device), window=_window(cfg, i), rope=rope[i])
+        if a.qk_scale is not None:
+            layer.qk_scale = _t(a.qk_scale.to(a.qkv_proj.weight.dtype), device)
         layer.residual_mix = (*gate(lyr.attention_residual_gate),
                               *gate(lyr.feedforward_residual_gate))
         if layer.moe is not None:
@@ -1672,12 +1680,17 @@ def _ergo(hf, device) -> Weights:
             e.out_norm_eps = float(ex.post_expert_norm.eps)
             e.shared_norm = f32(lyr.mlp.shared_experts.norm)
             e.sum_slots = True  # (its experts' forward sums the slots, whatever implementation)
+            e.weights_rounded = True
+            # its router's float32 weight rounded to the input's dtype, then multiplied in
+            # float32 (transformers' `ErgoLinearWithFP32Output` over a narrow input)
+            e.router = e.router.to(layer.w_qkv.dtype).float()
         layers.append(layer)
     # RoPE over interleaved pairs, from a table in pairs (c0, c0, c1, c1, ...): in halves here
     ropes = [tuple(torch.cat([t[..., 0::2], t[..., 0::2]], -1) for t in table) for table in ropes]
     _interleaved_rope(layers, cfg, head_dim(cfg))
     w = _common(hf, device, layers, ropes=ropes, norm=f32(m.norm), norm_upcast=True,
-                activation="relu2", gated=False)
+                activation="relu2", gated=False, stream_float32=True)
+    w.lm_head = w.lm_head.float()  # (F.linear(x.float(), W.float()), in any dtype)
     return _without_rope(w, nope)
 
 

@@ -210,7 +210,10 @@ class Runner:
         self.lm_head_b = w.lm_head_b
         self.ropes = w.ropes  # [(cos, sin) [P, R]]: a layer's table is ropes[layer.rope]
         self.max_positions = w.ropes[0][0].shape[0]
-        self.dtype, self.device = w.embed.dtype, w.embed.device
+        # (a float32 residual stream keeps its embedding float32: the products' dtype then)
+        self.dtype = w.layers[0].w_qkv.dtype if w.stream_float32 else w.embed.dtype
+        self.device = w.embed.device
+        self.stream_float32 = w.stream_float32
         self.group = self.num_heads // self.num_kv_heads
         self.scale = w.attn_scale or self.head_dim ** -0.5
         # (`Weights.q_prescaled`: q takes the scale, every attention call 1)
@@ -374,6 +377,8 @@ class Runner:
         `eps`: the norm's own (else the model's). In float32 the native kernel's where it
         serves (a contiguous x), else torch's."""
         eps = self.eps if eps is None else eps
+        if self.stream_float32 and w.dim() == 1:  # (Ergo's norms: torch's, in float32)
+            return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
         if x.dtype == torch.float32 and w.dim() == 1:
             if self.linear_kernel is not None and x.is_contiguous():
                 return self.linear_kernel.rms(x, w, eps)
@@ -1137,6 +1142,8 @@ class Runner:
         for li, lyr in enumerate([] if fused else self.layers):
             x = (h if lyr.ln_attn_in is None or lyr.post_norms
                  else self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b))
+            if self.stream_float32:  # (Ergo's: the stream float32, the branch in the dtype)
+                x = x.to(self.dtype)
             qkv = lin(x, lyr.w_qkv, lyr.b_qkv)  # [T, (Hq + 2 Hkv) D]
             if lyr.moa is not None:  # (JetMoE's: the queries its experts give, then K/V)
                 q_moa, route = self._moa_queries(x, lyr.moa, lin)
@@ -1167,6 +1174,8 @@ class Runner:
                                  tail=lyr.mla is not None)
             if lyr.qk_norm_after_rope:
                 qk = self._qk_norm(qk, lyr.qk_norm)
+            if lyr.qk_scale is not None:  # (Ergo's global layers)
+                qk = qk * lyr.qk_scale
             q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D]
             if self.q_scale is not None and lyr.q_scaled:
                 q = (q * self.q_scale[positions].view(-1, 1, 1)).to(q.dtype)
@@ -1221,7 +1230,7 @@ class Runner:
             attn = (lin(attn, lyr.w_o, lyr.b_o) if lyr.moa is None
                     else self._moa_output(attn, lyr.moa, route, lin))
             if lyr.ln_attn_out is not None:
-                attn = self._norm(attn, lyr.ln_attn_out)
+                attn = self._norm(attn.float() if self.stream_float32 else attn, lyr.ln_attn_out)
             if lyr.parallel and lyr.ln_mlp_in is not None:  # GPT-NeoX: the input, its own norm
                 x = self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
             if self.residual_scale is not None:
@@ -1236,6 +1245,8 @@ class Runner:
                 h = x = self._norm(h, lyr.ln_attn_in, lyr.ln_attn_in_b)
             elif not lyr.parallel:  # (parallel: the MLP reads the attention's input, x)
                 x = h if lyr.ln_mlp_in is None else self._norm(h, lyr.ln_mlp_in, lyr.ln_mlp_in_b)
+                if self.stream_float32:
+                    x = x.to(self.dtype)
             if lyr.shortcut is not None:  # (LongCat-Flash's: added after the next layer's MLP)
                 shortcut = self._experts(x, lyr.shortcut, lin, invariant)
             if lyr.moe is None:
@@ -1244,7 +1255,7 @@ class Runner:
             else:
                 y = self._experts(x, lyr.moe, lin, invariant)
             if lyr.ln_mlp_out is not None:
-                y = self._norm(y, lyr.ln_mlp_out)
+                y = self._norm(y.float() if self.stream_float32 else y, lyr.ln_mlp_out)
             if self.residual_scale is not None:
                 y = y * self.residual_scale
             h = y * mix[2] + h * mix[3] if mix is not None else h + (attn + y if both else y)
@@ -1507,6 +1518,8 @@ class Runner:
         if self.head_dense is not None:  # (ModernBERT-decoder's prediction head)
             hs = self._each(self.head_act, lin(hs, self.head_dense, self.head_dense_b), invariant)
             hs = self._norm(hs, self.head_norm, self.head_norm_b)
+        if self.stream_float32:  # (Ergo's head: its input in the dtype, the product float32)
+            hs = hs.to(self.dtype).float()
         logits = lin(hs, self.lm_head, self.lm_head_b)
         if self.logit_divisor:
             logits = logits / self.logit_divisor
