@@ -87,10 +87,10 @@ def blocks_of(w: torch.Tensor) -> QWeight | None:
     """w (float32 [n, k]) as 4-bit affine blocks (Q4_1's form: q 0..15, the block's least
     weight its offset) or 8-bit symmetric ones (Q8_0's: q -127..127, no offset), whichever
     gives every weight back exactly, 4-bit first; None if neither does (or k is not a
-    multiple of QB). In one pass of the native kernel (`linear.c`'s `vc_blocks_of`: a model
-    load's weights in a tenth of a second, where `blocks_of_torch`'s dozen passes took 2.5 s
-    of a 7.7 s load of the default model on one thread); with the same result, torch's
-    without it."""
+    multiple of QB). In one pass of the native kernel (`linear.c`'s `vc_blocks_of`), with
+    torch's result, torch's without it: the default model's 121 matrices in 0.26-0.32 s
+    against `blocks_of_torch`'s 0.65-0.96 s, and its `load_model` in 3.3-3.6 s against
+    4.7-4.9 s before, one thread of a 2-vCPU Zen 5 (`benchmarks/load_time.py`)."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % QB or w.numel() == 0:
         return None
     from vericache.model import kernels
