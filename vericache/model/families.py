@@ -1613,6 +1613,11 @@ def _axk1(hf, device) -> Weights:
     return w
 
 
+def _f32(norm, device) -> torch.Tensor:
+    """A norm's weight in float32 (AFMoE's and Ergo's norms scale in float32)."""
+    return _t(norm.weight.float(), device)
+
+
 def _afmoe(hf, device) -> Weights:
     """AFMoE (Arcee's Trinity): norms before and after each branch that scale in float32 (as
     OLMo 2's: `norm_upcast`), per-head q/k norms, an output gate (`Layer.out_gate`), RoPE on
@@ -1620,16 +1625,13 @@ def _afmoe(hf, device) -> Weights:
     `mup_enabled`, and a sigmoid router with a bias and no groups (`Experts.scores`) after
     `num_dense_layers` dense layers."""
     cfg, m = hf.config, hf.model
-
-    def f32(norm) -> torch.Tensor:
-        return _t(norm.weight.float(), device)
-
-    layers = [_block(lyr, device, cfg, ln_attn_in=f32(lyr.input_layernorm),
-                     ln_attn_out=f32(lyr.post_attention_layernorm),
-                     ln_mlp_in=f32(lyr.pre_mlp_layernorm), ln_mlp_out=f32(lyr.post_mlp_layernorm),
+    layers = [_block(lyr, device, cfg, ln_attn_in=_f32(lyr.input_layernorm, device),
+                     ln_attn_out=_f32(lyr.post_attention_layernorm, device),
+                     ln_mlp_in=_f32(lyr.pre_mlp_layernorm, device),
+                     ln_mlp_out=_f32(lyr.post_mlp_layernorm, device),
                      qk_norm=_qk_norm(cfg, lyr.self_attn, device), window=_window(cfg, i))
               for i, lyr in enumerate(m.layers)]
-    w = _common(hf, device, layers, norm=f32(m.norm), norm_upcast=True)
+    w = _common(hf, device, layers, norm=_f32(m.norm, device), norm_upcast=True)
     if cfg.mup_enabled:
         w.embed_scale, w.embed_scale_number = cfg.hidden_size ** 0.5, True
     return _without_rope(w, [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"])
@@ -1653,22 +1655,20 @@ def _ergo(hf, device) -> Weights:
     cfg, m = hf.config, hf.model
     ropes, rope, nope = _ropes(cfg, m, device, per_kind=True)
 
-    def f32(norm) -> torch.Tensor:
-        return _t(norm.weight.float(), device)
-
     def gate(g) -> tuple[torch.Tensor, torch.Tensor]:  # (transformers' arithmetic, once)
         w = g.weight.detach().float()
         s = w.sigmoid()
-        return _t(s, device), _t(torch.sqrt(1.0 + s) * torch.exp(-0.5 * torch.nn.functional.softplus(w)), device)
+        residual = torch.sqrt(1.0 + s) * torch.exp(-0.5 * torch.nn.functional.softplus(w))
+        return _t(s, device), _t(residual, device)
 
     layers = []
     for i, lyr in enumerate(m.layers):
         a = lyr.self_attn
         layer = _block(lyr, device, cfg, qkv=(_t(a.qkv_proj.weight, device), None),
-                       ln_attn_in=f32(lyr.input_layernorm),
-                       ln_attn_out=f32(lyr.post_attention_layernorm),
-                       ln_mlp_in=f32(lyr.pre_feedforward_layernorm),
-                       ln_mlp_out=f32(lyr.post_feedforward_layernorm),
+                       ln_attn_in=_f32(lyr.input_layernorm, device),
+                       ln_attn_out=_f32(lyr.post_attention_layernorm, device),
+                       ln_mlp_in=_f32(lyr.pre_feedforward_layernorm, device),
+                       ln_mlp_out=_f32(lyr.post_feedforward_layernorm, device),
                        qk_norm=_qk_norm(cfg, a, device), window=_window(cfg, i), rope=rope[i])
         if a.qk_scale is not None:
             layer.qk_scale = _t(a.qk_scale.to(a.qkv_proj.weight.dtype), device)
@@ -1678,7 +1678,7 @@ def _ergo(hf, device) -> Weights:
             e, ex = layer.moe, lyr.mlp.experts
             e.out_norm = _t(ex.post_expert_norm.weight.float(), device)
             e.out_norm_eps = float(ex.post_expert_norm.eps)
-            e.shared_norm = f32(lyr.mlp.shared_experts.norm)
+            e.shared_norm = _f32(lyr.mlp.shared_experts.norm, device)
             e.sum_slots = True  # (its experts' forward sums the slots, whatever implementation)
             e.weights_rounded = True
             # its router's float32 weight rounded to the input's dtype, then multiplied in
@@ -1688,7 +1688,7 @@ def _ergo(hf, device) -> Weights:
     # RoPE over interleaved pairs, from a table in pairs (c0, c0, c1, c1, ...): in halves here
     ropes = [tuple(torch.cat([t[..., 0::2], t[..., 0::2]], -1) for t in table) for table in ropes]
     _interleaved_rope(layers, cfg, head_dim(cfg))
-    w = _common(hf, device, layers, ropes=ropes, norm=f32(m.norm), norm_upcast=True,
+    w = _common(hf, device, layers, ropes=ropes, norm=_f32(m.norm, device), norm_upcast=True,
                 activation="relu2", gated=False, stream_float32=True)
     w.lm_head = w.lm_head.float()  # (F.linear(x.float(), W.float()), in any dtype)
     return _without_rope(w, nope)
@@ -2574,7 +2574,8 @@ def _experts_implementation(hf, w: Weights) -> None:
     """Each mixture's `Experts.sum_slots`: where the checkpoint's experts modules take
     transformers' experts implementations (they have its `is_concatenated`), one for each of
     the runner's mixtures, and the checkpoint's implementation is grouped_mm (transformers'
-    default) or batched_mm."""
+    default) or batched_mm; a family whose experts sum their slots in any implementation
+    (Ergo's) has set it already."""
     ours = [e for lyr in w.layers for e in (lyr.moe, lyr.shortcut) if e is not None]
     theirs = [mod for mod in hf.modules() if hasattr(mod, "is_concatenated")]
     if ours and len(ours) == len(theirs):
