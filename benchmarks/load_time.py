@@ -1,5 +1,7 @@
-"""A model load's time by phase, and the block search (`qweights.blocks_of`) native against
-torch's, on one thread (a service's start, as the suite and `docker compose` start them).
+"""A model load's time, and its block search native against torch's, on one thread.
+
+What a service's start costs, as the suite and `docker compose` start them; the block search
+is `qweights.blocks_of`.
 
     PYTHONPATH=. .venv/bin/python benchmarks/load_time.py \\
         --json benchmarks/results/2026-12-07j/load_time.json
