@@ -383,7 +383,7 @@ class Weights:
     # Ergo's in a narrow dtype: the residual stream float32 (its embedding float32, the model's
     # dtype its products'), each branch's normed input cast to the model's dtype, its output
     # float32 before its post-norm, the final norm's output cast to the model's dtype before
-    # a float32 LM head; every norm torch's F.rms_norm
+    # a float32 LM head
     stream_float32: bool = False
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c), before the mask
     # Flint, GPT-Neo, GPT-J and CodeGen: the scores (Flint's sinks' logits too) and their
@@ -1685,8 +1685,10 @@ def _ergo(hf, device) -> Weights:
             # float32 (transformers' `ErgoLinearWithFP32Output` over a narrow input)
             e.router = e.router.to(layer.w_qkv.dtype).float()
         layers.append(layer)
-    # RoPE over interleaved pairs, from a table in pairs (c0, c0, c1, c1, ...): in halves here
-    ropes = [tuple(torch.cat([t[..., 0::2], t[..., 0::2]], -1) for t in table) for table in ropes]
+    # RoPE over interleaved pairs, from a table in pairs (c0, c0, c1, c1, ...): in halves here,
+    # as Cohere's
+    order = _halves_order(head_dim(cfg), head_dim(cfg))
+    ropes = [tuple(t[:, order.to(t.device)] for t in table) for table in ropes]
     _interleaved_rope(layers, cfg, head_dim(cfg))
     w = _common(hf, device, layers, ropes=ropes, norm=_f32(m.norm, device), norm_upcast=True,
                 activation="relu2", gated=False, stream_float32=True)

@@ -377,8 +377,6 @@ class Runner:
         `eps`: the norm's own (else the model's). In float32 the native kernel's where it
         serves (a contiguous x), else torch's."""
         eps = self.eps if eps is None else eps
-        if self.stream_float32 and w.dim() == 1:  # (Ergo's norms: torch's, in float32)
-            return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
         if x.dtype == torch.float32 and w.dim() == 1:
             if self.linear_kernel is not None and x.is_contiguous():
                 return self.linear_kernel.rms(x, w, eps)
